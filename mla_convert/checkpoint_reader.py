@@ -1,0 +1,302 @@
+"""Streaming, lazy reader for Hugging Face checkpoints.
+
+A 70B checkpoint does not fit in the memory of the machines people convert on, so nothing here ever
+loads a whole checkpoint: tensors are read by name from `safetensors` shards that are opened on
+demand, and at most one shard is held open at a time.  A layer's reads are planned up front and grouped
+by shard, so a layer whose q/k/v straddle two shards costs two opens, not six.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError, PickleRefusedError
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+
+# safetensors dtype strings -> torch dtypes (the header speaks its own names).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+    "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of a stored tensor, known from headers alone."""
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _inside(folder: Path, relative: str) -> Path:
+    """Resolve `relative` under `folder`, refusing anything that escapes it (`../`, absolute paths, symlinks out)."""
+    if os.path.isabs(relative) or Path(relative).drive:
+        raise CheckpointError(f"{folder}: index names an absolute path {relative!r}; refusing to read outside the model folder")
+    candidate = folder / relative
+    root = folder.resolve()
+    resolved = candidate.resolve()
+    if resolved != root and root not in resolved.parents:
+        what = "a symlink pointing" if candidate.is_symlink() else "a path"
+        raise CheckpointError(f"{folder}: {relative!r} is {what} outside the model folder; refusing to read it")
+    return candidate
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """Parse and sanity-check a safetensors header without mapping the file.
+
+    The checks here catch truncated downloads and garbage files with a message naming the file, where
+    the library itself would fail later with an offset error.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            raw_len = handle.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > size - 8 or header_len > 100_000_000:
+                raise CheckpointError(f"{path}: corrupt safetensors file (header length {header_len} exceeds the file size {size})")
+            header_bytes = handle.read(header_len)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from error
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: corrupt safetensors file (header is not valid JSON: {error})") from error
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors file (header is not a JSON object)")
+    data_size = size - 8 - header_len
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            dtype, shape = entry["dtype"], entry["shape"]
+        except (TypeError, KeyError, ValueError) as error:
+            raise CheckpointError(f"{path}: corrupt safetensors file (bad header entry for {name!r})") from error
+        if end > data_size or begin > end:
+            raise CheckpointError(
+                f"{path}: truncated or corrupt safetensors file (tensor {name!r} ends at byte {end}, "
+                f"the data section holds {data_size}); re-download or re-export it"
+            )
+        if dtype not in _SAFETENSORS_DTYPES or _SAFETENSORS_DTYPES[dtype] is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        if not isinstance(shape, list) or any((not isinstance(s, int)) or s < 0 for s in shape):
+            raise CheckpointError(f"{path}: corrupt safetensors file (bad shape for {name!r})")
+    return header
+
+
+class CheckpointReader:
+    """Read tensors by name from a local Hugging Face model folder, one shard open at a time.
+
+    `allow_pickle` must be set explicitly to read `pytorch_model*.bin` files: unpickling runs code, so
+    they are loaded with `torch.load(weights_only=True)` and only when the user asked for it.
+    """
+
+    def __init__(self, folder: str | os.PathLike, allow_pickle: bool = False):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: no such model folder")
+        self.allow_pickle = allow_pickle
+        self.format, self.weight_map = self._discover()
+        self._open_file: str | None = None
+        self._open_handle = None
+        self._infos: dict[str, TensorInfo] | None = None
+        self.files_opened = 0  # how many times a shard was opened; lets tests check read planning
+
+    # ----------------------------------------------------------------- discovery
+    def _discover(self) -> tuple[str, dict[str, str]]:
+        folder = self.folder
+        if (folder / SAFE_INDEX).exists():
+            return "safetensors", self._read_index(folder / SAFE_INDEX)
+        if (folder / SAFE_SINGLE).exists():
+            path = _inside(folder, SAFE_SINGLE)
+            header = read_safetensors_header(path)
+            return "safetensors", {name: SAFE_SINGLE for name in header if name != "__metadata__"}
+        pickled = (folder / PICKLE_INDEX).exists() or (folder / PICKLE_SINGLE).exists()
+        if pickled:
+            if not self.allow_pickle:
+                raise PickleRefusedError(
+                    f"{folder}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. "
+                    "Convert them to safetensors first, or pass --allow-pickle to load them with torch.load(weights_only=True)"
+                )
+            if (folder / PICKLE_INDEX).exists():
+                return "pickle", self._read_index(folder / PICKLE_INDEX)
+            state = self._load_pickle(PICKLE_SINGLE)
+            return "pickle", {name: PICKLE_SINGLE for name in state}
+        raise CheckpointError(
+            f"{folder}: no weights found (expected {SAFE_SINGLE}, {SAFE_INDEX} or, with --allow-pickle, {PICKLE_SINGLE})"
+        )
+
+    def _read_index(self, index_path: Path) -> dict[str, str]:
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path}: unreadable shard index ({error})") from error
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: shard index has an empty or invalid weight_map")
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise CheckpointError(f"{index_path}: weight_map entry for {name!r} is not a file name")
+            path = _inside(self.folder, file)
+            if not path.exists():
+                raise CheckpointError(f"{index_path}: names shard {file!r} (for {name!r}), which is missing from the folder")
+        return dict(weight_map)
+
+    # ----------------------------------------------------------------- metadata
+    @property
+    def files(self) -> list[str]:
+        """Shard files in index order, each once."""
+        return list(dict.fromkeys(self.weight_map.values()))
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def tensor_infos(self) -> dict[str, TensorInfo]:
+        """Shape and dtype of every tensor, from headers only (no tensor data is read)."""
+        if self._infos is None:
+            infos: dict[str, TensorInfo] = {}
+            for file in self.files:
+                if self.format == "safetensors":
+                    header = read_safetensors_header(_inside(self.folder, file))
+                    for name, entry in header.items():
+                        if name == "__metadata__" or self.weight_map.get(name) != file:
+                            continue
+                        infos[name] = TensorInfo(name, file, tuple(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]])
+                else:
+                    state = self._load_pickle(file)
+                    for name, tensor in state.items():
+                        if self.weight_map.get(name) == file:
+                            infos[name] = TensorInfo(name, file, tuple(tensor.shape), tensor.dtype)
+            missing = [name for name in self.weight_map if name not in infos]
+            if missing:
+                raise CheckpointError(
+                    f"{self.folder / self.weight_map[missing[0]]}: the index lists {missing[0]!r} here but the shard does not hold it"
+                    + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+                )
+            self._infos = infos
+        return self._infos
+
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for info in self.tensor_infos().values())
+
+    # ----------------------------------------------------------------- reading
+    def plan(self, names: Iterable[str]) -> list[tuple[str, list[str]]]:
+        """Group the requested names by shard, shards in index order: the order `get_many` reads them."""
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            if name not in self.weight_map:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        order = {file: rank for rank, file in enumerate(self.files)}
+        # Read the shard that is already open first: it costs nothing to switch to.
+        return sorted(by_file.items(), key=lambda item: (item[0] != self._open_file, order[item[0]]))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[name]
+
+    def get_many(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Read several tensors, opening each needed shard once."""
+        names = list(names)
+        out: dict[str, torch.Tensor] = {}
+        for file, file_names in self.plan(names):
+            handle = self._handle(file)
+            for name in file_names:
+                out[name] = self._read(handle, file, name)
+        return {name: out[name] for name in names}
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, shard by shard, in index order."""
+        for file in self.files:
+            for name in [n for n, f in self.weight_map.items() if f == file]:
+                yield name, self._read(self._handle(file), file, name)
+
+    def _read(self, handle, file: str, name: str) -> torch.Tensor:
+        try:
+            if self.format == "safetensors":
+                return handle.get_tensor(name)
+            return handle[name].clone()
+        except Exception as error:  # safetensors raises its own error types; name the file for the user
+            raise CheckpointError(f"{self.folder / file}: cannot read tensor {name!r} ({error})") from error
+
+    def _handle(self, file: str):
+        if self._open_file == file:
+            return self._open_handle
+        self.close()
+        path = _inside(self.folder, file)
+        if self.format == "safetensors":
+            read_safetensors_header(path)
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as error:
+                raise CheckpointError(f"{path}: corrupt safetensors file ({error})") from error
+        else:
+            handle = self._load_pickle(file)
+        self._open_file, self._open_handle = file, handle
+        self.files_opened += 1
+        return handle
+
+    def _load_pickle(self, file: str) -> dict[str, torch.Tensor]:
+        path = _inside(self.folder, file)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:
+            raise CheckpointError(f"{path}: cannot load pickled weights safely ({error})") from error
+
+    def close(self) -> None:
+        self._open_file, self._open_handle = None, None
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_config(folder: str | os.PathLike) -> dict:
+    """The parsed `config.json` of a model folder, with a clear error when absent or broken."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from error
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config

