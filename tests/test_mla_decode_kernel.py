@@ -1,0 +1,366 @@
+"""The Triton MLA decode kernel against the torch reference, and the reference against a naive oracle.
+
+Where the kernel runs: with TRITON_INTERPRET=1 (the conftest default) the kernels run in the Triton
+interpreter on CPU tensors, so the small-shape tests run on any machine.  On a GPU machine run
+`TRITON_INTERPRET=0 pytest tests/test_mla_decode_kernel.py` to compile the kernels: the same
+small-shape tests then run on CUDA tensors and the `gpu`-marked tests add realistic sizes.
+
+Every cache built here is adversarial (`mla_decode_triton.testing.paginate`): pages are shuffled, the
+slots past each sequence's length and the spare pages hold NaN, and page-table entries past a
+sequence's last page are out of range, so a kernel that reads past a length fails loudly.
+
+Tolerances: the kernel and the reference see the same rounded inputs; with an fp32 cache both
+compute in fp32 and differ only in summation order (1e-5).  With fp16/bf16 caches the kernel also
+rounds the softmax probabilities to the cache dtype before the value product (as tensor-core
+flash-attention kernels do), about 2**-11 (fp16) or 2**-8 (bf16) relative per term; the outputs are
+averages of O(1) values, hence 2e-3 and 1.6e-2.  The lse is unaffected by that rounding (1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_decode_triton import (
+    DecodeConfig,
+    MLADecodeInputError,
+    choose_config,
+    mla_decode,
+    mla_decode_multi,
+    mla_decode_multi_reference,
+    mla_decode_reference,
+)
+from mla_decode_triton.inputs import check_decode_inputs
+from mla_decode_triton.launcher import INTERPRETED
+from mla_decode_triton.testing import make_decode_inputs, paginate
+
+DEVICE = "cpu" if INTERPRETED else "cuda"
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
+
+needs_kernel_device = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run here",
+)
+if not torch.cuda.is_available():
+    needs_compiled_cuda = pytest.mark.skip(reason="needs a CUDA device")
+elif INTERPRETED:
+    needs_compiled_cuda = pytest.mark.skip(
+        reason="the kernel runs in the Triton interpreter (TRITON_INTERPRET=1, the conftest default); "
+        "run with TRITON_INTERPRET=0 to compile it for the GPU"
+    )
+else:
+    needs_compiled_cuda = pytest.mark.skipif(False, reason="compiled kernels on a CUDA device")
+
+
+def naive_decode(q_latent, q_rope, logical, seq_lens, softmax_scale, q_len=None):
+    """Float64, one sequence (and one query token) at a time, plain softmax over a contiguous cache.
+
+    q_latent (batch, heads, R) or (batch, q_len, heads, R); logical (batch, max_len, R + D).
+    """
+    rank = q_latent.shape[-1]
+    outs, lses = [], []
+    for seq, length in enumerate(seq_lens.tolist()):
+        queries = range(q_len) if q_len is not None else [None]
+        seq_out, seq_lse = [], []
+        for index in queries:
+            visible = length if index is None else length - q_len + index + 1
+            cache = logical[seq, :visible].double().cpu()  # (visible, R + D)
+            ql = (q_latent[seq] if index is None else q_latent[seq, index]).double().cpu()  # (heads, R)
+            qr = (q_rope[seq] if index is None else q_rope[seq, index]).double().cpu()  # (heads, D)
+            scores = (ql @ cache[:, :rank].T + qr @ cache[:, rank:].T) * softmax_scale  # (heads, visible)
+            seq_out.append(torch.softmax(scores, dim=-1) @ cache[:, :rank])
+            seq_lse.append(torch.logsumexp(scores, dim=-1))
+        if index is None:
+            outs.append(seq_out[0])
+            lses.append(seq_lse[0])
+        else:
+            outs.append(torch.stack(seq_out))
+            lses.append(torch.stack(seq_lse))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def assert_matches(actual, expected, dtype):
+    out, lse = actual
+    ref_out, ref_lse = expected
+    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **TOLERANCE[dtype])
+    torch.testing.assert_close(lse.cpu(), ref_lse.float().cpu(), **LSE_TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The oracle: reference vs naive dense computation (no kernel involved).
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_reference_matches_naive_dense_softmax(page_size):
+    inputs = make_decode_inputs(3, 3, 100, 12, [1, 23, 40], page_size, seed=1)
+    expected = naive_decode(inputs.q_latent, inputs.q_rope, inputs.logical, inputs.seq_lens, inputs.softmax_scale)
+    out, lse = mla_decode_reference(*inputs.args())
+    torch.testing.assert_close(out.double(), expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), expected[1], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_multi_matches_naive_causal_softmax():
+    inputs = make_decode_inputs(2, 3, 48, 24, [3, 30], page_size=8, q_len=3, seed=2)
+    expected = naive_decode(
+        inputs.q_latent, inputs.q_rope, inputs.logical, inputs.seq_lens, inputs.softmax_scale, q_len=3
+    )
+    out, lse = mla_decode_multi_reference(*inputs.args())
+    assert out.shape == (2, 3, 3, 48) and lse.shape == (2, 3, 3)
+    torch.testing.assert_close(out.double(), expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), expected[1], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_length_one_returns_the_only_latent():
+    inputs = make_decode_inputs(2, 4, 32, 16, [1, 1], page_size=4, seed=3)
+    out, lse = mla_decode_reference(*inputs.args())
+    only_latent = inputs.logical[:, 0, :32]  # (batch, R)
+    torch.testing.assert_close(out, only_latent[:, None, :].expand(2, 4, 32))
+    scores = (inputs.q_latent @ only_latent[..., None]).squeeze(-1)  # (batch, heads)
+    scores = scores + (inputs.q_rope @ inputs.logical[:, 0, 32:, None]).squeeze(-1)
+    torch.testing.assert_close(lse, scores * inputs.softmax_scale)
+
+
+def test_inputs_that_do_not_fit_are_rejected_in_one_line():
+    inputs = make_decode_inputs(2, 3, 32, 16, [4, 9], page_size=4)
+    with pytest.raises(MLADecodeInputError, match="kv_cache rows hold 47 values, expected R \\+ D = 32 \\+ 16"):
+        check_decode_inputs(inputs.q_latent, inputs.q_rope, inputs.kv_cache[..., :47], inputs.page_table,
+                            inputs.seq_lens, kv_lora_rank=None)
+    with pytest.raises(MLADecodeInputError, match="q_latent's last dim is 32 but kv_lora_rank is 24"):
+        check_decode_inputs(inputs.q_latent, inputs.q_rope, inputs.kv_cache, inputs.page_table,
+                            inputs.seq_lens, kv_lora_rank=24)
+    with pytest.raises(MLADecodeInputError, match="page_table must be"):
+        mla_decode_reference(inputs.q_latent, inputs.q_rope, inputs.kv_cache, inputs.page_table[:1],
+                             inputs.seq_lens, inputs.softmax_scale)
+    with pytest.raises(MLADecodeInputError, match="int32 or int64"):
+        mla_decode_reference(inputs.q_latent, inputs.q_rope, inputs.kv_cache, inputs.page_table.float(),
+                             inputs.seq_lens, inputs.softmax_scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel against the reference (small shapes: interpreter on CPU, or compiled on CUDA).
+
+
+@needs_kernel_device
+@pytest.mark.parametrize(
+    "heads, rank, rope_dim, page_size, lens",
+    [
+        (3, 48, 24, 16, [1, 37, 70]),  # odd heads, R and D not powers of two, tiles spanning pages
+        (9, 100, 12, 1, [2, 33, 17]),  # SmolLM2-like head count, one token per page
+        (9, 64, 32, 64, [64, 1, 65]),  # lengths on and just past a page boundary
+        (5, 32, 16, 5, [11, 40]),  # page size that is not a power of two
+        (17, 16, 8, 16, [20]),  # 17 heads padded to a 32-row block
+    ],
+)
+def test_kernel_matches_reference(heads, rank, rope_dim, page_size, lens):
+    inputs = make_decode_inputs(len(lens), heads, rank, rope_dim, lens, page_size, device=DEVICE, seed=heads)
+    assert_matches(mla_decode(*inputs.args()), mla_decode_reference(*inputs.args()), torch.float32)
+
+
+@needs_kernel_device
+def test_kernel_page_sizes_give_identical_results():
+    """One logical cache laid out in pages of 1, 16 and 64 tokens (shuffled): bit-identical outputs."""
+    base = make_decode_inputs(3, 3, 48, 24, [1, 45, 100], page_size=16, device=DEVICE, seed=5)
+    results = []
+    for page_size in (1, 16, 64):
+        generator = torch.Generator().manual_seed(page_size)
+        kv_cache, page_table = paginate(base.logical.cpu(), base.seq_lens.cpu(), page_size, generator)
+        results.append(
+            mla_decode(base.q_latent, base.q_rope, kv_cache.to(DEVICE), page_table.to(DEVICE),
+                       base.seq_lens, base.softmax_scale, num_splits=2)
+        )
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(lse, results[0][1])
+    assert_matches(results[0], mla_decode_reference(*base.args()), torch.float32)
+
+
+@needs_kernel_device
+def test_kernel_ignores_what_lies_past_each_length():
+    """NaN or huge values past the lengths, in spare pages and behind unused table entries never leak."""
+    clean = make_decode_inputs(3, 3, 48, 24, [1, 19, 50], page_size=16, device=DEVICE, seed=6, poison=0.0)
+    out_clean, lse_clean = mla_decode(*clean.args(), num_splits=3)
+    for poison in (float("nan"), float("inf"), 1e30):
+        poisoned = make_decode_inputs(3, 3, 48, 24, [1, 19, 50], page_size=16, device=DEVICE, seed=6, poison=poison)
+        assert torch.isnan(poisoned.kv_cache).any() == (poison != poison)
+        out, lse = mla_decode(*poisoned.args(), num_splits=3)
+        assert torch.equal(out, out_clean) and torch.equal(lse, lse_clean)
+
+
+@needs_kernel_device
+def test_kernel_length_one_everywhere():
+    inputs = make_decode_inputs(4, 3, 48, 24, [1, 1, 1, 1], page_size=1, device=DEVICE, seed=7)
+    out, lse = mla_decode(*inputs.args())
+    only_latent = inputs.logical[:, 0, :48]  # (batch, R)
+    torch.testing.assert_close(out, only_latent[:, None, :].expand(4, 3, 48), atol=0, rtol=0)
+    assert_matches((out, lse), mla_decode_reference(*inputs.args()), torch.float32)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_kernel_split_counts_agree(num_splits):
+    """Splitting the context (with empty splits for the short sequences at 8) changes nothing."""
+    inputs = make_decode_inputs(3, 3, 48, 24, [2, 40, 90], page_size=16, device=DEVICE, seed=8)
+    single = mla_decode(*inputs.args(), num_splits=1)
+    split = mla_decode(*inputs.args(), num_splits=num_splits)
+    torch.testing.assert_close(split[0], single[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split[1], single[1], atol=1e-5, rtol=1e-6)
+    assert_matches(split, mla_decode_reference(*inputs.args()), torch.float32)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_half_precision_cache(dtype):
+    inputs = make_decode_inputs(2, 3, 100, 12, [1, 70], page_size=16, dtype=dtype, device=DEVICE, seed=9)
+    out, lse = mla_decode(*inputs.args(), num_splits=2)
+    assert out.dtype == dtype
+    assert_matches((out, lse), mla_decode_reference(*inputs.args()), dtype)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_deepseek_shape_512_plus_64(dtype):
+    inputs = make_decode_inputs(2, 4, 512, 64, [5, 40], page_size=16, dtype=dtype, device=DEVICE, seed=10)
+    assert_matches(mla_decode(*inputs.args()), mla_decode_reference(*inputs.args()), dtype)
+
+
+@needs_kernel_device
+def test_kernel_accepts_strided_query_views():
+    """q_latent and q_rope as column slices of one fused projection output (non-contiguous views)."""
+    inputs = make_decode_inputs(2, 3, 48, 24, [9, 30], page_size=8, device=DEVICE, seed=11)
+    fused = torch.cat([inputs.q_latent, inputs.q_rope], dim=-1)  # (batch, heads, R + D)
+    q_latent, q_rope = fused[..., :48], fused[..., 48:]
+    assert not q_latent.is_contiguous()
+    out = mla_decode(q_latent, q_rope, *inputs.args()[2:])
+    assert_matches(out, mla_decode_reference(*inputs.args()), torch.float32)
+
+
+@needs_kernel_device
+def test_kernel_multi_token_matches_reference_and_single_token_decode():
+    """Speculative decoding: query i equals a single-token decode of the first len - q_len + i + 1 tokens."""
+    q_len = 3
+    inputs = make_decode_inputs(2, 3, 48, 24, [3, 41], page_size=16, q_len=q_len, device=DEVICE, seed=12)
+    out, lse = mla_decode_multi(*inputs.args(), num_splits=2)
+    assert out.shape == (2, q_len, 3, 48) and lse.shape == (2, q_len, 3)
+    assert_matches((out, lse), mla_decode_multi_reference(*inputs.args()), torch.float32)
+    for index in range(q_len):
+        shorter = inputs.seq_lens - q_len + index + 1
+        single = mla_decode(inputs.q_latent[:, index], inputs.q_rope[:, index], inputs.kv_cache,
+                            inputs.page_table, shorter, inputs.softmax_scale, num_splits=1)
+        torch.testing.assert_close(out[:, index], single[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[:, index], single[1], atol=1e-5, rtol=1e-6)
+
+
+@needs_kernel_device
+def test_kernel_rows_spread_over_several_row_blocks():
+    """Forced 16-row programs: 17 heads, and 2 query tokens x 9 heads, each straddle two row blocks."""
+    config = DecodeConfig(block_h=16, block_n=16, num_splits=2, num_warps=4, num_stages=2)
+    single = make_decode_inputs(2, 17, 48, 24, [5, 50], page_size=16, device=DEVICE, seed=13)
+    assert_matches(mla_decode(*single.args(), config=config), mla_decode_reference(*single.args()), torch.float32)
+    multi = make_decode_inputs(2, 9, 48, 24, [2, 50], page_size=16, q_len=2, device=DEVICE, seed=14)
+    assert_matches(
+        mla_decode_multi(*multi.args(), config=config), mla_decode_multi_reference(*multi.args()), torch.float32
+    )
+
+
+def test_choose_config_shares_tiles_across_heads():
+    shape = check_decode_inputs(*make_decode_inputs(1, 9, 128, 64, [4], page_size=4).args()[:5], None)
+    smollm = choose_config(shape, torch.bfloat16, torch.device("cpu"))
+    assert smollm.block_h == 16  # all 9 heads in one program: the cache is read once per split
+    assert smollm.block_n == 64
+    deepseek = check_decode_inputs(*make_decode_inputs(1, 128, 512, 64, [4], page_size=4).args()[:5], None)
+    config = choose_config(deepseek, torch.bfloat16, torch.device("cpu"))
+    assert config.block_h == 16 and config.block_n == 32  # fp32 accumulator of 16 x 512 fits registers
+    assert config.num_splits == 1  # a 4-token context is not worth splitting
+    assert choose_config(deepseek, torch.bfloat16, torch.device("cpu"), num_splits=5).num_splits == 5
+    with pytest.raises(MLADecodeInputError, match="num_splits must be at least 1"):
+        choose_config(deepseek, torch.bfloat16, torch.device("cpu"), num_splits=0)
+
+
+def _shape(batch, heads, rank, rope_dim, context, page_size=64):
+    from mla_decode_triton.inputs import DecodeShape
+
+    return DecodeShape(batch=batch, q_len=1, heads=heads, kv_lora_rank=rank, rope_dim=rope_dim,
+                       page_size=page_size, max_pages=context // page_size)
+
+
+@pytest.mark.parametrize("batch, heads, context", [(1, 16, 16384), (1, 16, 1024), (16, 16, 4096), (4, 9, 4096)])
+def test_split_count_fills_the_multiprocessors(batch, heads, context):
+    """Small batches are split until ~2 programs per multiprocessor run (132 SMs, like an H100/H200)."""
+    from mla_decode_triton.launcher import MIN_TOKENS_PER_SPLIT, splits_for_gpu
+
+    splits = splits_for_gpu(_shape(batch, heads, 512, 64, context), 16, 2, multiprocessors=132)
+    programs = batch * splits  # one row block: heads <= 16
+    fills = programs >= 2 * 132 * 0.9
+    limited_by_length = splits == context // MIN_TOKENS_PER_SPLIT
+    limited_by_cap = splits == 64
+    # one more split would write more fp32 partials than a quarter of the cache bytes read
+    limited_by_merge_traffic = heads * 512 * 4 * 2 * (splits + 1) > 0.25 * context * 576 * 2
+    assert fills or limited_by_length or limited_by_cap or limited_by_merge_traffic, splits
+    assert splits > 1 or fills
+    assert context / splits >= MIN_TOKENS_PER_SPLIT
+
+
+def test_split_count_is_one_when_the_batch_already_fills_the_gpu():
+    from mla_decode_triton.launcher import splits_for_gpu
+
+    assert splits_for_gpu(_shape(128, 128, 512, 64, 4096), 16, 2, multiprocessors=132) == 1
+    assert splits_for_gpu(_shape(512, 16, 512, 64, 16384), 16, 2, multiprocessors=132) == 1
+    # 128 heads x 512 fp32 partials per split: capped so merge traffic stays small next to the cache.
+    few_rows = splits_for_gpu(_shape(1, 16, 512, 64, 16384), 16, 2, multiprocessors=132)
+    many_rows = splits_for_gpu(_shape(1, 128, 512, 64, 16384), 16, 2, multiprocessors=132)
+    assert many_rows < few_rows
+    assert 128 * 512 * 8 * many_rows <= 0.25 * 16384 * 576 * 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Realistic sizes on a GPU (compiled kernels).
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+@pytest.mark.parametrize(
+    "heads, rank, rope_dim",
+    [(16, 512, 64), (128, 512, 64), (9, 128, 64), (9, 64, 32), (9, 32, 16)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernel_matches_reference_at_realistic_sizes(heads, rank, rope_dim, dtype):
+    lens = [1, 77, 1000, 4096, 2049, 64, 3000, 513]
+    inputs = make_decode_inputs(len(lens), heads, rank, rope_dim, lens, page_size=64, dtype=dtype,
+                                device="cuda", seed=heads + rank)
+    expected = mla_decode_reference(*inputs.args())
+    assert_matches(mla_decode(*inputs.args()), expected, dtype)
+    assert_matches(mla_decode(*inputs.args(), num_splits=1), expected, dtype)
+    assert_matches(mla_decode(*inputs.args(), num_splits=16), expected, dtype)
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+def test_gpu_page_sizes_and_fp32_cache():
+    base = make_decode_inputs(4, 16, 512, 64, [1, 300, 2000, 1024], page_size=64, device="cuda", seed=20)
+    expected = mla_decode_reference(*base.args())
+    results = []
+    for page_size in (1, 16, 64, 128):
+        kv_cache, page_table = paginate(base.logical.cpu(), base.seq_lens.cpu(), page_size,
+                                        torch.Generator().manual_seed(page_size))
+        result = mla_decode(base.q_latent, base.q_rope, kv_cache.cuda(), page_table.cuda(), base.seq_lens,
+                            base.softmax_scale, num_splits=4)
+        assert_matches(result, expected, torch.float32)
+        results.append(result)
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+def test_gpu_multi_token_decode():
+    inputs = make_decode_inputs(8, 128, 512, 64, [4, 100, 2000, 4096, 7, 513, 64, 1500], page_size=64,
+                                dtype=torch.bfloat16, q_len=4, device="cuda", seed=21)
+    assert_matches(mla_decode_multi(*inputs.args()), mla_decode_multi_reference(*inputs.args()), torch.bfloat16)
