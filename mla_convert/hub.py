@@ -1,0 +1,429 @@
+"""Publish a converted folder to the Hugging Face Hub.
+
+A pushed repo is what other people download, and a broken upload cannot be taken back once someone
+has fetched it, so `check_pushable` refuses anything that is not a complete mla-convert output before
+a byte leaves the machine: a folder without its conversion report, a sharded checkpoint with a
+missing or truncated shard, leftovers of an interrupted conversion.  `push_to_hub` then makes sure the repo gets a valid model card, and uploads with the
+stock `huggingface_hub` client (`create_repo`, `create_branch`, `upload_folder`) so that
+authentication, retries, Xet storage and large-folder batching are the client's, not ours.
+
+The token is never handled beyond deciding whether one exists: it is passed to `HfApi` (explicit
+argument) or left for huggingface_hub to find (`HF_TOKEN`, then the login cache written by
+`hf auth login`).  Nothing here prints, logs or writes it, and the upload is refused if a file in the
+folder contains it (for example a command line recorded with a token in it).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
+
+from .errors import MLAConvertError
+from .model_card import CARD_FILE, REPORT_FILE, CardValidationError, build_model_card, load_report, validate_card
+
+# Names the checkpoint writer uses for unfinished work (`checkpoint_writer.py`; a test keeps them in
+# sync).  Repeated here so that `push --dry-run` does not import torch.
+PARTIAL_SUFFIX = ".mla-convert-partial"
+OWNER_FILE = ".mla-convert-owner"
+BACKUP_SUFFIX = ".mla-convert-old"
+_TEMP_SHARD = re.compile(r"^shard-\d+\.tmp$")
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<total>\d{5})\.safetensors$")
+
+# Only text-like side files are scanned for the token: weights cannot contain it by accident and
+# reading gigabytes of shards for it would make every push slow.
+_TOKEN_SCAN_MAX_BYTES = 64 * 1024 * 1024
+_TOKEN_PATTERN = re.compile(rb"hf_[A-Za-z0-9]{30,}")
+
+
+class NotPushableError(MLAConvertError):
+    """The folder is incomplete or was not produced by mla-convert; nothing was uploaded."""
+
+
+class HubPushError(MLAConvertError):
+    """The Hub refused or failed the push (authentication, permissions, network, server-side validation)."""
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    """One file to upload: its path inside the repo (POSIX, relative to the folder) and size in bytes."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What was (or, for a dry run, would be) uploaded, and where it went."""
+
+    repo_id: str
+    files: tuple[UploadFile, ...]
+    dry_run: bool
+    private: bool
+    revision: str | None
+    commit_message: str
+    card_generated: bool  # README.md was (or would be) generated from mla_convert.json
+    repo_url: str | None = None
+    commit_url: str | None = None
+    commit_oid: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def summary(self) -> str:
+        """Human-readable lines for the CLI: the exact file list with sizes, then the target."""
+        verb = "Would upload" if self.dry_run else "Uploaded"
+        where = f"{self.repo_id}" + (f" (branch {self.revision})" if self.revision else "")
+        visibility = "private" if self.private else "default visibility"
+        size = f"{_human(self.total_bytes)} ({self.total_bytes:,} bytes)"
+        lines = [f"{verb} {len(self.files)} files, {size} to {where}, {visibility}:"]
+        width = max((len(f"{f.size:,}") for f in self.files), default=1)
+        for item in self.files:
+            note = "  (generated from mla_convert.json)" if item.path == CARD_FILE and self.card_generated else ""
+            lines.append(f"  {item.size:>{width},}  {item.path}{note}")
+        lines.append(f"commit message: {self.commit_message}")
+        if self.commit_url:
+            lines.append(f"commit: {self.commit_url}")
+        return "\n".join(lines)
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------- folder checks
+def _folder_files(folder: Path) -> list[str]:
+    """Files `upload_folder` would consider (same walk, same default ignore rules), sorted."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.glob("**/*") if p.is_file())
+    return list(filter_repo_objects(names, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+
+
+def _read_json(path: Path) -> tuple[object | None, str | None]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return None, f"{path.name} is not valid JSON ({' '.join(str(error).split())})"
+
+
+def _safetensors_header(path: Path) -> tuple[set[str], str | None]:
+    """Tensor names in a safetensors file, and a problem if the file is truncated or corrupt.
+
+    Reads only the header: the 8-byte length, the JSON table, and compares the size the table
+    describes with the size on disk, which catches a copy or download that stopped early.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return set(), f"{path.name} is truncated ({size} bytes)"
+        header_len = int.from_bytes(head, "little")
+        if 8 + header_len > size:
+            return set(), f"{path.name} is truncated (header needs {8 + header_len:,} bytes, file has {size:,})"
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return set(), f"{path.name} has a corrupt safetensors header"
+    if not isinstance(header, dict):
+        return set(), f"{path.name} has a corrupt safetensors header"
+    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    try:
+        data_end = max((int(info["data_offsets"][1]) for info in tensors.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return set(), f"{path.name} has a corrupt safetensors header"
+    expected = 8 + header_len + data_end
+    if size != expected:
+        return set(tensors), f"{path.name} is {size:,} bytes but its header describes {expected:,} (truncated or corrupt)"
+    return set(tensors), None
+
+
+def _weight_problems(folder: Path, files: list[str]) -> list[str]:
+    index_path = folder / SAFETENSORS_INDEX_FILE
+    single = folder / SAFETENSORS_SINGLE_FILE
+    on_disk = {name for name in files if "/" not in name and name.endswith(".safetensors")}
+    problems: list[str] = []
+    if not index_path.is_file():
+        if not single.is_file():
+            shards = sorted(name for name in on_disk if _SHARD_NAME.match(name))
+            if shards:
+                return [f"{shards[0]} is present but {SAFETENSORS_INDEX_FILE} is missing"]
+            return [f"no weights: neither {SAFETENSORS_SINGLE_FILE} nor {SAFETENSORS_INDEX_FILE} is present"]
+        _, problem = _safetensors_header(single)
+        return [problem] if problem else []
+
+    if single.is_file():
+        problems.append(
+            f"both {SAFETENSORS_SINGLE_FILE} and {SAFETENSORS_INDEX_FILE} are present; one is a leftover of another run"
+        )
+    index, problem = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if problem or not isinstance(weight_map, dict) or not weight_map:
+        return problems + [problem or f"{SAFETENSORS_INDEX_FILE} has no weight_map"]
+    if not all(isinstance(shard, str) for shard in weight_map.values()):
+        return problems + [f"{SAFETENSORS_INDEX_FILE}: weight_map values must be file names"]
+
+    named = set(weight_map.values())
+    for shard in sorted(named):
+        if shard not in on_disk:
+            problems.append(f"{shard} is named in {SAFETENSORS_INDEX_FILE} but missing")
+    # A shard name `model-00002-of-00003` also implies its siblings 1 and 3 exist.
+    for stem, total in sorted({(m["stem"], int(m["total"])) for m in map(_SHARD_NAME.match, named) if m}):
+        for index_number in range(1, total + 1):
+            expected = f"{stem}-{index_number:05d}-of-{total:05d}.safetensors"
+            if expected in named:
+                continue
+            if expected in on_disk:
+                problems.append(f"{expected} is not referenced by {SAFETENSORS_INDEX_FILE}")
+            else:
+                problems.append(f"{expected} is missing (the index names shards of {total})")
+    for stray in sorted(on_disk - named - {SAFETENSORS_SINGLE_FILE}):
+        if not any(stray in p for p in problems):
+            problems.append(f"{stray} is not named in {SAFETENSORS_INDEX_FILE}")
+
+    for shard in sorted(named & on_disk):
+        tensors, problem = _safetensors_header(folder / shard)
+        if problem:
+            problems.append(problem)
+            continue
+        absent = sorted(name for name, where in weight_map.items() if where == shard and name not in tensors)
+        if absent:
+            problems.append(
+                f"{len(absent)} tensors that {SAFETENSORS_INDEX_FILE} places in {shard} are not in it (e.g. {absent[0]})"
+            )
+    return problems
+
+
+def check_pushable(folder: str | Path) -> list[UploadFile]:
+    """Return the files to upload, or raise `NotPushableError` naming every problem found.
+
+    Refused: a folder without `mla_convert.json` (not produced by mla-convert, so the card and the
+    provenance would be missing), without a DeepseekV3 `config.json`, with weights that do not form a
+    complete checkpoint (a single-file model without `model.safetensors`, index entries pointing at
+    shards that are missing, shards missing from a numbered series, stray or truncated shards, tensors
+    absent from the shard the index names), or with traces of an unfinished conversion
+    (`*.mla-convert-partial`, the writer's owner file or temporary shards).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise NotPushableError(f"{folder}: not a folder")
+    problems: list[str] = []
+    if folder.name.endswith(PARTIAL_SUFFIX) or folder.name.endswith(BACKUP_SUFFIX):
+        problems.append(f"{folder.name} is the working folder of an unfinished or interrupted conversion")
+    sibling = folder.with_name(folder.name + PARTIAL_SUFFIX)
+    if sibling.exists():
+        problems.append(f"{sibling.name} exists beside it: a conversion into this folder is running or was interrupted")
+    leftovers = sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.glob("**/*")
+        if p.name.endswith(PARTIAL_SUFFIX) or p.name == OWNER_FILE or (p.is_file() and _TEMP_SHARD.match(p.name))
+    )
+    if leftovers:
+        problems.append(f"leftovers of an unfinished conversion inside it: {', '.join(leftovers)}")
+
+    files = _folder_files(folder)
+    if not (folder / REPORT_FILE).is_file():
+        problems.append(f"{REPORT_FILE} is missing: this folder was not produced by mla-convert")
+    else:
+        try:
+            load_report(folder)
+        except CardValidationError as error:
+            problems.append(str(error).replace(str(folder / REPORT_FILE), REPORT_FILE))
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        problems.append("config.json is missing")
+    else:
+        config, problem = _read_json(config_path)
+        if problem:
+            problems.append(problem)
+        elif not isinstance(config, dict) or config.get("model_type") != "deepseek_v3":
+            model_type = config.get("model_type") if isinstance(config, dict) else None
+            problems.append(f"config.json describes a {model_type!r} model, not the deepseek_v3 that mla-convert writes")
+    problems += _weight_problems(folder, files)
+    if problems:
+        raise NotPushableError(f"{folder}: cannot push: " + "; ".join(problems))
+    return [UploadFile(name, (folder / name).stat().st_size) for name in files]
+
+
+def _files_containing(folder: Path, files: list[UploadFile], found: Callable[[bytes], object]) -> list[str]:
+    """Paths of the side files (not weights, not huge) whose bytes satisfy `found`."""
+    hits = []
+    for item in files:
+        if item.path.endswith(".safetensors") or item.size > _TOKEN_SCAN_MAX_BYTES:
+            continue
+        if found((folder / item.path).read_bytes()):
+            hits.append(item.path)
+    return hits
+
+
+# ---------------------------------------------------------------------------------------------- push
+def _card_for(folder: Path, repo_id: str) -> tuple[str, bool]:
+    """The README.md text to upload and whether it is (re)generated from `mla_convert.json`.
+
+    A missing README is generated for `repo_id`.  The card `convert` wrote has placeholder paths in its
+    loading snippets (the repo was not known then); if the README is still exactly that card, it is
+    regenerated with the repo id.  Any other README is the user's: kept as it is, but validated.
+    """
+    readme = folder / CARD_FILE
+    report = load_report(folder)
+    if readme.is_file():
+        text = readme.read_text(encoding="utf-8")
+        if text != str(build_model_card(report)):
+            validate_card(text)
+            return text, False
+    card = build_model_card(report, repo_id=repo_id)
+    validate_card(card)
+    return str(card), True
+
+
+def _default_commit_message(folder: Path) -> str:
+    try:
+        report = load_report(folder)
+    except CardValidationError:
+        report = {}
+    source = report.get("source") if isinstance(report.get("source"), dict) else {}
+    # A Hub id names the source exactly; a local path is reduced to its folder name (no home paths in commits).
+    name = source.get("hub_id") or (Path(str(source["name_or_path"])).name if source.get("name_or_path") else None)
+    version = report.get("mla_convert_version")
+    return "Upload MLA conversion" + (f" of {name}" if name else "") + (f" (mla-convert {version})" if version else "")
+
+
+def _describe_http_error(error: Exception, repo_id: str) -> str:
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    server = getattr(error, "server_message", None) or ""
+    detail = " ".join(str(server or error).split())
+    if status == 401:
+        return (
+            f"push to {repo_id} refused: not authenticated (HTTP 401); "
+            f"log in with `hf auth login` or set HF_TOKEN ({detail})"
+        )
+    if status == 403:
+        return (
+            f"push to {repo_id} refused: your token cannot write to this repo "
+            f"(HTTP 403; a write token is needed) ({detail})"
+        )
+    return f"push to {repo_id} failed" + (f" (HTTP {status})" if status else "") + f": {detail}"
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level failures of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in 1.x)."""
+    classes: list[type[BaseException]] = [OSError]
+    for module_name in ("httpx2", "httpx"):
+        try:
+            classes.append(importlib.import_module(module_name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(classes)
+
+
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+    token: str | None = None,
+    endpoint: str | None = None,
+) -> PushResult:
+    """Upload a converted folder to `repo_id` on the Hub (creating the repo and branch if needed).
+
+    `dry_run=True` makes no network call and writes nothing: it checks the folder and the card and
+    returns exactly the files and sizes the real push would upload.  Without `private`, the repo gets
+    the namespace's default visibility (nothing is made public against an organisation's default);
+    an existing repo's visibility is left unchanged.  `endpoint` overrides the Hub URL (default: the
+    `HF_ENDPOINT` huggingface_hub read at import); the token is the explicit argument or, if None,
+    whatever huggingface_hub finds (`HF_TOKEN`, then the `hf auth login` cache).
+    """
+    folder = Path(folder)
+    # The namespace is required, not left for the Hub to fill in: the card's loading snippets name the
+    # repo, and the dry run must show the exact bytes of that card without asking the Hub who we are.
+    try:
+        validate_repo_id(repo_id)
+        if repo_id.count("/") != 1:
+            raise HFValidationError("no namespace")
+    except HFValidationError as error:
+        raise HubPushError(
+            f"invalid repo id {repo_id!r}: use 'namespace/name' (your user or organisation, then the model name)"
+        ) from error
+    if revision is not None and not revision.strip():
+        raise HubPushError("revision must not be empty")
+
+    files = check_pushable(folder)
+    card_text, generated = _card_for(folder, repo_id)
+    if generated:
+        others = [item for item in files if item.path != CARD_FILE]
+        files = sorted([*others, UploadFile(CARD_FILE, len(card_text.encode("utf-8")))], key=lambda f: f.path)
+    # The files mla-convert writes from user input are checked for anything shaped like a token, even
+    # in a dry run (the card generator redacts them, a hand-edited card or report may not).
+    token_like = [CARD_FILE] if _TOKEN_PATTERN.search(card_text.encode("utf-8")) else []
+    token_like += _files_containing(folder, [f for f in files if f.path == REPORT_FILE], _TOKEN_PATTERN.search)
+    if token_like:
+        raise NotPushableError(
+            f"{folder}: {', '.join(token_like)} contains what looks like a Hugging Face token; remove it first"
+        )
+    message = commit_message or _default_commit_message(folder)
+    plan = dict(
+        repo_id=repo_id,
+        files=tuple(files),
+        private=private,
+        revision=revision,
+        commit_message=message,
+        card_generated=generated,
+    )
+    if dry_run:
+        return PushResult(dry_run=True, **plan)
+
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    resolved = token or get_token()
+    if not resolved:
+        raise HubPushError("not logged in to the Hugging Face Hub: run `hf auth login` or set HF_TOKEN")
+    secret = resolved.encode("utf-8")
+    on_disk = [item for item in files if not (generated and item.path == CARD_FILE)]  # not written yet
+    leaking = _files_containing(folder, on_disk, lambda data: secret in data)
+    leaking += [CARD_FILE] if generated and secret in card_text.encode("utf-8") else []
+    if leaking:
+        raise NotPushableError(f"{folder}: {', '.join(leaking)} contains your Hugging Face token; remove it before pushing")
+
+    if generated:
+        (folder / CARD_FILE).write_text(card_text, encoding="utf-8", newline="")
+    api = HfApi(endpoint=endpoint, token=resolved)
+    try:
+        repo_url = api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
+        if revision and revision != "main" and not revision.startswith("refs/"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            repo_type="model",
+            revision=revision,
+            commit_message=message,
+            # Exactly the checked list, so the upload can never differ from what dry-run shows.
+            allow_patterns=[glob.escape(item.path) for item in files],
+        )
+    except HfHubHTTPError as error:
+        raise HubPushError(_describe_http_error(error, repo_id)) from error
+    except ValueError as error:  # the Hub's validate-yaml rejected the card, or a malformed server answer
+        raise HubPushError(f"push to {repo_id} failed: {' '.join(str(error).split())}") from error
+    except _transport_errors() as error:
+        raise HubPushError(f"cannot reach the Hub at {api.endpoint}: {' '.join(str(error).split())}") from error
+    return PushResult(
+        dry_run=False,
+        repo_url=str(repo_url),
+        commit_url=getattr(info, "commit_url", None),
+        commit_oid=getattr(info, "oid", None),
+        **plan,
+    )

@@ -1,0 +1,629 @@
+"""The model card (README.md) of a converted folder, generated from its `mla_convert.json` report.
+
+The card is the only documentation a Hub visitor sees, so it states the facts a user needs before
+downloading: what was changed, how much KV cache it saves, what that cost in perplexity, the exact
+command to reproduce it, how to load it with stock transformers, which serving engines accept the
+shapes, and the numerical caveats of the conversion.  Every number comes from the report; nothing is
+re-measured here, and any field the report lacks is left out instead of guessed.
+
+`validate_card` checks a card without the network.  `ModelCard.validate` in huggingface_hub posts the
+card to `{HF_ENDPOINT}/api/validate-yaml`, which would make `--dry-run` contact the Hub and make tests
+depend on it; instead we re-parse the YAML block exactly as the client does (same regex, `yaml.safe_load`,
+strict `ModelCardData`) and check the fields this project relies on.  The Hub still validates the
+card server-side during the real push: `upload_folder` posts README.md to `/api/validate-yaml` before
+uploading anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.repocard import REGEX_YAML_BLOCK
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from .errors import MLAConvertError
+
+REPORT_FILE = "mla_convert.json"
+CARD_FILE = "README.md"
+
+# The Hub accepts exactly these four values for `base_model_relation` (hub docs, "Specifying a base
+# model"); anything else is rejected by its validator.
+HUB_BASE_MODEL_RELATIONS = frozenset({"adapter", "merge", "quantized", "finetune"})
+
+# Why "quantized": the Hub's relation describes how this repo stands to its parent in the model tree
+# (Adapters / Finetunes / Merges / Quantizations).  An MLA conversion is a post-training,
+# calibration-driven, lossy re-parametrisation of the *same* network whose purpose is cheaper
+# inference (a smaller KV cache) while keeping the parent's behaviour: the same kind of relation that
+# AWQ/GPTQ have to their parent.  It is not an "adapter" (the repo holds full weights, not a delta), not
+# a "merge" (one parent) and not a "finetune" (no gradient training is needed, and the optional
+# healing step only pulls the model back towards its parent, as quantization-aware training does).
+# Leaving the field out would not be neutral either: the Hub then infers the relation from the files
+# and files a plain safetensors checkpoint under Finetunes.  The tags below make clear that the
+# weights are bf16/fp32 low-rank factors, not integer quantized.
+BASE_MODEL_RELATION = "quantized"
+
+# The latent + RoPE-key widths DeepSeek-V3 ships with, which the fastest MLA kernels are built for
+# (`shapes.DEEPSEEK_KV_LORA_RANK` / `shapes.DEEPSEEK_ROPE_DIM`; repeated so that building a card at push
+# time does not import torch; a test keeps them equal).
+FAST_KERNEL_KV_LORA_RANK = 512
+FAST_KERNEL_ROPE_DIM = 64
+
+CARD_TAGS = ("mla", "multi-head-latent-attention", "deepseek_v3", "kv-cache-compression", "mla-convert")
+
+# Tokens must never reach a public card, even if a user typed one on the command line.
+_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{8,}")
+
+# Hub license ids are lowercase slugs such as "apache-2.0", "llama3.1", "cc-by-nc-4.0".
+_LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+\-]*$")
+
+
+class CardValidationError(MLAConvertError):
+    """The generated or existing README.md would be rejected by the Hub or is missing required facts."""
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _get(mapping: Any, *keys: str, default: Any = None) -> Any:
+    """Nested lookup that tolerates missing keys, None values and non-dict levels (reports vary)."""
+    for key in keys:
+        if not isinstance(mapping, Mapping):
+            return default
+        mapping = mapping.get(key)
+        if mapping is None:
+            return default
+    return mapping
+
+
+def _scrub(text: str) -> str:
+    return _TOKEN_PATTERN.sub("hf_***", text)
+
+
+def _text(value: Any) -> str:
+    """A report value as one line of prose (floats shortened, tokens redacted)."""
+    if isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, float):
+        text = f"{value:.6g}"
+    elif isinstance(value, int):
+        text = f"{value:,}"
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(str(item) for item in value)
+    elif isinstance(value, Mapping):
+        text = json.dumps(value, sort_keys=True)
+    else:
+        text = str(value)
+    return _scrub(text).replace("\n", " ")
+
+
+def _cell(value: Any) -> str:
+    """A report value for a Markdown table cell: as `_text`, with pipes escaped."""
+    return _text(value).replace("|", "\\|")
+
+
+def _bytes(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:,.0f} {unit}" if unit == "bytes" else f"{count:,.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _valid_repo_id(value: Any) -> bool:
+    """True for a Hub model id `namespace/name` (a local path or bare name cannot be a base_model)."""
+    if not isinstance(value, str) or value.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def load_report(folder: str | Path) -> dict:
+    """Read `mla_convert.json` from a converted folder; a missing or unreadable report is a user error."""
+    path = Path(folder) / REPORT_FILE
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise CardValidationError(f"{path}: not found; this folder was not produced by mla-convert") from error
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CardValidationError(f"{path}: cannot be read as JSON ({error})") from error
+    if not isinstance(report, dict):
+        raise CardValidationError(f"{path}: expected a JSON object, found {type(report).__name__}")
+    return report
+
+
+# ------------------------------------------------------------------------------------------ metadata
+def _card_data(report: Mapping[str, Any]) -> ModelCardData:
+    hub_id = _get(report, "source", "hub_id")
+    base_model = hub_id if _valid_repo_id(hub_id) else None
+    license_id = _get(report, "source", "license")
+    extra: dict[str, Any] = {}
+    if base_model is not None:
+        extra["base_model_relation"] = BASE_MODEL_RELATION
+    return ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        license=license_id if isinstance(license_id, str) and license_id else None,
+        pipeline_tag="text-generation",
+        tags=list(CARD_TAGS),
+        **extra,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- body
+def _cache_numbers(report: Mapping[str, Any]) -> dict[str, Any]:
+    """KV-cache facts from `report["cache"]`, falling back to the shapes when the section is partial.
+
+    Per token and layer, the source caches K and V for every KV head (2 * kv_heads * head_dim values);
+    MLA caches one latent of `kv_lora_rank` values plus one shared RoPE key of `rope_dim` values.
+    """
+    cache = _get(report, "cache", default={})
+    source_values = _number(cache.get("source_values_per_token_layer"))
+    if source_values is None:
+        kv_heads, head_dim = _number(_get(report, "source", "num_kv_heads")), _number(_get(report, "source", "head_dim"))
+        if kv_heads is not None and head_dim is not None:
+            source_values = 2 * kv_heads * head_dim
+    mla_values = _number(cache.get("mla_values_per_token_layer"))
+    if mla_values is None:
+        rank, rope = _number(_get(report, "options", "kv_lora_rank")), _number(_get(report, "options", "rope_dim"))
+        if rank is not None and rope is not None:
+            mla_values = rank + rope
+    ratio = _number(cache.get("ratio"))
+    if ratio is None and source_values and mla_values:
+        ratio = source_values / mla_values
+    return {
+        "source_values": source_values,
+        "mla_values": mla_values,
+        "ratio": ratio,
+        "num_layers": _number(cache.get("num_layers")) or _number(_get(report, "source", "num_layers")),
+        "dtype": cache.get("dtype") or _get(report, "options", "dtype"),
+        "source_bytes": _number(cache.get("source_bytes_per_token")),
+        "mla_bytes": _number(cache.get("mla_bytes_per_token")),
+    }
+
+
+def _section_summary(report: Mapping[str, Any], title: str, source_label: str) -> list[str]:
+    arch = _get(report, "source", "architecture")
+    numbers = _cache_numbers(report)
+    lines = [f"# {title}", ""]
+    text = (
+        f"This checkpoint is {source_label}"
+        + (f" (`{arch}`)" if arch else "")
+        + " with its attention rebuilt as DeepSeek-style Multi-head Latent Attention (MLA) by "
+        "mla-convert. It is a stock `DeepseekV3ForCausalLM`: "
+        "it loads with plain `transformers`, with no custom code."
+    )
+    if numbers["ratio"]:
+        text += f" Its KV cache is **{numbers['ratio']:.3g}x smaller** than the original's."
+    lines += [text, ""]
+    return lines
+
+
+def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
+    source = _get(report, "source", default={})
+    options = _get(report, "options", default={})
+    heads, kv_heads, head_dim = source.get("num_heads"), source.get("num_kv_heads"), source.get("head_dim")
+    rank, rope = options.get("kv_lora_rank"), options.get("rope_dim")
+    lines = ["## What was done", ""]
+    if heads and kv_heads and head_dim:
+        layout = "multi-head" if heads == kv_heads else ("multi-query" if kv_heads == 1 else "grouped-query")
+        lines.append(
+            f"- The source uses {layout} attention: {heads} query heads sharing {kv_heads} key/value heads of "
+            f"dimension {head_dim}, so every layer caches a full key and value per KV head for each token."
+        )
+    if rank:
+        lines.append(
+            f"- Keys and values are now reconstructed from a single compressed latent of {rank} values per token "
+            "(`kv_lora_rank`), which is all that is cached; the up-projections `kv_b_proj` expand it per head at "
+            "attention time."
+        )
+    if rope:
+        lines.append(
+            f"- Rotary position information lives in a separate {rope}-dimensional key (`qk_rope_head_dim`) that all "
+            "heads share, as in DeepSeek-V2/V3."
+        )
+    method = options.get("method")
+    if method:
+        calib = _get(report, "calibration", "description")
+        if not calib:
+            calib = ", ".join(
+                part
+                for part in (
+                    f"calibration data `{_text(options['calib_data'])}`" if options.get("calib_data") else "",
+                    f"{options['calib_samples']} samples" if options.get("calib_samples") else "",
+                    f"{options['calib_seq_len']} tokens each" if options.get("calib_seq_len") else "",
+                )
+                if part
+            )
+        lines.append(
+            f"- The low-rank factors were fitted with the `{_text(method)}` method"
+            + (f", calibrated on {_text(calib)}." if calib else ".")
+        )
+    lines.append(
+        "- Everything outside attention (embeddings, MLP, layer norms, tokenizer) is taken from the source model"
+        + (" and was then fine-tuned with the rest (see below)." if isinstance(_get(report, "finetuning"), Mapping) else ".")
+    )
+    lines.append("")
+    return lines
+
+
+def _section_cache(report: Mapping[str, Any]) -> list[str]:
+    numbers = _cache_numbers(report)
+    if not (numbers["source_values"] or numbers["source_bytes"]):
+        return []
+    dtype = numbers["dtype"]
+    lines = ["## KV cache per token", ""]
+    lines += ["| | original | MLA (this model) |", "|---|---:|---:|"]
+    if numbers["source_values"] and numbers["mla_values"]:
+        lines.append(
+            f"| values cached per token per layer | {numbers['source_values']:,.0f} | {numbers['mla_values']:,.0f} |"
+        )
+    if numbers["source_bytes"] and numbers["mla_bytes"]:
+        layers = f"all {numbers['num_layers']:.0f} layers" if numbers["num_layers"] else "all layers"
+        label = f"bytes per token, {layers}" + (f" ({dtype})" if dtype else "")
+        lines.append(f"| {label} | {numbers['source_bytes']:,.0f} | {numbers['mla_bytes']:,.0f} |")
+        context = 4096
+        lines.append(
+            f"| one sequence of {context:,} tokens | {_bytes(numbers['source_bytes'] * context)} | "
+            f"{_bytes(numbers['mla_bytes'] * context)} |"
+        )
+    if numbers["ratio"]:
+        lines.append(f"| compression ratio | 1x | {numbers['ratio']:.3g}x |")
+    lines.append("")
+    return lines
+
+
+def _section_quality(report: Mapping[str, Any]) -> list[str]:
+    evaluation = _get(report, "evaluation")
+    finetuning = _get(report, "finetuning")
+    if not isinstance(evaluation, Mapping) and not isinstance(finetuning, Mapping):
+        return []
+    lines = ["## Quality", ""]
+    if isinstance(evaluation, Mapping):
+        before, after = _number(evaluation.get("source_perplexity")), _number(evaluation.get("converted_perplexity"))
+        setup = ", ".join(
+            part
+            for part in (
+                f"`{_text(evaluation['data'])}`" if evaluation.get("data") else "",
+                f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
+                f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
+            )
+            if part
+        )
+        lines.append("Perplexity measured by mla-convert right after the conversion" + (f" ({setup})" if setup else "") + ":")
+        lines += ["", "| model | perplexity |", "|---|---:|"]
+        if before is not None:
+            lines.append(f"| original | {before:.4g} |")
+        if after is not None:
+            lines.append(f"| MLA (this model) | {after:.4g} |")
+        if before and after is not None:
+            lines.append(f"| change | {100 * (after - before) / before:+.1f}% |")
+        lines.append("")
+        lines.append("Lower is better. Judge the model on your own task before relying on it.")
+        lines.append("")
+    if isinstance(finetuning, Mapping):
+        lines += ["### Fine-tuning after conversion", ""]
+        lines.append("After the conversion the model was trained further to recover quality. From the report:")
+        lines.append("")
+        for key, value in finetuning.items():
+            if value is not None:
+                lines.append(f"- {_text(key).replace('_', ' ')}: {_text(value)}")
+        lines.append("")
+    return lines
+
+
+_ATTENTION_ERROR = "attention_output_relative_error"
+
+
+def _section_layers(report: Mapping[str, Any]) -> list[str]:
+    layers = [layer for layer in (_get(report, "layers") or []) if isinstance(layer, Mapping)]
+    if not layers:
+        return []
+    energies = [e for e in (_number(layer.get("kept_energy")) for layer in layers) if e is not None]
+    lines = ["## Per-layer fit", ""]
+    if energies:
+        lines.append(
+            "Fraction of the key/value energy kept by the low-rank fit (`kept_energy`), over layers: "
+            f"min {min(energies):.3f}, mean {sum(energies) / len(energies):.3f}, max {max(energies):.3f}."
+        )
+        lines.append("")
+    columns = [("kept_energy", "kept energy"), ("latent_scale", "latent scale")]
+    if any(layer.get(_ATTENTION_ERROR) is not None for layer in layers):
+        columns.append((_ATTENTION_ERROR, "attention output rel. error"))
+    lines += [
+        "<details><summary>All layers</summary>",
+        "",
+        "| layer | " + " | ".join(title for _, title in columns) + " |",
+        "|---:|" + "---:|" * len(columns),
+    ]
+    for layer in layers:
+        values = [_cell(layer.get(key)) if layer.get(key) is not None else "-" for key, _ in columns]
+        lines.append(f"| {_cell(layer.get('layer', '?'))} | " + " | ".join(values) + " |")
+    lines += ["", "</details>", ""]
+    return lines
+
+
+def _flat_options(options: Any) -> dict[str, Any]:
+    """Options as `name -> value` rows; nested groups become `group.name`, unset values and the command go."""
+    rows: dict[str, Any] = {}
+    if not isinstance(options, Mapping):
+        return rows
+    for key, value in options.items():
+        if key == "command" or value is None:
+            continue
+        if isinstance(value, Mapping):
+            rows.update({f"{key}.{k}": v for k, v in _flat_options(value).items()})
+        else:
+            rows[str(key)] = value
+    return rows
+
+
+def _section_reproduce(report: Mapping[str, Any]) -> list[str]:
+    command = report.get("command")
+    options = _flat_options(_get(report, "options", default={}))
+    if not command and not options:
+        return []
+    lines = ["## How it was made", ""]
+    if command:
+        lines += ["Command:", "", "```bash", _scrub(str(command)), "```", ""]
+    if options:
+        lines += ["| option | value |", "|---|---|"]
+        lines += [f"| `{_cell(key)}` | {_cell(value)} |" for key, value in options.items()]
+        lines.append("")
+    version = report.get("mla_convert_version") or _get(report, "versions", "mla_convert")
+    if version:
+        lines += [f"Converted with mla-convert {version}.", ""]
+    return lines
+
+
+def _load_id(repo_id: str | None) -> str:
+    return repo_id or "path/to/this/model"
+
+
+def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
+    model = _load_id(repo_id)
+    fp32 = str(_get(report, "options", "dtype", default="")).lower() in ("fp32", "float32")
+    dtype = "torch.float32" if fp32 else "torch.bfloat16"
+    return [
+        "## Use with transformers",
+        "",
+        "The architecture is the stock `DeepseekV3ForCausalLM`, so no `trust_remote_code` is needed:",
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{model}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{model}", dtype={dtype})',
+        "",
+        'inputs = tokenizer("Once upon a time", return_tensors="pt")',
+        "output = model.generate(**inputs, max_new_tokens=40)",
+        "print(tokenizer.decode(output[0], skip_special_tokens=True))",
+        "```",
+        "",
+        "Load it in bfloat16 or float32, never float16 (see the caveats below).",
+        "",
+    ]
+
+
+_ENGINE_NAMES = {
+    "transformers": "transformers",
+    "vllm": "vLLM",
+    "sglang": "SGLang",
+    "mla_decode_triton": "mla-convert Triton decode kernel",
+}
+
+
+def _yes_no(flag: Any) -> str:
+    return "yes" if flag is True else ("no" if flag is False else "not checked")
+
+
+def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
+    model = _load_id(repo_id)
+    engines = _get(report, "engines", default={})
+    lines = [
+        "## Serving",
+        "",
+        "vLLM and SGLang both implement DeepSeek-V3's MLA, so they read this checkpoint as a DeepSeek-V3 model. "
+        "Whether an engine accepts this exact shape depends on its MLA kernels; "
+        + (
+            "the table below is what the conversion report recorded."
+            if isinstance(engines, Mapping) and engines
+            else "the conversion report recorded no engine checks, so test it before deploying."
+        ),
+        "",
+        "```bash",
+        f"vllm serve {model} --dtype bfloat16",
+        f"python -m sglang.launch_server --model-path {model} --dtype bfloat16",
+        "```",
+        "",
+    ]
+    if isinstance(engines, Mapping) and engines:
+        with_fast = any(isinstance(info, Mapping) and "fast_path" in info for info in engines.values())
+        lines += (
+            ["| engine | works | fast kernels | notes |", "|---|---|---|---|"]
+            if with_fast
+            else ["| engine | works | notes |", "|---|---|---|"]
+        )
+        for key, info in engines.items():
+            notes = _get(info, "notes", default=[])
+            notes_text = "; ".join(_cell(note) for note in notes) if isinstance(notes, list) else _cell(notes)
+            cells = [_ENGINE_NAMES.get(key, _cell(key)), _yes_no(_get(info, "ok"))]
+            if with_fast:
+                cells.append(_yes_no(_get(info, "fast_path")))
+            lines.append("| " + " | ".join([*cells, notes_text or "-"]) + " |")
+        lines.append("")
+    return lines
+
+
+def _section_caveats(report: Mapping[str, Any]) -> list[str]:
+    options = _get(report, "options", default={})
+    rank, rope = options.get("kv_lora_rank"), options.get("rope_dim")
+    scales = [s for s in (_number(_get(layer, "latent_scale")) for layer in (_get(report, "layers") or [])) if s]
+    lines = ["## Caveats", ""]
+    scale_text = f" (here between {min(scales):.2g} and {max(scales):.2g})" if scales else ""
+    lines.append(
+        "- **Use bfloat16 or float32, not float16.** DeepSeek-V3 applies an RMSNorm (`kv_a_layernorm`) to the cached "
+        "latent. To keep that norm from distorting the converted attention, mla-convert stores the latent rows of "
+        "`kv_a_proj_with_mqa` at a "
+        f"tiny scale{scale_text}, so the norm's epsilon dominates and the norm acts as a fixed linear scaling that "
+        "`kv_b_proj` undoes. Values that small are below float16's normal range and lose their precision there; "
+        "bfloat16 and float32 keep them. For the same reason, a quantizer that shares one scale between these rows "
+        "and the rest of `kv_a_proj_with_mqa` can round them to zero."
+    )
+    if _get(report, "source", "qkv_bias"):
+        lines.append(
+            "- **Attention biases.** The source model has biases on its query/key/value projections. This export "
+            "keeps them through DeepseekV3's `attention_bias` option, which transformers honours; serving engines "
+            "whose DeepSeek MLA layer has no bias slot would drop them and compute a different model (see the "
+            "engine table)."
+        )
+    if rank and rope and (rank, rope) != (FAST_KERNEL_KV_LORA_RANK, FAST_KERNEL_ROPE_DIM):
+        lines.append(
+            f"- **Shape.** This model caches a {rank}-value latent plus a {rope}-value RoPE key. The fastest MLA "
+            f"kernels are built for DeepSeek-V3's {FAST_KERNEL_KV_LORA_RANK} + {FAST_KERNEL_ROPE_DIM}; engines either fall "
+            "back to slower attention paths for other shapes or refuse them."
+        )
+    measured = isinstance(_get(report, "evaluation"), Mapping)
+    lines.append(
+        "- **It is an approximation.** Compressing the KV cache loses some information; "
+        + (
+            "the perplexity change above measures how much on one corpus only."
+            if measured
+            else "no perplexity was measured during conversion, so evaluate it on your task."
+        )
+    )
+    lines.append("")
+    return lines
+
+
+def _section_versions(report: Mapping[str, Any]) -> list[str]:
+    versions = {k: v for k, v in (_get(report, "versions", default={}) or {}).items() if v}
+    if not versions:
+        return []
+    return ["## Software versions", "", *[f"- {_text(name)} {_text(version)}" for name, version in versions.items()], ""]
+
+
+def build_model_card(report: dict, repo_id: str | None = None) -> ModelCard:
+    """Build the README.md card of a converted model from its `mla_convert.json` report.
+
+    `repo_id` is where the model will live on the Hub; it is used for the title and the loading
+    snippets (a placeholder path is shown when it is not known yet, e.g. at conversion time).
+    """
+    if not isinstance(report, Mapping):
+        raise CardValidationError(f"conversion report must be a JSON object, got {type(report).__name__}")
+    hub_id = _get(report, "source", "hub_id")
+    name_or_path = _get(report, "source", "name_or_path")
+    if _valid_repo_id(hub_id):
+        source_label = f"[{hub_id}](https://huggingface.co/{hub_id})"
+        source_name = hub_id
+    elif name_or_path:
+        source_name = Path(str(name_or_path)).name or str(name_or_path)
+        source_label = f"`{_scrub(source_name)}`"
+    else:
+        source_name, source_label = "the source model", "a Hugging Face causal language model"
+    title = repo_id.split("/")[-1] if repo_id else f"{source_name.split('/')[-1]} (MLA)"
+
+    body: list[str] = []
+    body += _section_summary(report, _scrub(title), source_label)
+    body += _section_what_was_done(report)
+    body += _section_cache(report)
+    body += _section_quality(report)
+    body += _section_usage(report, repo_id)
+    body += _section_serving(report, repo_id)
+    body += _section_caveats(report)
+    body += _section_reproduce(report)
+    body += _section_layers(report)
+    body += _section_versions(report)
+    if not _get(report, "source", "license"):
+        body += [
+            "## License",
+            "",
+            "The source model's license was not recorded during conversion. This model is a derivative of the "
+            "source model: its license applies here too.",
+            "",
+        ]
+    data = _card_data(report)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+
+
+# -------------------------------------------------------------------------------------------- validate
+def validate_card(card: ModelCard | str) -> dict:
+    """Check a card offline; return its metadata dict or raise `CardValidationError` (one line).
+
+    Reproduces what the client does when it parses a card (the Hub's own YAML-block regex,
+    `yaml.safe_load`, strict `ModelCardData`, which rejects a malformed `model-index`), then checks
+    the fields the Hub validates by value and that this project promises: `library_name`,
+    `pipeline_tag`, `tags`, a `base_model` that is a Hub id, a `base_model_relation` the Hub knows and
+    that only appears together with `base_model`, and a license id.
+    """
+    content = str(card)
+    match = REGEX_YAML_BLOCK.search(content)
+    if match is None:
+        raise CardValidationError("model card has no YAML metadata block (--- ... ---) at the top")
+    try:
+        metadata = yaml.safe_load(match.group(2))
+    except yaml.YAMLError as error:
+        raise CardValidationError(f"model card metadata is not valid YAML: {' '.join(str(error).split())}") from error
+    if not isinstance(metadata, dict):
+        raise CardValidationError("model card metadata must be a mapping of keys to values")
+    try:
+        ModelCardData(**metadata)
+    except (TypeError, ValueError) as error:
+        raise CardValidationError(f"model card metadata rejected by huggingface_hub: {error}") from error
+
+    problems = []
+    if metadata.get("library_name") != "transformers":
+        problems.append(f"library_name must be 'transformers', got {metadata.get('library_name')!r}")
+    if metadata.get("pipeline_tag") != "text-generation":
+        problems.append(f"pipeline_tag must be 'text-generation', got {metadata.get('pipeline_tag')!r}")
+    tags = metadata.get("tags")
+    if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):
+        problems.append("tags must be a list of non-empty strings")
+    elif "mla" not in tags:
+        problems.append("tags must include 'mla'")
+    base_model = metadata.get("base_model")
+    if base_model is not None:
+        ids = base_model if isinstance(base_model, list) else [base_model]
+        bad = [repr(i) for i in ids if not _valid_repo_id(i)]
+        if bad:
+            problems.append(f"base_model must be Hub model ids like 'org/name', got {', '.join(bad)}")
+    relation = metadata.get("base_model_relation")
+    if relation is not None:
+        if relation not in HUB_BASE_MODEL_RELATIONS:
+            accepted = ", ".join(sorted(HUB_BASE_MODEL_RELATIONS))
+            problems.append(f"base_model_relation {relation!r} is not one the Hub accepts ({accepted})")
+        if base_model is None:
+            problems.append("base_model_relation is set but base_model is not")
+    license_id = metadata.get("license")
+    if license_id is not None:
+        if not isinstance(license_id, str) or not _LICENSE_ID.match(license_id):
+            problems.append(f"license must be a Hub license id such as 'apache-2.0', got {license_id!r}")
+        elif license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
+            problems.append("license 'other' needs license_name and license_link")
+    if not content[match.end() :].strip():
+        problems.append("model card has metadata but no text")
+    if problems:
+        raise CardValidationError("invalid model card: " + "; ".join(problems))
+    return metadata
+
+
+def write_model_card(folder: str | Path, repo_id: str | None = None, report: dict | None = None) -> Path:
+    """Generate, validate and save `README.md` in a converted folder (report read from the folder by default)."""
+    folder = Path(folder)
+    card = build_model_card(report if report is not None else load_report(folder), repo_id=repo_id)
+    validate_card(card)
+    path = folder / CARD_FILE
+    card.save(path)
+    return path

@@ -1,0 +1,467 @@
+"""Pushing a converted folder: the real huggingface_hub client against a local fake Hub (`fake_hub.py`).
+
+How the client is pointed at the fake Hub: huggingface_hub reads `HF_ENDPOINT` into
+`constants.ENDPOINT` once, at import, so setting the variable inside an already-running test process
+would silently keep the real endpoint.  In-process tests therefore pass `endpoint=hub.url` explicitly
+(`HfApi(endpoint=...)`, which every call of the upload uses); the subprocess tests set `HF_ENDPOINT`
+(and `HF_TOKEN` or `HF_TOKEN_PATH`) in a fresh interpreter, which is the path a user of
+`mla-convert push` takes, and lets the tests read everything the process printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_hub import FakeHub
+from test_model_card import make_converted_folder
+
+from mla_convert.errors import MLAConvertError
+from mla_convert.hub import (
+    BACKUP_SUFFIX,
+    OWNER_FILE,
+    PARTIAL_SUFFIX,
+    HubPushError,
+    NotPushableError,
+    UploadFile,
+    check_pushable,
+    push_to_hub,
+)
+from mla_convert.model_card import CardValidationError, validate_card
+
+TOKEN = "hf_testTOKENmlaConvertDoNotLeak0123456789XYZ"
+REPO = "alice/stories260k-mla"
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory) -> dict[str, Path]:
+    """One single-file and one sharded converted folder, built once; tests work on copies."""
+    root = tmp_path_factory.mktemp("converted")
+    return {
+        "single": make_converted_folder(root / "single"),
+        "sharded": make_converted_folder(root / "sharded", sharded=True),
+    }
+
+
+@pytest.fixture
+def single(templates, tmp_path) -> Path:
+    return Path(shutil.copytree(templates["single"], tmp_path / "stories260k-mla"))
+
+
+@pytest.fixture
+def sharded(templates, tmp_path) -> Path:
+    return Path(shutil.copytree(templates["sharded"], tmp_path / "stories260k-mla"))
+
+
+@pytest.fixture
+def hub():
+    with FakeHub(token=TOKEN) as server:
+        yield server
+    assert server.unexpected == [], f"the client called endpoints the fake hub does not know: {server.unexpected}"
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def files_containing(root: Path, needle: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes()]
+
+
+# --------------------------------------------------------------------------------------------- pushing
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_push_uploads_every_file_byte_identical_with_options(layout, templates, tmp_path, hub):
+    folder = Path(shutil.copytree(templates[layout], tmp_path / "out"))
+    assert not (folder / "README.md").exists()
+
+    result = push_to_hub(
+        folder, REPO, private=True, revision="mla-v1", commit_message="MLA 4x", token=TOKEN, endpoint=hub.url
+    )
+
+    local = folder_files(folder)
+    assert "README.md" in local  # generated from mla_convert.json before the upload
+    assert hub.files(REPO, "mla-v1") == local  # every file, byte for byte, nothing else
+    assert hub.files(REPO, "main") == {}  # the branch, not main
+    assert [(f.path, f.size) for f in result.files] == [(name, len(data)) for name, data in local.items()]
+
+    repo = hub.repos[REPO]
+    assert repo.private
+    assert [(c["revision"], c["summary"]) for c in repo.commits] == [("mla-v1", "MLA 4x")]
+    assert hub.endpoints() == ["POST create", "POST branch", "POST validate-yaml", "POST preupload", "POST commit"]
+    assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub.requests if "validate" not in r.path)
+    # What the client described before uploading matches the files (size and leading bytes).
+    described = {entry["path"]: entry for entry in repo.preuploads}
+    assert {p: e["size"] for p, e in described.items()} == {p: len(d) for p, d in local.items()}
+    assert result.commit_url.endswith(repo.commits[0]["oid"]) and not result.dry_run
+
+
+def test_pushed_repo_loads_as_stock_deepseek_v3_with_a_valid_card(sharded, tmp_path, hub):
+    import torch
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    push_to_hub(sharded, REPO, token=TOKEN, endpoint=hub.url)
+    downloaded = tmp_path / "downloaded"
+    for name, data in hub.files(REPO).items():
+        (downloaded / name).parent.mkdir(parents=True, exist_ok=True)
+        (downloaded / name).write_bytes(data)
+
+    metadata = validate_card(ModelCard.load(downloaded / "README.md"))
+    assert metadata["library_name"] == "transformers" and "mla" in metadata["tags"]
+    assert hub.validated_cards == [(downloaded / "README.md").read_text()]  # the Hub-side check saw this card
+
+    model = AutoModelForCausalLM.from_pretrained(downloaded, dtype=torch.bfloat16)
+    original = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.bfloat16)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    for (name, tensor), (_, reference) in zip(model.state_dict().items(), original.state_dict().items(), strict=True):
+        assert torch.equal(tensor, reference), name
+
+
+def test_default_push_targets_main_without_forcing_visibility(single, hub):
+    result = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    create = hub.requests[0].json()
+    assert create == {"name": "stories260k-mla", "organization": "alice", "type": "model"}  # no visibility: namespace default
+    assert hub.endpoints() == ["POST create", "POST validate-yaml", "POST preupload", "POST commit"]
+    assert set(hub.files(REPO)) == {f.path for f in result.files}
+    assert hub.repos[REPO].commits[0]["summary"] == "Upload MLA conversion of stories260k (mla-convert 0.1.0)"
+
+
+def test_pushing_again_reuses_the_existing_repo_and_branch(single, hub):
+    push_to_hub(single, REPO, revision="mla-v1", token=TOKEN, endpoint=hub.url)
+    (single / "generation_config.json").write_text('{"max_new_tokens": 7}\n')
+    push_to_hub(single, REPO, revision="mla-v1", commit_message="second", token=TOKEN, endpoint=hub.url)
+    assert [c["summary"] for c in hub.repos[REPO].commits][-1] == "second"
+    assert hub.files(REPO, "mla-v1")["generation_config.json"] == b'{"max_new_tokens": 7}\n'
+    assert hub.endpoints()[5:7] == ["POST create", "POST branch"]  # both answered 409, accepted
+
+
+def test_existing_readme_is_uploaded_as_is(single, hub):
+    card = "---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags:\n- mla\n---\n\n# Hand-written\n"
+    (single / "README.md").write_text(card)
+    result = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert not result.card_generated
+    assert hub.files(REPO)["README.md"] == card.encode()
+
+
+def test_the_card_convert_wrote_is_refreshed_with_the_repo_id(single, hub):
+    from mla_convert.model_card import build_model_card, load_report
+
+    build_model_card(load_report(single)).save(single / "README.md")  # as `convert` leaves it
+    assert 'from_pretrained("path/to/this/model"' in (single / "README.md").read_text()
+    plan = push_to_hub(single, REPO, dry_run=True)
+    result = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    uploaded = hub.files(REPO)["README.md"].decode()
+    assert result.card_generated and plan.files == result.files
+    assert f'AutoModelForCausalLM.from_pretrained("{REPO}"' in uploaded and "path/to/this/model" not in uploaded
+    assert (single / "README.md").read_text() == uploaded
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+def test_dry_run_makes_no_request_writes_nothing_and_lists_exact_files(sharded, hub):
+    before = folder_files(sharded)
+    plan = push_to_hub(sharded, REPO, private=True, revision="v2", dry_run=True, token=TOKEN, endpoint=hub.url)
+
+    assert hub.requests == []
+    assert folder_files(sharded) == before  # README.md not written by a dry run
+    expected = sorted([*before, "README.md"])
+    assert [f.path for f in plan.files] == expected
+    assert all(f.size == len(before[f.path]) for f in plan.files if f.path != "README.md")
+    summary = plan.summary()
+    assert summary.startswith(f"Would upload {len(expected)} files")
+    for item in plan.files:
+        assert f"{item.size:,}  {item.path}" in summary
+    assert "alice/stories260k-mla (branch v2), private" in summary
+
+    # The real push then uploads exactly that list, with those sizes.
+    pushed = push_to_hub(sharded, REPO, private=True, revision="v2", token=TOKEN, endpoint=hub.url)
+    assert pushed.files == plan.files
+    assert {p: len(d) for p, d in hub.files(REPO, "v2").items()} == {f.path: f.size for f in plan.files}
+
+
+def test_dry_run_needs_no_token(single, monkeypatch, tmp_path, hub):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    plan = push_to_hub(single, REPO, dry_run=True, endpoint=hub.url)
+    assert plan.dry_run and hub.requests == []
+    with pytest.raises(HubPushError, match="not logged in"):
+        push_to_hub(single, REPO, endpoint=hub.url)
+    assert hub.requests == []
+
+
+# ---------------------------------------------------------------------------------------------- token
+def test_token_is_sent_but_never_printed_logged_or_written(single, tmp_path, hub, capfd, caplog):
+    from huggingface_hub.utils import logging as hub_logging
+
+    previous = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_debug()
+    try:
+        with caplog.at_level("DEBUG"):
+            result = push_to_hub(single, REPO, private=True, revision="v1", token=TOKEN, endpoint=hub.url)
+            print(result.summary(), repr(result))
+    finally:
+        hub_logging.set_verbosity(previous)
+
+    assert any(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub.requests)  # it did arrive
+    out, err = capfd.readouterr()
+    assert "stories260k-mla" in out  # the output was captured...
+    assert TOKEN not in out and TOKEN not in err  # ...and holds no token
+    assert TOKEN not in caplog.text and TOKEN not in "\n".join(hub.log)
+    assert files_containing(tmp_path, TOKEN) == []
+    assert all(TOKEN.encode() not in data for data in hub.files(REPO, "v1").values())
+
+
+PUSH_SCRIPT = (
+    "import sys\n"
+    "from mla_convert.hub import push_to_hub\n"
+    "result = push_to_hub(sys.argv[1], sys.argv[2], private=True, revision='from-env')\n"
+    "print(result.summary())\n"
+)
+
+
+@pytest.mark.parametrize("source", ["HF_TOKEN", "login cache"])
+def test_token_from_the_standard_places_in_a_fresh_process(source, single, tmp_path, hub):
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_HUB_VERBOSITY="debug", HF_HUB_DISABLE_TELEMETRY="1")
+    token_file = home / "token"
+    if source == "HF_TOKEN":
+        env["HF_TOKEN"] = TOKEN
+    else:
+        token_file.write_text(TOKEN)  # what `hf auth login` leaves behind
+
+    done = subprocess.run(
+        [sys.executable, "-c", PUSH_SCRIPT, str(single), REPO],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Uploaded" in done.stdout and "README.md" in done.stdout
+    assert hub.requests and all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub.requests)
+    assert hub.repos[REPO].private and set(hub.files(REPO, "from-env")) == set(folder_files(single))
+    assert TOKEN not in done.stdout and TOKEN not in done.stderr
+    written = [p for p in files_containing(tmp_path, TOKEN) if Path(p) != token_file]
+    assert written == []
+
+
+@pytest.mark.parametrize("where", ["mla_convert.json", "generation_config.json"])
+def test_refuses_a_folder_that_contains_the_token(where, single, hub):
+    path = single / where
+    data = json.loads(path.read_text())
+    data["command" if where == "mla_convert.json" else "note"] = f"mla-convert convert x y --token {TOKEN}"
+    path.write_text(json.dumps(data))
+    with pytest.raises(NotPushableError, match="token"):
+        push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert hub.requests == []
+
+
+def test_refuses_a_folder_that_contains_an_unusual_token_verbatim(single, hub):
+    odd = "my-private-gateway-token-42"
+    (single / "notes.txt").write_text(f"pushed with {odd}\n")
+    with pytest.raises(NotPushableError, match="notes.txt contains your Hugging Face token"):
+        push_to_hub(single, REPO, token=odd, endpoint=hub.url)
+    assert hub.requests == []
+
+
+# ----------------------------------------------------------------------------------- Hub-side failures
+def test_wrong_token_becomes_one_clear_line(single, hub):
+    with pytest.raises(HubPushError) as caught:
+        push_to_hub(single, REPO, token="hf_wrongTOKENabcdefghijklmnopqrstuvwxyz0123", endpoint=hub.url)
+    message = str(caught.value)
+    assert "not authenticated (HTTP 401)" in message and "\n" not in message
+    assert "hf_wrongTOKEN" not in message
+    assert hub.endpoints() == ["POST create", "GET repo-info"]  # after a 401, create_repo asks whether the repo exists
+    assert hub.repos == {}
+
+
+def test_unreachable_hub_becomes_one_clear_line(single):
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(HubPushError, match=f"cannot reach the Hub at http://127.0.0.1:{port}"):
+        push_to_hub(single, REPO, token=TOKEN, endpoint=f"http://127.0.0.1:{port}")
+
+
+def test_card_rejected_by_the_hub_is_reported(single):
+    with FakeHub(token=TOKEN, reject_yaml=True) as server:
+        with pytest.raises(HubPushError, match="rejected by the test"):
+            push_to_hub(single, REPO, token=TOKEN, endpoint=server.url)
+        assert "POST commit" not in server.endpoints()
+
+
+def test_invalid_existing_readme_is_refused_before_any_request(single, hub):
+    (single / "README.md").write_text("---\nlibrary_name: [oops\n---\n# x\n")
+    with pytest.raises(CardValidationError, match="not valid YAML"):
+        push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert hub.requests == []
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def _drop(name):
+    return lambda folder: (folder / name).unlink()
+
+
+def _write(name, text):
+    return lambda folder: (folder / name).write_text(text)
+
+
+def _truncate(name):
+    def apply(folder):
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: len(data) - 100])
+
+    return apply
+
+
+def _edit_index(edit):
+    def apply(folder):
+        path = folder / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        edit(index["weight_map"])
+        path.write_text(json.dumps(index))
+
+    return apply
+
+
+def _first_tensor_of(shard):
+    def edit(weight_map):
+        name = next(k for k, v in weight_map.items() if v == shard)
+        weight_map["model.not_a_tensor"] = weight_map.pop(name)
+
+    return edit
+
+
+def _point_one_entry_elsewhere(weight_map):
+    weight_map[next(iter(weight_map))] = "extra-weights.safetensors"
+
+
+def _forget_shard_2(weight_map):
+    for name in [k for k, v in weight_map.items() if v == "model-00002-of-00003.safetensors"]:
+        del weight_map[name]
+
+
+def _mkdir(relative):
+    return lambda folder: (folder / relative).mkdir()
+
+
+INDEX = "model.safetensors.index.json"
+SHARD_1, SHARD_2, SHARD_3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
+LEFTOVERS = "leftovers of an unfinished conversion inside it"
+
+# case: (damage done to a complete folder, text the refusal must contain)
+SINGLE_CASES = {
+    "no report": (_drop("mla_convert.json"), "mla_convert.json is missing: this folder was not produced by mla-convert"),
+    "broken report": (_write("mla_convert.json", "{oops"), "mla_convert.json: cannot be read as JSON"),
+    "no config": (_drop("config.json"), "config.json is missing"),
+    "not deepseek": (_write("config.json", '{"model_type": "llama"}'), "describes a 'llama' model"),
+    "no weights": (_drop("model.safetensors"), f"no weights: neither model.safetensors nor {INDEX}"),
+    "truncated": (_truncate("model.safetensors"), "cannot push: model.safetensors is "),
+    "partial file inside": (_write("model.safetensors.mla-convert-partial", ""), f"{LEFTOVERS}: model.safetensors.mla"),
+    "owner file": (_write(OWNER_FILE, "123"), f"{LEFTOVERS}: .mla-convert-owner"),
+    "temp shard": (_write("shard-00000.tmp", "x"), f"{LEFTOVERS}: shard-00000.tmp"),
+    "stray index": (
+        _write(INDEX, '{"weight_map": {"a": "model.safetensors"}}'),
+        f"both model.safetensors and {INDEX} are present",
+    ),
+}
+
+SHARDED_CASES = {
+    "shard missing": (_drop(SHARD_2), f"{SHARD_2} is named in {INDEX} but missing"),
+    "entry points at absent file": (
+        _edit_index(_point_one_entry_elsewhere),
+        f"extra-weights.safetensors is named in {INDEX} but missing",
+    ),
+    "index forgets a shard": (_edit_index(_forget_shard_2), f"{SHARD_2} is not referenced by {INDEX}"),
+    "tensor not in its shard": (
+        _edit_index(_first_tensor_of(SHARD_3)),
+        f"1 tensors that {INDEX} places in {SHARD_3} are not in it (e.g. model.not_a_tensor)",
+    ),
+    "no index": (_drop(INDEX), f"{SHARD_1} is present but {INDEX} is missing"),
+    "truncated shard": (_truncate(SHARD_1), f"cannot push: {SHARD_1} is "),
+    "stray shard": (_write("model-extra.safetensors", ""), f"model-extra.safetensors is not named in {INDEX}"),
+    "partial dir inside": (_mkdir("out.mla-convert-partial"), f"{LEFTOVERS}: out.mla-convert-partial"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_CASES))
+def test_refuses_incomplete_single_file_folders(case, single, hub):
+    damage, message = SINGLE_CASES[case]
+    check_pushable(single)  # complete before the damage
+    damage(single)
+    with pytest.raises(NotPushableError) as caught:
+        check_pushable(single)
+    assert message in str(caught.value)
+    assert case not in ("truncated",) or "bytes but its header describes" in str(caught.value)
+    with pytest.raises(NotPushableError):
+        push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("case", sorted(SHARDED_CASES))
+def test_refuses_incomplete_sharded_folders(case, sharded, hub):
+    damage, message = SHARDED_CASES[case]
+    assert len(list(sharded.glob("model-*-of-00003.safetensors"))) == 3
+    check_pushable(sharded)
+    damage(sharded)
+    with pytest.raises(NotPushableError) as caught:
+        check_pushable(sharded)
+    assert message in str(caught.value)
+    assert case not in ("truncated shard",) or "bytes but its header describes" in str(caught.value)
+    with pytest.raises(NotPushableError):
+        push_to_hub(sharded, REPO, token=TOKEN, endpoint=hub.url)
+    assert hub.requests == []
+
+
+def test_refuses_an_unfinished_conversion_folder_and_its_target(single, tmp_path):
+    partial = single.with_name(single.name + PARTIAL_SUFFIX)
+    partial.mkdir()
+    with pytest.raises(NotPushableError, match="conversion into this folder is running or was interrupted"):
+        check_pushable(single)
+    shutil.rmtree(partial)
+    for suffix in (PARTIAL_SUFFIX, BACKUP_SUFFIX):
+        moved = single.rename(single.with_name("out" + suffix))
+        with pytest.raises(NotPushableError, match="working folder of an unfinished or interrupted conversion"):
+            check_pushable(moved)
+        single = moved.rename(tmp_path / "stories260k-mla")
+    with pytest.raises(NotPushableError, match="not a folder"):
+        check_pushable(tmp_path / "nowhere")
+
+
+def test_all_problems_are_reported_together_on_one_line(single):
+    (single / "config.json").unlink()
+    (single / "mla_convert.json").unlink()
+    with pytest.raises(NotPushableError) as caught:
+        check_pushable(single)
+    message = str(caught.value)
+    assert "mla_convert.json is missing" in message and "config.json is missing" in message
+    assert "\n" not in message and isinstance(caught.value, MLAConvertError)
+
+
+def test_check_pushable_lists_files_with_sizes_and_skips_git_metadata(single):
+    (single / ".git").mkdir()
+    (single / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    files = check_pushable(single)
+    assert files == [UploadFile(p.name, p.stat().st_size) for p in sorted(single.iterdir()) if p.is_file()]
+
+
+@pytest.mark.parametrize("repo_id", ["alice/nested/repo", "stories260k-mla", "alice/bad name"])
+def test_invalid_or_bare_repo_id_is_refused(repo_id, single, hub):
+    with pytest.raises(HubPushError, match="use 'namespace/name'"):
+        push_to_hub(single, repo_id, token=TOKEN, endpoint=hub.url, dry_run=repo_id.startswith("s"))
+    assert hub.requests == []
+
+
+def test_unfinished_work_names_match_the_checkpoint_writer():
+    from mla_convert import checkpoint_writer
+
+    assert PARTIAL_SUFFIX == checkpoint_writer.PARTIAL_SUFFIX
+    assert OWNER_FILE == checkpoint_writer.OWNER_FILE

@@ -1,0 +1,356 @@
+"""The generated model card: valid for the Hub (checked offline) and true to the conversion report.
+
+The report here is what converting stories260K (5 layers, 8 query heads, 4 KV heads of dimension 8)
+at 4x compression produces; the folder helpers build the matching output folder (a tiny
+DeepseekV3ForCausalLM written by `save_pretrained`, plus `mla_convert.json`) for the push tests too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from mla_convert.model_card import (
+    BASE_MODEL_RELATION,
+    FAST_KERNEL_KV_LORA_RANK,
+    FAST_KERNEL_ROPE_DIM,
+    HUB_BASE_MODEL_RELATIONS,
+    CardValidationError,
+    build_model_card,
+    load_report,
+    validate_card,
+    write_model_card,
+)
+
+TOKEN_LIKE = "hf_cardTOKENabcdefghijklmnopqrstuvwxyz012345"
+
+
+def stories260k_report() -> dict:
+    """The report of `mla-convert convert stories260k OUT --compression 4` (no hub id: a local source)."""
+    return {
+        "mla_convert_version": "0.1.0",
+        "command": "mla-convert convert ../shared/assets/stories260k out/stories260k-mla --compression 4",
+        "source": {
+            "name_or_path": "../shared/assets/stories260k",
+            "hub_id": None,
+            "architecture": "LlamaForCausalLM",
+            "license": "mit",
+            "num_layers": 5,
+            "num_heads": 8,
+            "num_kv_heads": 4,
+            "head_dim": 8,
+            "hidden_size": 64,
+            "qkv_bias": False,
+        },
+        "options": {
+            "kv_lora_rank": 12,
+            "rope_dim": 4,
+            "method": "activation-aware",
+            "calib_data": "tinystories-valid-excerpt.txt",
+            "calib_samples": 32,
+            "calib_seq_len": 256,
+            "dtype": "bf16",
+            "seed": 0,
+        },
+        "cache": {
+            "source_values_per_token_layer": 64,  # 2 (K, V) * 4 KV heads * 8
+            "mla_values_per_token_layer": 16,  # latent 12 + RoPE key 4
+            "ratio": 4.0,
+            "num_layers": 5,
+            "dtype": "bf16",
+            "source_bytes_per_token": 640,  # 64 values * 5 layers * 2 bytes
+            "mla_bytes_per_token": 160,
+        },
+        "layers": [{"layer": i, "kept_energy": 0.97 - 0.02 * i, "latent_scale": 1.5e-06} for i in range(5)],
+        "evaluation": {
+            "data": "tinystories-valid-excerpt.txt",
+            "context_length": 256,
+            "windows": 20,
+            "source_perplexity": 7.83,
+            "converted_perplexity": 9.41,
+        },
+        "finetuning": None,
+        "engines": {
+            "transformers": {"ok": True, "notes": []},
+            "vllm": {"ok": False, "notes": ["fast kernels want 512+64"]},
+            "sglang": {"ok": False, "notes": ["fast kernels want 512+64"]},
+            "mla_decode_triton": {"ok": True, "notes": []},
+        },
+        "versions": {"torch": "2.6.0", "transformers": "5.24.0", "mla_convert": "0.1.0", "safetensors": "0.5.3"},
+    }
+
+
+def smollm2_report() -> dict:
+    """A report with a Hub source, a license, biases and fine-tuning, to exercise the optional parts."""
+    report = stories260k_report()
+    report["command"] = "mla-convert convert HuggingFaceTB/SmolLM2-135M-Instruct out --compression 4"
+    report["source"].update(
+        name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        license="apache-2.0",
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        hidden_size=576,
+        qkv_bias=True,
+    )
+    report["options"].update(kv_lora_rank=64, rope_dim=32)
+    report["cache"] = {
+        "source_values_per_token_layer": 384,
+        "mla_values_per_token_layer": 96,
+        "ratio": 4.0,
+        "num_layers": 30,
+        "dtype": "bf16",
+        "source_bytes_per_token": 23040,
+        "mla_bytes_per_token": 5760,
+    }
+    report["evaluation"].update(source_perplexity=24.46, converted_perplexity=150.0)
+    report["finetuning"] = {"steps": 200, "data": "wikitext-2-raw-train.txt", "final_loss": 2.91}
+    report["engines"]["vllm"]["notes"] = ["no attention-bias slot", "fast kernels want 512+64"]
+    return report
+
+
+def converter_shaped_report() -> dict:
+    """The stories260K report in the layout `convert.py` writes today: nested calibration options, a
+    `calibration` description, engines with `fast_path`, per-layer attention errors, extra sections."""
+    report = stories260k_report()
+    report["options"] = {
+        "allow_pickle": False,
+        "calibration": {"num_samples": 16, "seq_len": 512, "seed": 0, "data": None, "top_p": 0.95},
+        "command": report["command"],
+        "compression": 4,
+        "dtype": "float32",
+        "kv_lora_rank": 12,
+        "method": "output",
+        "q_lora_rank": None,
+        "rope_dim": 4,
+    }
+    report["calibration"] = {"description": "16 x 512 tokens sampled from the source model (seed 0)", "tokens": 8192}
+    report["rope"] = {"grid": "offset 0, step 2", "candidates": [[0, 2, 41.0]]}
+    report["summary"] = {"mean_kept_energy": 0.93, "min_kept_energy": 0.89, "seconds": 142.1}
+    for layer in report["layers"]:
+        layer.update(attention_output_relative_error=0.8, rope_error_estimate=40.9, kv_balance=4.0)
+    report["engines"] = {
+        "transformers": {"ok": True, "fast_path": True, "notes": ["stock DeepseekV3ForCausalLM, no remote code"]},
+        "vllm": {"ok": True, "fast_path": False, "notes": ["shape 12+4: the fast MLA kernels want 512+64"]},
+    }
+    return report
+
+
+def make_converted_folder(folder: Path, report: dict | None = None, sharded: bool = False) -> Path:
+    """An mla-convert-shaped output folder: stock DeepseekV3 weights in bf16 + config + report.
+
+    The shapes follow `stories260k_report` (latent 12, RoPE key 4, 5 layers); `sharded` splits the
+    weights into several `model-0000i-of-0000N.safetensors` files with an index.
+    """
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=172,
+        moe_intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=5,  # every layer dense, like a converted Llama
+        kv_lora_rank=12,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(folder, max_shard_size="200KB" if sharded else "50MB")
+    (folder / "mla_convert.json").write_text(json.dumps(report or stories260k_report(), indent=2) + "\n")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_stories260k_card_validates_offline_and_shows_the_report_numbers():
+    card = build_model_card(stories260k_report(), repo_id="alice/stories260k-mla")
+    metadata = validate_card(card)
+    text = str(card)
+
+    assert metadata["library_name"] == "transformers"
+    assert metadata["pipeline_tag"] == "text-generation"
+    assert metadata["license"] == "mit"
+    assert {"mla", "deepseek_v3", "kv-cache-compression"} <= set(metadata["tags"])
+    # A local source has no Hub id: no base_model, and then no relation either.
+    assert "base_model" not in metadata and "base_model_relation" not in metadata
+
+    assert "| values cached per token per layer | 64 | 16 |" in text
+    assert "| bytes per token, all 5 layers (bf16) | 640 | 160 |" in text
+    assert "| compression ratio | 1x | 4x |" in text
+    assert "| one sequence of 4,096 tokens | 2.5 MiB | 640.0 KiB |" in text
+    assert "| original | 7.83 |" in text
+    assert "| MLA (this model) | 9.41 |" in text
+    assert "| change | +20.2% |" in text
+    assert "mla-convert convert ../shared/assets/stories260k out/stories260k-mla --compression 4" in text
+    assert "| `kv_lora_rank` | 12 |" in text and "| `rope_dim` | 4 |" in text
+
+
+def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():
+    report = smollm2_report()
+    card = build_model_card(report, repo_id="alice/smollm2-mla")
+    metadata = validate_card(card)
+    text = str(card)
+
+    assert metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert metadata["base_model_relation"] == BASE_MODEL_RELATION
+    assert BASE_MODEL_RELATION in HUB_BASE_MODEL_RELATIONS
+    assert metadata["license"] == "apache-2.0"
+    assert "| bytes per token, all 30 layers (bf16) | 23,040 | 5,760 |" in text
+    assert "| original | 24.46 |" in text and "| MLA (this model) | 150 |" in text
+    assert "- steps: 200" in text and "- final loss: 2.91" in text
+    # Loading needs nothing but stock transformers.
+    assert 'AutoModelForCausalLM.from_pretrained("alice/smollm2-mla", dtype=torch.bfloat16)' in text
+    assert "trust_remote_code=True" not in text
+    # Engine notes from the report, and the caveats that follow from this report.
+    assert "| vLLM | no | no attention-bias slot; fast kernels want 512+64 |" in text
+    assert "| transformers | yes | - |" in text
+    assert "vllm serve alice/smollm2-mla" in text and "sglang.launch_server --model-path alice/smollm2-mla" in text
+    assert "**Attention biases.**" in text and "`attention_bias`" in text
+    assert "64-value latent plus a 32-value RoPE key" in text
+    assert "not float16" in text and "1.5e-06" in text
+
+
+def test_card_from_the_converter_report_layout():
+    card = build_model_card(converter_shaped_report(), repo_id="alice/stories260k-mla")
+    validate_card(card)
+    text = str(card)
+    assert "fitted with the `output` method, calibrated on 16 x 512 tokens sampled from the source model (seed 0)." in text
+    assert "| `calibration.num_samples` | 16 |" in text and "| `calibration.top_p` | 0.95 |" in text
+    assert "calibration.data" not in text and "| `command` |" not in text  # unset values and the command row go
+    assert "| engine | works | fast kernels | notes |" in text
+    assert "| vLLM | yes | no | shape 12+4: the fast MLA kernels want 512+64 |" in text
+    assert "| layer | kept energy | latent scale | attention output rel. error |" in text
+    assert "| 0 | 0.97 | 1.5e-06 | 0.8 |" in text
+    assert 'from_pretrained("alice/stories260k-mla", dtype=torch.float32)' in text  # exported in fp32
+
+
+def test_card_without_biases_or_odd_shape_leaves_those_caveats_out():
+    report = stories260k_report()
+    report["options"].update(kv_lora_rank=FAST_KERNEL_KV_LORA_RANK, rope_dim=FAST_KERNEL_ROPE_DIM)
+    text = str(build_model_card(report))
+    assert "**Attention biases.**" not in text
+    assert "**Shape.**" not in text
+    assert "**Use bfloat16 or float32, not float16.**" in text  # always true of this conversion
+    assert 'from_pretrained("path/to/this/model"' in text  # no repo yet: a placeholder, not a guess
+
+
+def test_card_tolerates_a_sparse_report():
+    sparse = {"source": {"name_or_path": "/data/models/my-llama"}, "evaluation": None, "engines": None, "layers": None}
+    card = build_model_card(sparse)
+    validate_card(card)
+    text = str(card)
+    assert "`my-llama`" in text
+    assert "## Quality" not in text and "## KV cache per token" not in text
+    assert "None" not in text and "n/a" not in text
+    assert "license was not recorded" in text
+
+
+def test_cache_numbers_fall_back_to_the_shapes_when_the_cache_section_is_missing():
+    report = stories260k_report()
+    del report["cache"]
+    text = str(build_model_card(report))
+    assert "| values cached per token per layer | 64 | 16 |" in text
+    assert "| compression ratio | 1x | 4x |" in text
+
+
+def test_card_redacts_a_token_typed_on_the_command_line():
+    report = stories260k_report()
+    report["command"] += f" --token {TOKEN_LIKE}"
+    text = str(build_model_card(report))
+    assert TOKEN_LIKE not in text
+    assert "--token hf_***" in text
+
+
+def test_card_survives_save_and_load(tmp_path):
+    card = build_model_card(smollm2_report(), repo_id="alice/smollm2-mla")
+    card.save(tmp_path / "README.md")
+    loaded = ModelCard.load(tmp_path / "README.md")
+    assert validate_card(loaded) == validate_card(card)
+    assert loaded.text == card.text
+
+
+def test_write_model_card_reads_the_report_from_the_folder(tmp_path):
+    (tmp_path / "mla_convert.json").write_text(json.dumps(stories260k_report()))
+    path = write_model_card(tmp_path, repo_id="alice/stories260k-mla")
+    text = path.read_text()
+    assert path.name == "README.md" and "| change | +20.2% |" in text
+    validate_card(text)
+
+
+def test_load_report_refuses_missing_and_broken_reports(tmp_path):
+    with pytest.raises(CardValidationError, match="not produced by mla-convert"):
+        load_report(tmp_path)
+    (tmp_path / "mla_convert.json").write_text("{not json")
+    with pytest.raises(CardValidationError, match="cannot be read as JSON"):
+        load_report(tmp_path)
+    (tmp_path / "mla_convert.json").write_text("[1, 2]")
+    with pytest.raises(CardValidationError, match="expected a JSON object"):
+        load_report(tmp_path)
+
+
+def _with_metadata(metadata: str) -> str:
+    body = str(build_model_card(stories260k_report())).split("---", 2)[2]
+    return f"---\n{metadata}\n---{body}"
+
+
+GOOD = "library_name: transformers\npipeline_tag: text-generation\ntags:\n- mla\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("# just a title\n", "no YAML metadata block"),
+        (_with_metadata("library_name: [unclosed"), "not valid YAML"),
+        (_with_metadata("- a\n- list"), "must be a mapping"),
+        (_with_metadata(GOOD.replace("transformers", "timm")), "library_name must be 'transformers'"),
+        (_with_metadata(GOOD.replace("text-generation", "fill-mask")), "pipeline_tag"),
+        (_with_metadata(GOOD.replace("- mla", "- other")), "tags must include 'mla'"),
+        (_with_metadata(GOOD + "base_model: /home/me/llama\nbase_model_relation: quantized"), "base_model must be Hub model ids"),
+        (_with_metadata(GOOD + "base_model: org/model\nbase_model_relation: converted"), "not one the Hub accepts"),
+        (_with_metadata(GOOD + "base_model_relation: finetune"), "base_model_relation is set but base_model is not"),
+        (_with_metadata(GOOD + "license: Apache 2.0"), "license must be a Hub license id"),
+        (_with_metadata(GOOD + "license: other"), "license 'other' needs license_name"),
+        (_with_metadata(GOOD + "model-index:\n- name: x\n  results:\n  - bogus: 1"), "rejected by huggingface_hub"),
+        (f"---\n{GOOD}---\n", "no text"),
+    ],
+)
+def test_validate_card_rejects_what_the_hub_would_reject(content, message):
+    with pytest.raises(CardValidationError, match=message):
+        validate_card(content)
+
+
+def test_validate_card_accepts_the_minimal_valid_card():
+    assert validate_card(f"---\n{GOOD}---\n\n# Model\n")["tags"] == ["mla"]
+
+
+def test_report_is_not_modified_by_building_a_card():
+    report = smollm2_report()
+    before = copy.deepcopy(report)
+    build_model_card(report, repo_id="alice/x")
+    assert report == before
+
+
+def test_fast_kernel_shape_matches_the_shapes_module():
+    from mla_convert.shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
+
+    assert (FAST_KERNEL_KV_LORA_RANK, FAST_KERNEL_ROPE_DIM) == (DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM)
