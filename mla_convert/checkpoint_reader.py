@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -59,17 +61,39 @@ class TensorInfo:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
+def _hub_blobs_folder(root: Path) -> Path | None:
+    """The `blobs/` folder of a Hugging Face cache repo when `root` is one of its `snapshots/<revision>` folders.
+
+    `snapshot_download` fills a snapshot folder with symlinks into `../../blobs/`, so those links, and
+    only those, are part of the model even though they point outside the folder.
+    """
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return root.parent.parent / "blobs"
+    return None
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
 def _inside(folder: Path, relative: str) -> Path:
-    """Resolve `relative` under `folder`, refusing anything that escapes it (`../`, absolute paths, symlinks out)."""
+    """Resolve `relative` under `folder`, refusing anything that escapes it (`../`, absolute paths, symlinks out).
+
+    The one exception is the Hugging Face cache layout (see `_hub_blobs_folder`).
+    """
     if os.path.isabs(relative) or Path(relative).drive:
         raise CheckpointError(f"{folder}: index names an absolute path {relative!r}; refusing to read outside the model folder")
     candidate = folder / relative
     root = folder.resolve()
+    if not _within(Path(os.path.normpath(root / relative)), root):
+        raise CheckpointError(f"{folder}: {relative!r} is a path outside the model folder; refusing to read it")
     resolved = candidate.resolve()
-    if resolved != root and root not in resolved.parents:
-        what = "a symlink pointing" if candidate.is_symlink() else "a path"
-        raise CheckpointError(f"{folder}: {relative!r} is {what} outside the model folder; refusing to read it")
-    return candidate
+    if _within(resolved, root):
+        return candidate
+    blobs = _hub_blobs_folder(root)
+    if blobs is not None and _within(resolved, blobs.resolve()):
+        return candidate
+    raise CheckpointError(f"{folder}: {relative!r} is a symlink pointing outside the model folder ({resolved}); refusing to read it")
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -178,8 +202,12 @@ class CheckpointReader:
     # ----------------------------------------------------------------- metadata
     @property
     def files(self) -> list[str]:
-        """Shard files in index order, each once."""
-        return list(dict.fromkeys(self.weight_map.values()))
+        """Shard files, each once, sorted by name: shard order for `model-0000k-of-0000n` names.
+
+        (Not the order of first appearance in the index: `weight_map` is sorted by tensor name, which
+        would put `lm_head`'s shard, usually the last, first.)
+        """
+        return sorted(set(self.weight_map.values()))
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -217,7 +245,7 @@ class CheckpointReader:
 
     # ----------------------------------------------------------------- reading
     def plan(self, names: Iterable[str]) -> list[tuple[str, list[str]]]:
-        """Group the requested names by shard, shards in index order: the order `get_many` reads them."""
+        """Group the requested names by shard, shards in `files` order: the order `get_many` reads them."""
         by_file: dict[str, list[str]] = {}
         for name in names:
             if name not in self.weight_map:
@@ -240,8 +268,21 @@ class CheckpointReader:
                 out[name] = self._read(handle, file, name)
         return {name: out[name] for name in names}
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of a tensor, reading only those rows (embedding tables of large vocabularies)."""
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        file = self.weight_map[name]
+        handle = self._handle(file)
+        try:
+            if self.format == "safetensors":
+                return handle.get_slice(name)[start:stop]
+            return handle[name][start:stop].clone()
+        except Exception as error:
+            raise CheckpointError(f"{self.folder / file}: cannot read rows of {name!r} ({error})") from error
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, shard by shard, in index order."""
+        """Every tensor, shard by shard in `files` order."""
         for file in self.files:
             for name in [n for n, f in self.weight_map.items() if f == file]:
                 yield name, self._read(self._handle(file), file, name)
@@ -272,11 +313,35 @@ class CheckpointReader:
         return handle
 
     def _load_pickle(self, file: str) -> dict[str, torch.Tensor]:
+        """Load a pickled state dict with `weights_only=True`: tensors and plain containers, no code.
+
+        Only the zip format (torch >= 1.6) can be memory-mapped; older "legacy" files are read whole.
+        Anything but a flat name -> tensor mapping (a training checkpoint with an `epoch` entry, a
+        nested `state_dict`) is refused rather than guessed at.
+        """
         path = _inside(self.folder, file)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        except pickle.UnpicklingError as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            # torch's message is a paragraph; the line naming the offending global is the useful one.
+            detail = next((line for line in lines if "global" in line.lower()), lines[0] if lines else type(error).__name__)
+            raise CheckpointError(
+                f"{path}: refused: the pickle holds something other than tensors, which weights-only loading "
+                f"will not unpickle ({detail})"
+            ) from error
         except Exception as error:
-            raise CheckpointError(f"{path}: cannot load pickled weights safely ({error})") from error
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise CheckpointError(f"{path}: cannot load pickled weights ({first_line})") from error
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+        for name, value in state.items():
+            if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor; expected a flat state dict "
+                    "(name -> tensor), as save_pretrained writes"
+                )
+        return state
 
     def close(self) -> None:
         self._open_file, self._open_handle = None, None

@@ -16,7 +16,6 @@ from typing import Iterable
 
 import torch
 from huggingface_hub import constants as hub_constants
-from huggingface_hub.utils import parse_size_to_int
 from safetensors.torch import save_file
 
 from .errors import OutputExistsError
@@ -41,6 +40,26 @@ SIDECAR_FILES: tuple[str, ...] = (
 )
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# Decimal units, as `save_pretrained(max_shard_size="5GB")` reads them (huggingface_hub's rule).
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes in a shard-size limit such as `"5GB"` or `500_000`, read the way `save_pretrained` reads it.
+
+    Kept here rather than imported: huggingface_hub has moved its own parser between releases.
+    """
+    if isinstance(size, int):
+        return size
+    text = str(size).strip()
+    unit = text[-2:].upper()
+    try:
+        if unit in _SIZE_UNITS:
+            return int(float(text[:-2].strip()) * _SIZE_UNITS[unit])
+        return int(text)
+    except ValueError as error:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB' (units KB, MB, GB, TB)") from error
 
 
 def partial_path_for(output: Path) -> Path:
@@ -107,7 +126,7 @@ class CheckpointWriter:
     ):
         self.output = prepare_output_path(output, overwrite)
         self.overwrite = overwrite
-        self.max_shard_size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+        self.max_shard_size = parse_shard_size(max_shard_size)
         if self.max_shard_size <= 0:
             raise ValueError("max_shard_size must be positive")
         self.cleanup_message = clean_stale_partial(self.output)
@@ -117,6 +136,7 @@ class CheckpointWriter:
         self._shard: dict[str, torch.Tensor] = {}
         self._shard_bytes = 0
         self._shard_files: list[list[str]] = []  # tensor names per written shard, in order
+        self._written: set[str] = set()  # names already on disk, for the duplicate check
         self.total_size = 0
         self.total_parameters = 0
         self._committed = False
@@ -126,17 +146,16 @@ class CheckpointWriter:
         """Queue one tensor; the current shard is flushed first if this one would overflow it.
 
         Same packing rule as `huggingface_hub.split_torch_state_dict_into_shards`, so a model written
-        in state-dict order lands in the same shards as `save_pretrained` puts it.
+        in state-dict order lands in the same shards as `save_pretrained` puts it.  In particular a
+        tensor larger than the limit gets a shard of its own *immediately*, numbered before the shard
+        still being filled, which stays open for the tensors that follow.
         """
-        if any(name in names for names in self._shard_files) or name in self._shard:
+        if name in self._written or name in self._shard:
             raise ValueError(f"tensor {name!r} written twice")
         tensor = tensor.detach().to("cpu").contiguous()
         size = tensor.numel() * tensor.element_size()
         if size > self.max_shard_size:
-            self._flush()
-            self._shard = {name: tensor}
-            self._shard_bytes = size
-            self._flush()
+            self._write_shard({name: tensor})
         else:
             if self._shard_bytes + size > self.max_shard_size:
                 self._flush()
@@ -153,11 +172,14 @@ class CheckpointWriter:
     def _flush(self) -> None:
         if not self._shard:
             return
+        shard, self._shard, self._shard_bytes = self._shard, {}, 0
+        self._write_shard(shard)
+
+    def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
         index = len(self._shard_files)
-        save_file(self._shard, str(self.partial / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
-        self._shard_files.append(list(self._shard))
-        self._shard = {}
-        self._shard_bytes = 0
+        save_file(tensors, str(self.partial / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        self._shard_files.append(list(tensors))
+        self._written.update(tensors)
 
     # ----------------------------------------------------------------- side files
     def write_json(self, relative: str, payload: dict) -> Path:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from .architectures import ArchitectureSpec, architecture_for_config, tied_embeddings
-from .errors import InvalidShapeError
+from .errors import CheckpointError, InvalidShapeError
 
 DEEPSEEK_KV_LORA_RANK = 512
 DEEPSEEK_ROPE_DIM = 64
@@ -67,19 +67,19 @@ class SourceShape:
     def from_config(cls, config: Mapping[str, Any]) -> "SourceShape":
         """Read the shape from a parsed `config.json`; `preflight` reports inconsistent values first."""
         arch = architecture_for_config(config)
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
+        hidden = _config_int(config, "hidden_size")
+        heads = _config_int(config, "num_attention_heads")
+        kv_heads = _config_int(config, "num_key_value_heads", default=heads)
+        head_dim = _config_int(config, "head_dim", default=hidden // heads if heads > 0 else 0)
         return cls(
             architecture=arch,
             hidden_size=hidden,
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=_config_int(config, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            vocab_size=int(config["vocab_size"]),
-            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=_config_int(config, "vocab_size"),
+            intermediate_size=_config_int(config, "intermediate_size"),
             qkv_bias=arch.has_qkv_bias(config),
             o_bias=arch.has_o_bias(config),
             mlp_bias=arch.has_mlp_bias(config),
@@ -111,6 +111,21 @@ class SourceShape:
     @property
     def max_rope_dim(self) -> int:
         return self.head_dim
+
+
+def _config_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """An integer from config.json, as a user error (not a KeyError traceback) when absent or malformed.
+
+    `default` stands in for a key that is absent or null, as transformers itself reads those configs.
+    """
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config.json has no {key!r}; cannot tell the model's shape")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise CheckpointError(f"config.json: {key!r} is {value!r}, not an integer")
+    return int(value)
 
 
 def source_rope_parameters(config: Mapping[str, Any]) -> dict:
@@ -183,8 +198,11 @@ def shape_for_compression(source: SourceShape, compression: float) -> MLAShape:
     About a third of the budget goes to the RoPE key, as a power of two capped at the source head_dim and
     at DeepSeek's 64; measurements on SmolLM2 showed spending on RoPE up to head_dim pays at 2x.
     """
-    if compression <= 0:
-        raise InvalidShapeError(f"--compression {compression}: must be positive")
+    if not compression >= 1:  # also catches NaN
+        # Below 1 the MLA cache would be larger than the source's; the rank cap makes it unreachable anyway.
+        raise InvalidShapeError(
+            f"--compression {compression}: must be at least 1 (how many times smaller the MLA cache is than the source's)"
+        )
     budget = int(round(source.kv_values_per_token_layer / compression))
     if budget < 3:
         raise InvalidShapeError(

@@ -1,0 +1,133 @@
+"""Architecture records: each family maps, and its weight-name templates are the names `save_pretrained` writes.
+
+The expected names come from real checkpoints of tiny random models (every family, with and without
+bias, tied and untied), read back from disk, so a template typo or a wrong bias rule shows up as a
+set difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_config
+
+from mla_convert.architectures import (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    SUPPORTED_ARCHITECTURES,
+    architecture_for_config,
+    supported_architecture_names,
+)
+from mla_convert.checkpoint_reader import CheckpointReader, load_config
+from mla_convert.errors import MLAConvertError, UnsupportedArchitectureError
+
+
+def save_family(folder, family: str, tie: bool, **overrides) -> None:
+    """A real checkpoint of a tiny model; `overrides` set config attributes tiny_config has no argument for."""
+    config = tiny_config(family=family, num_layers=3, tie_word_embeddings=tie, **overrides.pop("config_kwargs", {}))
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    FAMILIES[family][1](config).save_pretrained(folder)
+
+
+def expected_names(spec, config: dict) -> set[str]:
+    names = set(spec.global_weight_names(config).values())
+    for layer in range(config["num_hidden_layers"]):
+        names |= set(spec.layer_weight_names(layer, config).values())
+    return names
+
+
+# family, tie, extra: what the saved checkpoint must hold beyond the bias-free weights
+CASES = {
+    "llama": ("llama", False, {}),
+    "llama-tied": ("llama", True, {}),
+    "llama-attention-bias": ("llama", False, {"config_kwargs": {"attention_bias": True}}),
+    "llama-mlp-bias-tied": ("llama", True, {"mlp_bias": True}),
+    "mistral": ("mistral", False, {}),
+    "mistral-tied": ("mistral", True, {}),
+    "qwen2": ("qwen2", False, {}),
+    "qwen2-tied": ("qwen2", True, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
+    family, tie, overrides = CASES[case]
+    save_family(tmp_path, family, tie, **overrides)
+    config = load_config(tmp_path)
+    spec = architecture_for_config(config)
+    assert spec.family == family
+    on_disk = set(CheckpointReader(tmp_path).keys())
+    expected = expected_names(spec, config)
+    assert expected == on_disk, f"missing from templates: {sorted(on_disk - expected)}; not on disk: {sorted(expected - on_disk)}"
+    assert ("lm_head.weight" in on_disk) == (not tie)
+
+
+@pytest.mark.parametrize(
+    "case, qkv_bias, o_bias, mlp_bias",
+    [
+        ("llama", False, False, False),
+        ("llama-attention-bias", True, True, False),
+        ("llama-mlp-bias-tied", False, False, True),
+        ("mistral", False, False, False),
+        ("qwen2", True, False, False),
+    ],
+)
+def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):
+    family, tie, overrides = CASES[case]
+    save_family(tmp_path, family, tie, **overrides)
+    config = load_config(tmp_path)
+    spec = architecture_for_config(config)
+    assert (spec.has_qkv_bias(config), spec.has_o_bias(config), spec.has_mlp_bias(config)) == (qkv_bias, o_bias, mlp_bias)
+    roles = spec.attention_weight_names(1, config)
+    assert ("k_bias" in roles) == qkv_bias and ("o_bias" in roles) == o_bias
+    assert roles["k_weight"] == "model.layers.1.self_attn.k_proj.weight"
+    assert ("down_bias" in spec.mlp_weight_names(1, config)) == mlp_bias
+    # The role names are what the converter looks tensors up by; their shapes must be the projections'.
+    infos = CheckpointReader(tmp_path).tensor_infos()
+    assert infos[roles["q_weight"]].shape == (config["num_attention_heads"] * config["head_dim"], config["hidden_size"])
+    assert infos[roles["k_weight"]].shape == (config["num_key_value_heads"] * config["head_dim"], config["hidden_size"])
+    if qkv_bias:
+        assert infos[roles["v_bias"]].shape == (config["num_key_value_heads"] * config["head_dim"],)
+
+
+@pytest.mark.parametrize(
+    "architecture, spec",
+    [("LlamaForCausalLM", LLAMA), ("MistralForCausalLM", MISTRAL), ("Qwen2ForCausalLM", QWEN2)],
+)
+def test_each_supported_family_maps(architecture, spec):
+    assert architecture_for_config({"architectures": [architecture], "model_type": "whatever"}) is spec
+    # Configs written without `architectures` still say `model_type`.
+    assert architecture_for_config({"model_type": spec.model_types[0]}) is spec
+    assert architecture in supported_architecture_names()
+
+
+def test_real_configs_map_to_their_family(tmp_path):
+    for family in FAMILIES:
+        folder = tmp_path / family
+        tiny_config(family=family).save_pretrained(folder)
+        assert architecture_for_config(load_config(folder)).family == family
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+        {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"},
+        {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
+        {"model_type": "gpt_neox"},
+        {},
+    ],
+)
+def test_unsupported_architecture_lists_the_supported_ones(config):
+    with pytest.raises(UnsupportedArchitectureError) as caught:
+        architecture_for_config(config)
+    message = str(caught.value)
+    assert isinstance(caught.value, MLAConvertError) and "\n" not in message
+    named = (config.get("architectures") or [config.get("model_type")])[0]
+    assert repr(named) in message
+    for spec in SUPPORTED_ARCHITECTURES:
+        for name in spec.hf_architectures:
+            assert name in message

@@ -1,0 +1,60 @@
+"""The real models the project measures on load as plain Llamas and still talk sense.
+
+If these fail, every quality number downstream is meaningless: the SmolLM2 folder is rebuilt from a
+dequantized GGUF (mla_convert.assets) and stories260K was converted from llama2.c, and both steps can
+silently produce a model that loads but emits garbage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from mla_convert.architectures import LLAMA, architecture_for_config
+from mla_convert.checkpoint_reader import CheckpointReader, load_config
+from mla_convert.shapes import SourceShape
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+
+def greedy(folder, prompt: str, new_tokens: int) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+    return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+def test_smollm2_folder_is_smollm2(smollm2):
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    assert type(model) is LlamaForCausalLM
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (30, 576, 9, 3)
+    assert config.head_dim == 64 and config.tie_word_embeddings and config.vocab_size == 49152
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M
+
+    config_json = load_config(smollm2)
+    assert architecture_for_config(config_json) is LLAMA
+    assert SourceShape.from_config(config_json).kv_values_per_token_layer == 384
+    reader = CheckpointReader(smollm2)
+    assert "lm_head.weight" not in reader and len(reader.keys()) == 2 + 9 * 30  # embed, norm, 9 per layer
+    assert torch.equal(reader.get("model.norm.weight"), model.model.norm.weight.detach())
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    assert tokenizer.decode(tokenizer("The capital of France is").input_ids) == "The capital of France is"
+    text = greedy(smollm2, "The capital of France is", new_tokens=8)
+    assert text.startswith("The capital of France is")
+    assert "Paris" in text[len("The capital of France is") :], text
+
+
+def test_stories260k_tells_a_story(stories260k):
+    model = AutoModelForCausalLM.from_pretrained(stories260k)
+    assert type(model) is LlamaForCausalLM
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.num_key_value_heads) == (5, 64, 4)
+    text = greedy(stories260k, "Once upon a time", new_tokens=30)
+    assert "Lily" in text[len("Once upon a time") :], text

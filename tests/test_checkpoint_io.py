@@ -1,0 +1,656 @@
+"""Streaming checkpoint IO: the reader reads what `save_pretrained` wrote, the writer writes it back the same.
+
+Tiny random models cover the layouts (MHA/GQA/MQA, bias, tied/untied, several shards); the shard limit is
+set to a few KB so each checkpoint has many shards.  Corrupt and hostile inputs are made from real
+checkpoints by editing their bytes, never by faking a library.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import gc
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import tiny_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from mla_convert.checkpoint_reader import CheckpointReader, load_config
+from mla_convert.checkpoint_writer import (
+    OWNER_FILE,
+    SIDECAR_FILES,
+    CheckpointWriter,
+    parse_shard_size,
+    partial_path_for,
+)
+from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefusedError
+from mla_convert.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
+
+INDEX = "model.safetensors.index.json"
+VOCAB = 128
+
+
+# --------------------------------------------------------------------------- helpers
+def save_tokenizer(folder: Path) -> None:
+    """A real fast tokenizer (word-level, VOCAB ids) so the copy has tokenizer sidecars to carry."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
+    backend = Tokenizer(models.WordLevel(vocab={word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(folder)
+
+
+def make_checkpoint(folder: Path, max_shard_size, **config):
+    """Save a tiny model exactly as a user would (`save_pretrained`) plus a tokenizer; return the model."""
+    model = tiny_model(vocab_size=VOCAB, **config)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    save_tokenizer(folder)
+    return model
+
+
+def copy_checkpoint(source: Path, output: Path, order: list[str], max_shard_size, **writer_kwargs) -> Path:
+    """What a conversion does with untouched tensors: read each by name, stream it into the writer."""
+    with CheckpointReader(source) as reader:
+        with CheckpointWriter(output, max_shard_size=max_shard_size, **writer_kwargs) as writer:
+            for name in order:
+                if name in reader:
+                    writer.add(name, reader.get(name))
+            writer.copy_sidecars(source, SIDECAR_FILES + ("config.json",))
+            return writer.commit()
+
+
+def shard_files(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.glob("*.safetensors"))
+
+
+def assert_nothing_written(output: Path) -> None:
+    assert not output.exists(), f"{output} was created"
+    assert not partial_path_for(output).exists(), "a partial folder was left behind"
+
+
+def mapped_files(folder: Path) -> set[str]:
+    """Files of `folder` that this process has memory-mapped right now (Linux)."""
+    root = str(folder.resolve())
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if root in line}
+
+
+def logits(folder_or_model, input_ids: torch.Tensor) -> torch.Tensor:
+    model = folder_or_model
+    if isinstance(folder_or_model, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+# --------------------------------------------------------------------------- round trip
+ROUND_TRIP_CASES = {
+    "llama-gqa-untied": (dict(family="llama", num_heads=4, num_kv_heads=2), "20KB"),
+    "llama-mha-tied": (dict(family="llama", num_heads=4, num_kv_heads=4, tie_word_embeddings=True), "20KB"),
+    "llama-bias-mqa": (dict(family="llama", num_heads=4, num_kv_heads=1, attention_bias=True), "12KB"),
+    "qwen2-bias-gqa-tied": (dict(family="qwen2", num_heads=4, num_kv_heads=2, tie_word_embeddings=True), "12KB"),
+    "qwen2-bias-mqa-untied": (dict(family="qwen2", num_heads=4, num_kv_heads=1), "30KB"),
+    "mistral-gqa-untied": (dict(family="mistral", num_heads=4, num_kv_heads=2), "30KB"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUND_TRIP_CASES))
+def test_round_trip_reproduces_save_pretrained_byte_for_byte(tmp_path, case):
+    config, shard_size = ROUND_TRIP_CASES[case]
+    source, output = tmp_path / "source", tmp_path / "copy"
+    model = make_checkpoint(source, shard_size, **config)
+    order = list(model.state_dict())  # the source's tensor order
+    assert len(shard_files(source)) >= 3, "the case must exercise several shards"
+
+    reader = CheckpointReader(source)
+    expected_missing = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    assert set(order) - set(reader.keys()) == expected_missing
+
+    copy_checkpoint(source, output, order, shard_size)
+
+    assert sorted(os.listdir(output)) == sorted(os.listdir(source))
+    assert (output / INDEX).read_text() == (source / INDEX).read_text()
+    index = json.loads((output / INDEX).read_text())
+    assert sorted(set(index["weight_map"].values())) == shard_files(source)
+    for name in shard_files(source) + ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]:
+        assert filecmp.cmp(source / name, output / name, shallow=False), f"{name} differs"
+    source_tensors = {n: t for f in shard_files(source) for n, t in load_file(source / f).items()}
+    copy_tensors = {n: t for f in shard_files(output) for n, t in load_file(output / f).items()}
+    assert source_tensors.keys() == copy_tensors.keys()
+    for name, tensor in source_tensors.items():
+        assert copy_tensors[name].dtype == tensor.dtype and copy_tensors[name].shape == tensor.shape
+        assert torch.equal(copy_tensors[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
+
+    input_ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    reference = logits(model, input_ids)
+    assert torch.equal(logits(output, input_ids), reference)
+    assert torch.equal(logits(source, input_ids), reference)
+    text = "w1 w7 w42 nonsense w99"
+    assert AutoTokenizer.from_pretrained(output)(text).input_ids == AutoTokenizer.from_pretrained(source)(text).input_ids
+
+
+def test_single_shard_round_trip_has_no_index(tmp_path):
+    source, output = tmp_path / "source", tmp_path / "copy"
+    model = make_checkpoint(source, "5GB", family="llama")
+    assert shard_files(source) == ["model.safetensors"] and not (source / INDEX).exists()
+    copy_checkpoint(source, output, list(model.state_dict()), "5GB")
+    assert sorted(os.listdir(output)) == sorted(os.listdir(source))
+    assert not (output / INDEX).exists()
+    assert filecmp.cmp(source / "model.safetensors", output / "model.safetensors", shallow=False)
+    input_ids = torch.arange(12).view(1, 12)
+    assert torch.equal(logits(output, input_ids), logits(model, input_ids))
+
+
+def test_writer_packs_shards_like_huggingface_hub(tmp_path):
+    """Shard assignment equals `split_torch_state_dict_into_shards` for sizes around the limit, oversized included."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    generator = torch.Generator().manual_seed(0)
+    limit = 1000
+    for trial in range(30):
+        count = int(torch.randint(1, 25, (1,), generator=generator))
+        sizes = torch.randint(1, 700, (count,), generator=generator) * 4  # bytes of float32 tensors, some > limit/2
+        sizes[torch.rand(count, generator=generator) < 0.2] = 1200  # larger than the limit: own shard
+        state = {f"t{i}": torch.zeros(int(size) // 4) for i, size in enumerate(sizes)}
+        expected = split_torch_state_dict_into_shards(state, max_shard_size=limit)
+        output = tmp_path / f"trial-{trial}"
+        with CheckpointWriter(output, max_shard_size=limit) as writer:
+            writer.add_many(state)
+            writer.commit()
+        if len(expected.filename_to_tensors) == 1:
+            assert shard_files(output) == ["model.safetensors"]
+            continue
+        index = json.loads((output / INDEX).read_text())
+        assert index["weight_map"] == expected.tensor_to_filename, f"trial {trial}: sizes {sizes.tolist()}"
+        assert index["metadata"]["total_size"] == expected.metadata["total_size"]
+        assert shard_files(output) == sorted(expected.filename_to_tensors)
+
+
+def test_parse_shard_size_reads_sizes_like_save_pretrained():
+    assert parse_shard_size("20KB") == 20_000
+    assert parse_shard_size("5GB") == 5_000_000_000
+    assert parse_shard_size(" 1.5mb ") == 1_500_000
+    assert parse_shard_size(4096) == 4096
+    with pytest.raises(ValueError, match="5 parsecs"):
+        parse_shard_size("5 parsecs")
+
+
+# --------------------------------------------------------------------------- read planning
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory):
+    """Llama GQA with 20 KB shards: layer 0's q_proj sits alone, its k/v share the next shard."""
+    folder = tmp_path_factory.mktemp("sharded") / "llama"
+    model = make_checkpoint(folder, "20KB", family="llama", num_heads=4, num_kv_heads=2)
+    return folder, list(model.state_dict())
+
+
+def test_layer_straddling_two_shards_opens_each_shard_once(sharded_llama):
+    folder, _ = sharded_llama
+    q, k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    reader = CheckpointReader(folder)
+    assert reader.files_opened == 0, "opening the reader must not open shards"
+    assert reader.weight_map[q] != reader.weight_map[k] == reader.weight_map[v], "precondition: q/k/v straddle two shards"
+
+    plan = reader.plan([k, q, v])
+    assert plan == [(reader.weight_map[q], [q]), (reader.weight_map[k], [k, v])]
+
+    tensors = reader.get_many([k, q, v])
+    assert reader.files_opened == 2
+    assert list(tensors) == [k, q, v], "results come back in the order asked for"
+    for name in (q, k, v):
+        assert torch.equal(tensors[name], load_file(folder / reader.weight_map[name])[name])
+
+    # The k/v shard is still open: a plan starts there, and reading the layer again costs one open (q's).
+    assert reader.plan([q, k, v])[0] == (reader.weight_map[k], [k, v])
+    reader.get_many([q, k, v])
+    assert reader.files_opened == 3
+
+
+def test_iter_tensors_opens_each_shard_once(sharded_llama):
+    folder, _ = sharded_llama
+    reader = CheckpointReader(folder)
+    seen = dict(reader.iter_tensors())
+    assert reader.files_opened == len(reader.files) == len(shard_files(folder))
+    assert seen.keys() == set(reader.keys())
+
+
+def test_reader_holds_at_most_one_shard_mapped(sharded_llama):
+    folder, order = sharded_llama
+    reader = CheckpointReader(folder)
+    names = [n for n in order if n in reader]
+    files_touched = set()
+    for name in names:
+        tensor = reader.get(name)
+        files_touched.add(reader.weight_map[name])
+        del tensor  # the last reference: its mapping goes unless the reader still holds the shard
+        assert len(mapped_files(folder)) <= 1, f"more than one shard mapped: {mapped_files(folder)}"
+    assert len(files_touched) >= 3
+    reader.close()
+    gc.collect()
+    assert mapped_files(folder) == set()
+
+
+def test_tensor_infos_come_from_headers(sharded_llama):
+    folder, _ = sharded_llama
+    reader = CheckpointReader(folder)
+    infos = reader.tensor_infos()
+    assert reader.files_opened == 0, "headers are read without opening shards for tensor data"
+    embed = infos["model.embed_tokens.weight"]
+    assert embed.shape == (VOCAB, 64) and embed.dtype == torch.float32 and embed.nbytes == VOCAB * 64 * 4
+    assert reader.total_bytes() == json.loads((folder / INDEX).read_text())["metadata"]["total_size"]
+
+
+def test_missing_tensor_name_is_a_checkpoint_error(sharded_llama):
+    folder, _ = sharded_llama
+    with pytest.raises(CheckpointError, match="model.layers.9.self_attn.q_proj.weight"):
+        CheckpointReader(folder).get_many(["model.norm.weight", "model.layers.9.self_attn.q_proj.weight"])
+
+
+# --------------------------------------------------------------------------- streaming writer
+def test_exception_inside_writer_leaves_nothing(tmp_path):
+    output = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        with CheckpointWriter(output, max_shard_size=4096) as writer:
+            for i in range(6):
+                writer.add(f"t{i}", torch.full((512,), float(i)))  # 2 KiB each: a shard every 2 tensors
+            assert len(list(writer.partial.glob("shard-*"))) >= 2, "precondition: shards were already on disk"
+            raise RuntimeError("boom")
+    assert_nothing_written(output)
+    assert os.listdir(tmp_path) == []
+
+
+SLOW_WRITER = r"""
+import sys, time, torch
+from mla_convert.checkpoint_writer import CheckpointWriter
+writer = CheckpointWriter(sys.argv[1], max_shard_size=4096)
+for i in range(100_000):
+    writer.add(f"t{i}", torch.full((512,), float(i)))  # 2 KiB each: a shard file every 2 tensors
+    time.sleep(0.01)
+writer.commit()
+"""
+
+
+def test_kill_9_mid_write_leaves_only_the_partial_folder_and_next_run_recovers(tmp_path):
+    output = tmp_path / "out"
+    partial = partial_path_for(output)
+    child = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(output)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(partial.glob("shard-*"))) < 3:
+            assert child.poll() is None, f"writer exited early: {child.stderr.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "the writer never produced shards"
+            time.sleep(0.05)
+        assert (partial / OWNER_FILE).read_text() == str(child.pid)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert not output.exists(), "a killed run must not leave anything at the output path"
+    assert partial.is_dir() and list(partial.glob("shard-*"))
+
+    with CheckpointWriter(output, max_shard_size=4096) as writer:
+        assert writer.cleanup_message is not None and partial.name in writer.cleanup_message
+        writer.add("fresh", torch.arange(10, dtype=torch.float32))
+        writer.commit()
+    assert not partial.exists()
+    assert sorted(os.listdir(output)) == ["model.safetensors"]
+    assert CheckpointReader(output).keys() == ["fresh"]
+    assert torch.equal(CheckpointReader(output).get("fresh"), torch.arange(10, dtype=torch.float32))
+
+
+def test_partial_folder_of_a_live_writer_is_left_alone(tmp_path):
+    output = tmp_path / "out"
+    partial = partial_path_for(output)
+    partial.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (partial / OWNER_FILE).write_text(str(other.pid))
+        with pytest.raises(OutputExistsError, match=f"pid {other.pid}"):
+            CheckpointWriter(output)
+        assert (partial / OWNER_FILE).exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_existing_output_refused_without_overwrite_and_replaced_with_it(tmp_path):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "old-result.txt").write_text("keep me unless told otherwise")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        CheckpointWriter(output)
+    assert os.listdir(output) == ["old-result.txt"]
+    assert not partial_path_for(output).exists()
+
+    with CheckpointWriter(output, overwrite=True) as writer:
+        writer.add("w", torch.ones(3))
+        writer.write_json("config.json", {"answer": 42})
+        assert (output / "old-result.txt").exists(), "the old output stays until the new one is complete"
+        writer.commit()
+    assert sorted(os.listdir(output)) == ["config.json", "model.safetensors"]
+    assert json.loads((output / "config.json").read_text()) == {"answer": 42}
+    assert sorted(os.listdir(tmp_path)) == ["out"], "no backup or partial folder left beside the output"
+
+
+def test_output_appearing_during_the_run_is_not_clobbered(tmp_path):
+    output = tmp_path / "out"
+    writer = CheckpointWriter(output)
+    writer.add("w", torch.ones(3))
+    output.mkdir()  # someone else created it meanwhile
+    with pytest.raises(OutputExistsError, match="kept in"):
+        writer.commit()
+    assert os.listdir(output) == []
+    assert (writer.partial / "model.safetensors").exists(), "the finished result is kept in the partial folder"
+
+
+def test_writer_rejects_duplicate_tensor_names(tmp_path):
+    output = tmp_path / "out"
+    with pytest.raises(ValueError, match="written twice"):
+        with CheckpointWriter(output, max_shard_size=16) as writer:
+            writer.add("a", torch.ones(8))  # larger than the limit: flushed at once
+            writer.add("a", torch.ones(8))
+    assert_nothing_written(output)
+
+
+# --------------------------------------------------------------------------- corrupt and hostile input
+@pytest.fixture(scope="module")
+def template_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("template") / "model"
+    model = make_checkpoint(folder, "20KB", family="llama", num_heads=4, num_kv_heads=2)
+    return folder, list(model.state_dict())
+
+
+@pytest.fixture
+def checkpoint(template_checkpoint, tmp_path):
+    """A fresh copy of a valid sharded checkpoint, to be damaged by the test."""
+    template, order = template_checkpoint
+    folder = tmp_path / "model"
+    shutil.copytree(template, folder)
+    return folder, order
+
+
+def largest_shard(folder: Path) -> Path:
+    return max(folder.glob("*.safetensors"), key=lambda path: path.stat().st_size)
+
+
+def edit_index(folder: Path, edit) -> None:
+    index = json.loads((folder / INDEX).read_text())
+    edit(index["weight_map"])
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+def assert_copy_fails(folder: Path, order: list[str], tmp_path: Path, *fragments: str) -> CheckpointError:
+    output = tmp_path / "out"
+    with pytest.raises(CheckpointError) as caught:
+        copy_checkpoint(folder, output, order, "20KB")
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    assert "\n" not in message, "user errors are one line"
+    assert_nothing_written(output)
+    return caught.value
+
+
+def test_truncated_shard(checkpoint, tmp_path):
+    folder, order = checkpoint
+    shard = largest_shard(folder)
+    os.truncate(shard, shard.stat().st_size // 2)
+    assert_copy_fails(folder, order, tmp_path, str(shard), "truncated")
+
+
+def test_shard_shorter_than_its_header_length(checkpoint, tmp_path):
+    folder, order = checkpoint
+    shard = largest_shard(folder)
+    os.truncate(shard, 5)
+    assert_copy_fails(folder, order, tmp_path, str(shard), "8-byte header length")
+
+
+def test_header_that_is_not_json(checkpoint, tmp_path):
+    folder, order = checkpoint
+    shard = largest_shard(folder)
+    data = bytearray(shard.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    data[8 : 8 + header_len] = b"{" + b"\xff" * (header_len - 1)
+    shard.write_bytes(bytes(data))
+    assert_copy_fails(folder, order, tmp_path, str(shard), "not valid JSON")
+
+
+def test_header_length_larger_than_the_file(checkpoint, tmp_path):
+    folder, order = checkpoint
+    shard = largest_shard(folder)
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", len(data) + 1000)
+    shard.write_bytes(bytes(data))
+    assert_copy_fails(folder, order, tmp_path, str(shard), "exceeds the file size")
+
+
+def test_index_names_a_missing_shard(checkpoint, tmp_path):
+    folder, order = checkpoint
+    shard = largest_shard(folder)
+    shard.unlink()
+    assert_copy_fails(folder, order, tmp_path, INDEX, shard.name, "missing")
+
+
+def test_index_lists_a_tensor_its_shard_does_not_hold(checkpoint, tmp_path):
+    folder, order = checkpoint
+    other = sorted(f for f in shard_files(folder) if f != largest_shard(folder).name)[0]
+    edit_index(folder, lambda weight_map: weight_map.__setitem__("model.norm.weight", other))
+    with pytest.raises(CheckpointError, match=f"{other}.*does not hold"):
+        CheckpointReader(folder).tensor_infos()
+    assert_copy_fails(folder, order, tmp_path, other, "model.norm.weight")
+
+
+@pytest.mark.parametrize("target", ["../../etc/x", "../outside.safetensors", "sub/../../outside.safetensors"])
+def test_index_with_path_traversal(checkpoint, tmp_path, target):
+    folder, order = checkpoint
+    shutil.copyfile(largest_shard(folder), tmp_path / "outside.safetensors")  # a real, readable file out there
+    edit_index(folder, lambda weight_map: weight_map.__setitem__("model.norm.weight", target))
+    assert_copy_fails(folder, order, tmp_path, target, "outside the model folder")
+
+
+@pytest.mark.parametrize("absolute", ["/etc/passwd", "INSIDE"])
+def test_index_with_absolute_path(checkpoint, tmp_path, absolute):
+    folder, order = checkpoint
+    if absolute == "INSIDE":  # absolute even though it points into the folder: still refused
+        absolute = str(largest_shard(folder).resolve())
+    edit_index(folder, lambda weight_map: weight_map.__setitem__("model.norm.weight", absolute))
+    assert_copy_fails(folder, order, tmp_path, absolute, "absolute path")
+
+
+def test_shard_symlinked_from_outside_the_folder(checkpoint, tmp_path):
+    folder, order = checkpoint
+    shard = largest_shard(folder)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(shard, elsewhere / shard.name)
+    shard.symlink_to(elsewhere / shard.name)
+    assert_copy_fails(folder, order, tmp_path, shard.name, "symlink", "outside the model folder")
+
+
+def test_single_file_symlinked_from_outside_the_folder(tmp_path):
+    folder = tmp_path / "model"
+    make_checkpoint(folder, "5GB", family="llama")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(folder / "model.safetensors", elsewhere)
+    (folder / "model.safetensors").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="symlink pointing outside"):
+        CheckpointReader(folder)
+
+
+def test_symlinks_into_the_hugging_face_cache_blobs_are_read(template_checkpoint, tmp_path):
+    """`snapshot_download` folders are symlinks into `../../blobs`; those are the model, not an escape."""
+    template, order = template_checkpoint
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, path in enumerate(sorted(template.iterdir())):
+        blob = repo / "blobs" / f"{number:040x}"
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
+    reader = CheckpointReader(snapshot)
+    for name in reader.keys():
+        assert torch.equal(reader.get(name), CheckpointReader(template).get(name))
+    copy_checkpoint(snapshot, tmp_path / "copy", order, "20KB")
+    assert (tmp_path / "copy" / INDEX).read_text() == (template / INDEX).read_text()
+
+    # A link from the snapshot to anywhere but the repo's blobs is still refused.
+    shard = largest_shard(snapshot)
+    shard.unlink()
+    stray = tmp_path / "stray.safetensors"
+    shutil.copyfile(largest_shard(template), stray)
+    shard.symlink_to(stray)
+    with pytest.raises(CheckpointError, match="symlink pointing outside"):
+        CheckpointReader(snapshot)
+
+
+def test_missing_or_broken_config(checkpoint):
+    folder, _ = checkpoint
+    assert load_config(folder)["architectures"] == ["LlamaForCausalLM"]
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        load_config(folder)
+    (folder / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        load_config(folder)
+
+
+def test_folder_without_weights(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"{folder}: no weights found"):
+        CheckpointReader(folder)
+    with pytest.raises(CheckpointError, match="no such model folder"):
+        CheckpointReader(tmp_path / "nowhere")
+
+
+# --------------------------------------------------------------------------- pickle
+class NotATensor:
+    def __init__(self):
+        self.payload = [1, 2, 3]
+
+
+class RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+    return tiny_model(family="qwen2", vocab_size=VOCAB).state_dict()
+
+
+def pickle_folder(folder: Path, payload, legacy: bool = False) -> Path:
+    folder.mkdir()
+    torch.save(payload, folder / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    return folder
+
+
+def test_pickle_refused_unless_allowed(tmp_path, tiny_state):
+    folder = pickle_folder(tmp_path / "model", tiny_state)
+    with pytest.raises(PickleRefusedError, match="--allow-pickle"):
+        CheckpointReader(folder)
+    reader = CheckpointReader(folder, allow_pickle=True)
+    assert reader.format == "pickle"
+    assert reader.keys() == list(tiny_state)
+    for name, tensor in tiny_state.items():
+        assert torch.equal(reader.get(name), tensor), name
+    assert reader.tensor_infos()["model.layers.0.self_attn.q_proj.bias"].shape == (64,)
+
+
+def test_legacy_pickle_format_is_read(tmp_path, tiny_state):
+    """Pre-1.6 (non-zip) .bin files cannot be memory-mapped; they must still load."""
+    folder = pickle_folder(tmp_path / "model", tiny_state, legacy=True)
+    reader = CheckpointReader(folder, allow_pickle=True)
+    assert torch.equal(reader.get("model.embed_tokens.weight"), tiny_state["model.embed_tokens.weight"])
+
+
+def test_sharded_pickle_is_read_shard_by_shard(tmp_path, tiny_state):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    names = list(tiny_state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2], "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :]}
+    for file, part in halves.items():
+        torch.save({name: tiny_state[name] for name in part}, folder / file)
+    weight_map = {name: file for file, part in halves.items() for name in part}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(PickleRefusedError):
+        CheckpointReader(folder)
+    reader = CheckpointReader(folder, allow_pickle=True)
+    loaded = reader.get_many(reversed(names))
+    assert reader.files_opened == 2
+    assert all(torch.equal(loaded[name], tiny_state[name]) for name in names)
+
+
+@pytest.mark.parametrize("kind", ["code", "object"])
+def test_pickle_with_non_tensor_objects_is_refused_even_when_allowed(tmp_path, tiny_state, kind):
+    marker = tmp_path / "pwned"
+    intruder = RunsCode(marker) if kind == "code" else NotATensor()
+    folder = pickle_folder(tmp_path / "model", {**tiny_state, "extra": intruder})
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: refused") as caught:
+        CheckpointReader(folder, allow_pickle=True)
+    assert "\n" not in str(caught.value)
+    assert ("system" in str(caught.value)) if kind == "code" else ("NotATensor" in str(caught.value))
+    assert not marker.exists(), "unpickling ran code"
+
+
+def test_pickle_that_is_not_a_flat_state_dict_is_refused(tmp_path, tiny_state):
+    folder = pickle_folder(tmp_path / "model", {"state_dict": dict(tiny_state), "epoch": 3})
+    with pytest.raises(CheckpointError, match="'state_dict' is a dict, not a tensor"):
+        CheckpointReader(folder, allow_pickle=True)
+
+
+# --------------------------------------------------------------------------- resolving what the user typed
+def test_resolve_local_paths(tmp_path, sharded_llama):
+    folder, _ = sharded_llama
+    assert resolve_model_path(folder) == folder
+    assert resolve_config_path(str(folder)) == folder
+    with pytest.raises(CheckpointError, match="is a file"):
+        resolve_model_path(folder / "config.json")
+    with pytest.raises(CheckpointError, match="no such folder, and not a Hugging Face hub id"):
+        resolve_model_path(tmp_path / "no" / "such" / "model")
+    assert looks_like_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") and looks_like_hub_id("gpt2")
+    assert not looks_like_hub_id("./model") and not looks_like_hub_id("a/b/c") and not looks_like_hub_id("~/m")
+
+
+# --------------------------------------------------------------------------- the benchmark's synthetic source
+def test_synthetic_checkpoint_is_laid_out_like_save_pretrained(tmp_path):
+    """bench_io.py's source must look like a real checkpoint, or its numbers say nothing about real ones."""
+    import importlib.util
+
+    from transformers import LlamaForCausalLM
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shape = dict(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3, vocab=VOCAB)
+    module.make_synthetic_checkpoint(tmp_path / "synthetic", max_shard_size="20KB", quiet=True, **shape)
+    config = module.llama_config(64, 4, 2, 96, 3, VOCAB)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "real", max_shard_size="20KB")
+    assert (tmp_path / "synthetic" / INDEX).read_text() == (tmp_path / "real" / INDEX).read_text()
+    assert shard_files(tmp_path / "synthetic") == shard_files(tmp_path / "real")
+    assert load_config(tmp_path / "synthetic") == load_config(tmp_path / "real")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "synthetic")
+    assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16
+    stored = CheckpointReader(tmp_path / "synthetic").get("model.layers.2.mlp.down_proj.weight")
+    assert torch.equal(model.model.layers[2].mlp.down_proj.weight.detach(), stored)
+    assert float(stored.float().std()) == pytest.approx(0.02, rel=0.2)

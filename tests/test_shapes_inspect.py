@@ -1,0 +1,276 @@
+"""KV-cache arithmetic, MLA shape picking and validation, and the `mla-convert inspect` command.
+
+The configs are those of the two real models the project measures on (SmolLM2-135M and
+stories260K, see ../shared/DESIGN.md section 4), written out here so these checks need no weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mla_convert.errors import CheckpointError, InvalidShapeError, MLAConvertError
+from mla_convert.inspect_model import inspect_shapes
+from mla_convert.shapes import (
+    CacheCost,
+    MLAShape,
+    SourceShape,
+    cache_costs,
+    check_mla_shape,
+    default_shape,
+    human_bytes,
+    parse_dtype,
+    shape_for_compression,
+    source_rope_parameters,
+)
+
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "dtype": "float32",
+}
+STORIES260K = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 172,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "vocab_size": 512,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "tie_word_embeddings": True,
+}
+# A Llama-2-7B-like MHA model: caches enough for DeepSeek's own 512+64.
+LLAMA7B_MHA = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "rope_theta": 10000.0,
+}
+QWEN2_MQA = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "vocab_size": 128,
+}
+
+
+# --------------------------------------------------------------------------- source shapes and cache arithmetic
+def test_smollm2_source_shape():
+    source = SourceShape.from_config(SMOLLM2)
+    assert source.attention_kind == "GQA"
+    assert (source.num_heads, source.num_kv_heads, source.head_dim, source.num_layers) == (9, 3, 64, 30)
+    assert source.kv_values_per_token_layer == 384  # 2 x 3 kv heads x 64
+    assert source.max_kv_lora_rank == 384 and source.max_rope_dim == 64
+    assert source.tied_embeddings and not source.qkv_bias
+    assert source.rope_parameters == {"rope_theta": 100000.0, "rope_type": "default"}
+    assert source.torch_dtype == torch.float32
+
+
+def test_stories260k_source_shape():
+    source = SourceShape.from_config(STORIES260K)
+    assert source.kv_values_per_token_layer == 64  # 2 x 4 x 8
+    assert source.max_kv_lora_rank == 64  # min(64, hidden 64)
+    assert source.max_rope_dim == 8
+
+
+def test_attention_kinds_and_derived_head_dim():
+    mha = SourceShape.from_config(LLAMA7B_MHA)
+    assert mha.attention_kind == "MHA" and mha.head_dim == 128  # no head_dim key: hidden / heads
+    assert mha.max_kv_lora_rank == 4096  # the hidden size caps it, not 2 x 4096
+    mqa = SourceShape.from_config(QWEN2_MQA)
+    assert mqa.attention_kind == "MQA" and mqa.qkv_bias
+    assert mqa.max_kv_lora_rank == 32  # 2 x 1 x 16 < hidden + 1
+    assert mqa.rope_parameters["rope_theta"] == 10000.0  # default when absent
+
+
+def test_cache_arithmetic_smollm2_128_plus_64_halves_the_cache():
+    source = SourceShape.from_config(SMOLLM2)
+    mla = MLAShape(kv_lora_rank=128, rope_dim=64)
+    before, after = cache_costs(source, mla, torch.bfloat16)
+    assert (before.values_per_token_layer, after.values_per_token_layer) == (384, 192)
+    assert (before.bytes_per_token_layer, after.bytes_per_token_layer) == (768, 384)
+    assert before.bytes_per_token == 768 * 30 == 23040
+    assert before.bytes_for(4096) == 23040 * 4096 == 90 * 2**20
+    assert after.bytes_for(4096, batch=8) == 384 * 30 * 4096 * 8
+    assert before.max_context(2**30) == 2**30 // 23040 == 46603
+    assert after.max_context(2**30, batch=2) == 2**30 // (11520 * 2)
+    report = inspect_shapes(SMOLLM2, kv_lora_rank=128, rope_dim=64)
+    assert report.ratio == 2.0
+    assert CacheCost(192, 30, torch.float32).bytes_per_token_layer == 768
+
+
+def test_inspect_report_rows_match_the_arithmetic():
+    report = inspect_shapes(SMOLLM2, compression=4, dtype=torch.float16, context=1000, batch=3)
+    rows = {quantity: (source, mla) for quantity, source, mla in report.rows()}
+    assert rows["cached values / token / layer"] == ("384", "96")
+    assert rows["bytes / token / layer"] == ("768", "192")
+    assert rows["cache for 1000 tokens x batch 3"] == (human_bytes(768 * 30 * 3000), human_bytes(192 * 30 * 3000))
+    assert report.ratio == 4.0
+
+
+@pytest.mark.parametrize(
+    "config, compression, rank, rope",
+    [
+        (SMOLLM2, 2, 128, 64),
+        (SMOLLM2, 4, 64, 32),
+        (SMOLLM2, 8, 32, 16),
+        (STORIES260K, 2, 24, 8),
+        (STORIES260K, 4, 12, 4),
+        (STORIES260K, 8, 6, 2),
+    ],
+)
+def test_shape_for_compression(config, compression, rank, rope):
+    source = SourceShape.from_config(config)
+    mla = shape_for_compression(source, compression)
+    assert (mla.kv_lora_rank, mla.rope_dim) == (rank, rope)
+    assert source.kv_values_per_token_layer / mla.kv_values_per_token_layer == compression
+    assert inspect_shapes(config, compression=compression).mla == mla
+
+
+def test_default_shape():
+    assert default_shape(SourceShape.from_config(LLAMA7B_MHA)) == MLAShape(512, 64)
+    assert default_shape(SourceShape.from_config(SMOLLM2)) == MLAShape(128, 64)  # too small for 512+64: 2x
+    assert default_shape(SourceShape.from_config(STORIES260K)) == MLAShape(24, 8)
+    # Only one of rank / rope given: the other comes from the default.
+    assert inspect_shapes(SMOLLM2, kv_lora_rank=100).mla == MLAShape(100, 64)
+    assert inspect_shapes(SMOLLM2, rope_dim=32).mla == MLAShape(128, 32)
+
+
+# --------------------------------------------------------------------------- impossible shapes
+def test_every_problem_is_listed_at_once():
+    source = SourceShape.from_config(SMOLLM2)
+    with pytest.raises(InvalidShapeError) as caught:
+        check_mla_shape(source, kv_lora_rank=1000, rope_dim=65, q_lora_rank=0)
+    message = str(caught.value)
+    assert "--rope-dim 65: must be even" in message
+    assert "--kv-lora-rank 1000: larger than the source allows (at most 384" in message
+    assert "--q-lora-rank 0: must be positive" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "rank, rope, expected",
+    [
+        (128, 63, ["--rope-dim 63: must be even"]),
+        (128, 128, ["--rope-dim 128: larger than the source head_dim 64"]),
+        (385, 64, ["--kv-lora-rank 385", "at most 384"]),
+        (0, 0, ["--kv-lora-rank 0: must be positive", "--rope-dim 0: must be a positive even number"]),
+        (-5, -2, ["--kv-lora-rank -5: must be positive", "--rope-dim -2: must be a positive even number"]),
+    ],
+)
+def test_impossible_shapes_are_rejected(rank, rope, expected):
+    source = SourceShape.from_config(SMOLLM2)
+    with pytest.raises(InvalidShapeError) as caught:
+        check_mla_shape(source, rank, rope)
+    for fragment in expected:
+        assert fragment in str(caught.value)
+    # The largest legal shape is accepted.
+    assert check_mla_shape(source, 384, 64) == MLAShape(384, 64)
+
+
+def test_rank_limit_counts_the_bias_column():
+    source = SourceShape.from_config({**SMOLLM2, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 9})
+    assert source.max_kv_lora_rank == 577  # hidden 576 + 1 bias column
+    with pytest.raises(InvalidShapeError, match=r"at most 577 = .*\+ 1 bias column"):
+        check_mla_shape(source, 578, 64)
+
+
+@pytest.mark.parametrize("compression, fragment", [(30, "at most 21.3"), (0, "at least 1"), (-2, "at least 1"), (0.5, "at least 1")])
+def test_impossible_compressions(compression, fragment):
+    source = SourceShape.from_config(STORIES260K)
+    with pytest.raises(InvalidShapeError, match=fragment):
+        shape_for_compression(source, compression)
+
+
+def test_config_errors_are_user_errors():
+    broken = {key: value for key, value in SMOLLM2.items() if key != "num_attention_heads"}
+    with pytest.raises(CheckpointError, match="config.json has no 'num_attention_heads'"):
+        SourceShape.from_config(broken)
+    with pytest.raises(CheckpointError, match="'hidden_size' is 'big', not an integer"):
+        SourceShape.from_config({**SMOLLM2, "hidden_size": "big"})
+    with pytest.raises(InvalidShapeError, match="unknown dtype 'int4'"):
+        parse_dtype("int4")
+    assert parse_dtype("bf16") == torch.bfloat16 and parse_dtype("torch.float16") == torch.float16
+
+
+def test_rope_parameters_from_older_config_keys():
+    params = source_rope_parameters({"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert params == {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}
+
+
+# --------------------------------------------------------------------------- the command line
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "160", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "mla_convert", *map(str, args)], capture_output=True, text=True, env=env, timeout=120, cwd=cwd
+    )
+
+
+@pytest.fixture
+def smollm2_config_folder(tmp_path):
+    folder = tmp_path / "smollm2-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMOLLM2))
+    return folder
+
+
+def test_inspect_cli_prints_the_table_and_ratio(smollm2_config_folder):
+    result = run_cli("inspect", smollm2_config_folder, "--compression", "4", "--context", "4096")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    flowing = " ".join(out.split())  # the summary line may wrap at the terminal width
+    assert "llama (GQA), 30 layers, hidden 576, 9 query heads, 3 kv heads, head_dim 64, RoPE default theta=100000.0" in flowing
+    assert "source vs MLA 64+32" in out
+    table_row = next(line for line in out.splitlines() if "cached values / token / layer" in line)
+    assert "384" in table_row and "96" in table_row
+    cache_row = next(line for line in out.splitlines() if "cache for 4096 tokens x batch 1" in line)
+    assert "90.00 MiB" in cache_row and "22.50 MiB" in cache_row
+    assert "compression ratio: 4.00x" in out
+
+
+def test_inspect_cli_impossible_shape_is_one_error_line(smollm2_config_folder):
+    result = run_cli("inspect", smollm2_config_folder, "--kv-lora-rank", "1000", "--rope-dim", "65")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "--rope-dim 65" in lines[0] and "--kv-lora-rank 1000" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_inspect_cli_user_errors_exit_2(tmp_path):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "empty").mkdir()
+    for folder, fragment in [(tmp_path / "gpt2", "LlamaForCausalLM"), (tmp_path / "empty", "config.json: missing")]:
+        result = run_cli("inspect", folder)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stderr.startswith("error: ") and fragment in result.stderr
+        assert "Traceback" not in result.stderr
+    assert isinstance(InvalidShapeError("x"), MLAConvertError)
