@@ -1,0 +1,476 @@
+"""Sliding-window perplexity of any Hugging Face causal LM, and the `eval` entry point.
+
+Every quality number of this project (source vs converted vs fine-tuned) comes from here, so the
+method is fixed and checked: the sliding-window procedure of the Hugging Face perplexity guide.
+
+* Windows of `context_length` tokens start every `stride` tokens (default: `stride = context_length`,
+  non-overlapping windows - the project's standard protocol).
+* The first window scores every token it can predict (all but its first token).  Each later window
+  scores only the tokens after the previous window's end, i.e. its last `stride` tokens, so with
+  `stride < context_length` every scored token sees at least `context_length - stride` tokens of left
+  context, and no token is scored twice or skipped.  With `stride = context_length` the first token
+  of each window has nothing to be predicted from and is not scored (that is what the guide and the
+  project protocol do).
+* NLL is summed over scored tokens and divided by their number (token-weighted), never averaged per
+  window.
+
+Besides perplexity we report bits per byte and word perplexity over the evaluated text span, with the
+formulas lm-evaluation-harness uses for its wikitext task, so numbers are comparable across
+tokenizers and with published tables.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .errors import MLAConvertError
+from .textdata import TokenizedText, load_text, tokenize_with_offsets
+
+LN2 = math.log(2.0)
+
+
+class EvaluationError(MLAConvertError):
+    """Bad evaluation settings or inputs."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Windows
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """Tokens [begin, end) are fed to the model; targets at positions [score_from, end) are scored."""
+
+    begin: int
+    end: int
+    score_from: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def num_scored(self) -> int:
+        return self.end - self.score_from
+
+
+def plan_windows(num_tokens: int, context_length: int, stride: int | None = None, max_windows: int | None = None) -> list[Window]:
+    """The windows of the Hugging Face sliding-window method over `num_tokens` tokens.
+
+    A position p is scored by the first window that ends after it and holds at least one token
+    before it: `score_from = max(previous end, begin + 1)`.
+    """
+    stride = context_length if stride is None else stride
+    if context_length < 2:
+        raise EvaluationError(f"context length must be at least 2 tokens, got {context_length}")
+    if not 1 <= stride <= context_length:
+        raise EvaluationError(f"stride must be between 1 and the context length ({context_length}), got {stride}")
+    if max_windows is not None and max_windows < 1:
+        raise EvaluationError(f"max_windows must be at least 1, got {max_windows}")
+    if num_tokens < 2:
+        raise EvaluationError(f"need at least 2 tokens to score one, got {num_tokens}")
+    windows: list[Window] = []
+    previous_end = 0
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + context_length, num_tokens)
+        score_from = max(previous_end, begin + 1)
+        if score_from < end:
+            windows.append(Window(begin, end, score_from))
+        previous_end = end
+        if end == num_tokens or (max_windows is not None and len(windows) == max_windows):
+            break
+    return windows
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """Summed NLL over scored tokens, with what is needed to express it per token, byte and word."""
+
+    nll_sum: float  # nats, summed over scored tokens
+    num_scored_tokens: int
+    num_windows: int
+    num_tokens: int  # tokens in the evaluated span (ids[0:last window end])
+    num_bytes: int | None  # UTF-8 bytes of the evaluated text span (None: span unknown)
+    num_words: int | None  # whitespace-separated words of the evaluated text span
+    context_length: int
+    stride: int
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll_sum / self.num_scored_tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean_nll)
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Total NLL in bits over UTF-8 bytes (lm-evaluation-harness `bits_per_byte`)."""
+        return None if not self.num_bytes else self.nll_sum / LN2 / self.num_bytes
+
+    @property
+    def word_perplexity(self) -> float | None:
+        """exp(total NLL / words) (lm-evaluation-harness `word_perplexity`)."""
+        return None if not self.num_words else math.exp(self.nll_sum / self.num_words)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(
+            mean_nll=self.mean_nll,
+            perplexity=self.perplexity,
+            bits_per_byte=self.bits_per_byte,
+            word_perplexity=self.word_perplexity,
+        )
+        return data
+
+
+def span_statistics(text: str | None) -> tuple[int | None, int | None]:
+    """(UTF-8 bytes, whitespace-separated words) of an evaluated text span."""
+    if text is None:
+        return None, None
+    return len(text.encode("utf-8")), len(text.split())
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_tokenized(tokenizer_or_ids, text: str | None) -> TokenizedText:
+    """Accept a tokenizer (+ text), ready token ids (+ optional text) or a `TokenizedText`."""
+    if isinstance(tokenizer_or_ids, TokenizedText):
+        return tokenizer_or_ids
+    if isinstance(tokenizer_or_ids, torch.Tensor) or isinstance(tokenizer_or_ids, (list, tuple)):
+        ids = torch.as_tensor(tokenizer_or_ids, dtype=torch.long).reshape(-1)  # (num_tokens,)
+        # Without offsets only a full evaluation can name its text span (then: all of `text`).
+        return TokenizedText(ids, None, text if text is not None else "")
+    if text is None:
+        raise EvaluationError("evaluate_perplexity needs the text when given a tokenizer")
+    return tokenize_with_offsets(tokenizer_or_ids, text)
+
+
+def _model_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _batches(windows: list[Window], batch_size: int):
+    """Consecutive windows of identical shape (length and number scored) in groups of `batch_size`."""
+    group: list[Window] = []
+    for window in windows:
+        if group and (len(group) == batch_size or (window.length, window.num_scored) != (group[0].length, group[0].num_scored)):
+            yield group
+            group = []
+        group.append(window)
+    if group:
+        yield group
+
+
+@torch.inference_mode()
+def _window_nll(model, ids: torch.Tensor, group: list[Window], device: torch.device, keep_logits: bool) -> float:
+    """Summed NLL (nats) of the scored targets of a group of same-shaped windows."""
+    length, num_scored = group[0].length, group[0].num_scored
+    batch = torch.stack([ids[w.begin : w.end] for w in group]).to(device)  # (B, length)
+    kwargs = {"use_cache": False}
+    if keep_logits:
+        # Only the positions that predict scored targets need the LM head (saves the vocab matmul).
+        kwargs["logits_to_keep"] = num_scored + 1
+    logits = model(input_ids=batch, **kwargs).logits  # (B, kept or length, vocab)
+    predicting = logits[:, -(num_scored + 1) : -1]  # (B, num_scored, vocab): row j predicts target j
+    targets = batch[:, length - num_scored :]  # (B, num_scored)
+    total = 0.0
+    for row in range(batch.shape[0]):  # one row at a time bounds the fp32 upcast to (num_scored, vocab)
+        total += F.cross_entropy(predicting[row].float(), targets[row], reduction="sum").item()
+    return total
+
+
+def evaluate_perplexity(
+    model,
+    tokenizer_or_ids,
+    text: str | None = None,
+    context_length: int = 1024,
+    stride: int | None = None,
+    batch_size: int = 1,
+    max_tokens: int | None = None,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    desc: str = "perplexity",
+) -> PerplexityResult:
+    """Sliding-window perplexity of `model` on `text` (see the module docstring for the method).
+
+    `tokenizer_or_ids`: a tokenizer (then `text` is required), a 1-D tensor of token ids (then `text`,
+    if given, must be what they encode; bytes/words are only reported when all ids are evaluated), or
+    a `TokenizedText`.  `max_tokens` evaluates only the first that many tokens; `max_windows` stops
+    after that many windows.  Inputs go to `device` (default: where the model's embeddings are).
+    """
+    if batch_size < 1:
+        raise EvaluationError(f"batch size must be at least 1, got {batch_size}")
+    tokenized = _as_tokenized(tokenizer_or_ids, text)
+    ids = tokenized.ids
+    if max_tokens is not None:
+        if max_tokens < 2:
+            raise EvaluationError(f"max_tokens must be at least 2, got {max_tokens}")
+        ids = ids[:max_tokens]
+    stride = context_length if stride is None else stride
+    windows = plan_windows(int(ids.numel()), context_length, stride, max_windows)
+    span_tokens = windows[-1].end
+    num_bytes, num_words = span_statistics(tokenized.span_text(span_tokens) if tokenized.text else None)
+
+    device = torch.device(device) if device is not None else _model_device(model)
+    keep_logits = _accepts_logits_to_keep(model)
+    was_training = model.training
+    model.eval()
+    nll_sum = 0.0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(windows), desc=desc, unit="win", leave=False)
+    try:
+        for group in _batches(windows, batch_size):
+            nll_sum += _window_nll(model, ids, group, device, keep_logits)
+            if bar is not None:
+                bar.update(len(group))
+                scored = sum(w.num_scored for w in windows[: bar.n])
+                bar.set_postfix(ppl=f"{math.exp(nll_sum / scored):.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        model.train(was_training)
+    if not math.isfinite(nll_sum):
+        raise EvaluationError(f"the model produced a non-finite loss ({nll_sum}); check the weights and dtype")
+    return PerplexityResult(
+        nll_sum=nll_sum,
+        num_scored_tokens=sum(w.num_scored for w in windows),
+        num_windows=len(windows),
+        num_tokens=span_tokens,
+        num_bytes=num_bytes,
+        num_words=num_words,
+        context_length=context_length,
+        stride=stride,
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A model and its baseline scored on the same token windows; `ratio` = model ppl / baseline ppl."""
+
+    model: PerplexityResult
+    baseline: PerplexityResult
+    model_label: str = "model"
+    baseline_label: str = "baseline"
+
+    @property
+    def ratio(self) -> float:
+        return self.model.perplexity / self.baseline.perplexity
+
+    def results(self) -> dict[str, PerplexityResult]:
+        return {self.baseline_label: self.baseline, self.model_label: self.model}
+
+    def to_dict(self) -> dict:
+        return {
+            self.baseline_label: self.baseline.to_dict(),
+            self.model_label: self.model.to_dict(),
+            "ratio": self.ratio,
+        }
+
+
+def compare_models(
+    model,
+    baseline,
+    tokenizer_or_ids,
+    text: str | None = None,
+    context_length: int = 1024,
+    model_label: str = "model",
+    baseline_label: str = "baseline",
+    **kwargs,
+) -> Comparison:
+    """Evaluate `model` and `baseline` on exactly the same token windows (one tokenization).
+
+    A converted model keeps its source's tokenizer, so one tokenization serves both; keyword arguments
+    are those of `evaluate_perplexity`.
+    """
+    tokenized = _as_tokenized(tokenizer_or_ids, text)
+    base = evaluate_perplexity(baseline, tokenized, context_length=context_length, desc=baseline_label, **kwargs)
+    mine = evaluate_perplexity(model, tokenized, context_length=context_length, desc=model_label, **kwargs)
+    return Comparison(mine, base, model_label, baseline_label)
+
+
+def format_markdown_table(results: Mapping[str, PerplexityResult] | Comparison, baseline_label: str | None = None) -> str:
+    """A markdown table: one row per result; with a baseline, a column of perplexity ratios to it."""
+    if isinstance(results, Comparison):
+        baseline_label = results.baseline_label
+        results = results.results()
+    baseline = results.get(baseline_label) if baseline_label else None
+    header = ["model", "perplexity", "bits/byte", "word ppl", "scored tokens", "windows", "context/stride"]
+    if baseline is not None:
+        header.append("ppl ratio")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for label, result in results.items():
+        row = [
+            label,
+            f"{result.perplexity:.4f}",
+            "n/a" if result.bits_per_byte is None else f"{result.bits_per_byte:.4f}",
+            "n/a" if result.word_perplexity is None else f"{result.word_perplexity:.3f}",
+            str(result.num_scored_tokens),
+            str(result.num_windows),
+            f"{result.context_length}/{result.stride}",
+        ]
+        if baseline is not None:
+            row.append(f"{result.perplexity / baseline.perplexity:.4f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The `eval` entry point (shared by `mla-convert eval` and scripts/eval_perplexity.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalReport:
+    """What `run_eval` measured, ready to print (`markdown`) or save (`to_dict` / JSON)."""
+
+    results: dict[str, PerplexityResult]
+    settings: dict = field(default_factory=dict)
+    baseline_label: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline_label is None:
+            return None
+        model_label = next(label for label in self.results if label != self.baseline_label)
+        return self.results[model_label].perplexity / self.results[self.baseline_label].perplexity
+
+    def markdown(self) -> str:
+        return format_markdown_table(self.results, self.baseline_label)
+
+    def to_dict(self) -> dict:
+        return {
+            "settings": self.settings,
+            "results": {label: result.to_dict() for label, result in self.results.items()},
+            "baseline": self.baseline_label,
+            "ratio": self.ratio,
+        }
+
+
+def load_model_for_eval(model: str | os.PathLike, device: str | torch.device | None = None, dtype: str = "auto", revision: str | None = None):
+    """Load any causal LM folder or hub id with stock transformers (no remote code), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from .resolve import resolve_model_path
+    from .shapes import parse_dtype
+
+    path = resolve_model_path(model, revision)
+    torch_dtype = "auto" if dtype in (None, "auto") else parse_dtype(dtype)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise EvaluationError(f"{model}: cannot load as a causal LM ({first})") from error
+    if device is not None:
+        loaded = loaded.to(device)
+    return loaded.eval(), path
+
+
+def load_tokenizer_for_eval(*folders: Path):
+    """The first folder's tokenizer that loads (a converted model falls back to its source's)."""
+    from transformers import AutoTokenizer
+
+    for folder in folders:
+        if folder is None:
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError):
+            continue
+    raise EvaluationError(f"no tokenizer found in {', '.join(str(f) for f in folders if f is not None)}")
+
+
+def run_eval(
+    model: str | os.PathLike,
+    data: str | os.PathLike,
+    baseline: str | os.PathLike | None = None,
+    context_length: int = 1024,
+    stride: int | None = None,
+    max_windows: int | None = None,
+    max_tokens: int | None = None,
+    batch_size: int = 1,
+    device: str | None = None,
+    dtype: str = "auto",
+    text_column: str = "text",
+    split: str | None = None,
+    max_chars: int | None = None,
+    json_path: str | os.PathLike | None = None,
+    progress: bool = True,
+    revision: str | None = None,
+) -> EvalReport:
+    """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
+
+    The tokenizer comes from the model folder, else from the baseline's (a converted model carries its
+    source's tokenizer, but an older export might not).
+    """
+    model_obj, model_path = load_model_for_eval(model, device, dtype, revision)
+    baseline_obj, baseline_path = (None, None)
+    if baseline is not None:
+        baseline_obj, baseline_path = load_model_for_eval(baseline, device, dtype, revision)
+    tokenizer = load_tokenizer_for_eval(model_path, baseline_path)
+    text = load_text(data, text_column=text_column, split=split, max_chars=max_chars)
+    tokenized = tokenize_with_offsets(tokenizer, text)
+    options = dict(
+        context_length=context_length,
+        stride=stride,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        max_windows=max_windows,
+        progress=progress,
+    )
+    model_label = str(model)
+    if baseline_obj is not None:
+        baseline_label = f"{baseline} (baseline)"
+        if baseline_label == model_label:
+            model_label = f"{model} (model)"
+        comparison = compare_models(model_obj, baseline_obj, tokenized, model_label=model_label, baseline_label=baseline_label, **options)
+        results = comparison.results()
+    else:
+        baseline_label = None
+        results = {model_label: evaluate_perplexity(model_obj, tokenized, desc=model_label, **options)}
+    settings = dict(
+        model=str(model),
+        baseline=None if baseline is None else str(baseline),
+        data=str(data),
+        text_column=text_column,
+        split=split,
+        max_chars=max_chars,
+        context_length=context_length,
+        stride=context_length if stride is None else stride,
+        max_windows=max_windows,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        dtype=str(next(model_obj.parameters()).dtype).replace("torch.", ""),
+        device=str(_model_device(model_obj)),
+        total_tokens=len(tokenized),
+    )
+    report = EvalReport(results, settings, baseline_label)
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return report

@@ -1,0 +1,274 @@
+"""Text sources for calibration, evaluation and fine-tuning, and how to turn them into token windows.
+
+Every stage that needs text (calibration statistics, perplexity, fine-tuning) names it the same way: a
+local file, a local folder of files, or a `datasets` spec such as `wikitext:wikitext-2-raw-v1:test`.
+Keeping that in one module means a number reported by `eval` and the data a conversion was calibrated
+on are read identically, and offline machines get one clear error instead of a hub traceback.
+
+Dataset rows are joined with a blank line ("\\n\\n", blank rows kept): for WikiText that reproduces the
+standard raw text used by the Hugging Face perplexity guide byte for byte, and for corpora whose rows
+are documents it separates the documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import MLAConvertError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl",)
+ROW_SEPARATOR = "\n\n"  # between dataset rows, jsonl rows and files of a folder
+_PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+
+
+class TextDataError(MLAConvertError):
+    """A text source is missing, empty, unreadable or cannot be loaded."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading text
+# --------------------------------------------------------------------------------------------------
+
+
+def load_text(spec: str | os.PathLike, text_column: str = "text", split: str | None = None, max_chars: int | None = None) -> str:
+    """Return the text named by `spec`.
+
+    `spec` is one of
+      * a text file (`.txt`, `.md`, anything UTF-8) or a `.jsonl` file (one JSON object per line, the
+        text in `text_column`);
+      * a folder: its `*.txt`, `*.md` and `*.jsonl` files (recursively, hidden ones skipped), sorted by
+        relative path and joined with blank lines;
+      * a `datasets` spec `name:config:split`, `name::split`, `name:config` or `name` (the split then
+        comes from `split`, or is the only split the dataset has), loaded with `datasets.load_dataset`.
+        `name` may also be a local dataset folder (e.g. one holding `train.jsonl` / `test.jsonl`).
+
+    `max_chars` keeps only the first that many characters (reading stops early where possible), so a
+    quick run does not pay for the whole corpus.
+    """
+    if max_chars is not None and max_chars <= 0:
+        raise TextDataError(f"max_chars must be positive, got {max_chars}")
+    text_spec = os.fspath(spec)
+    path = Path(text_spec).expanduser()
+    if path.is_file():
+        text = _read_file(path, text_column, max_chars)
+    elif path.is_dir():
+        text = _read_folder(path, text_column, max_chars)
+    elif ":" not in text_spec and _looks_like_path(text_spec):
+        raise TextDataError(f"{text_spec}: no such file or folder")
+    else:
+        text = _read_dataset(text_spec, text_column, split, max_chars)
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise TextDataError(f"{text_spec}: contains no text")
+    return text
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A spec meant as a local path (so a typo gives 'no such file', not a hub lookup)."""
+    lowered = spec.lower()
+    return spec.startswith(_PATH_PREFIXES) or lowered.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + (".json",))
+
+
+def _read_file(path: Path, text_column: str, max_chars: int | None) -> str:
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        return _read_jsonl(path, text_column, max_chars)
+    try:
+        if max_chars is None:
+            return path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8") as handle:
+            return handle.read(max_chars)
+    except UnicodeDecodeError as error:
+        raise TextDataError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
+    except OSError as error:
+        raise TextDataError(f"{path}: cannot read ({error.strerror or error})") from error
+
+
+def _read_jsonl(path: Path, text_column: str, max_chars: int | None) -> str:
+    rows: list[str] = []
+    total = 0
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise TextDataError(f"{path}:{line_number}: not valid JSON ({error.msg})") from error
+                if not isinstance(record, dict) or text_column not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise TextDataError(f"{path}:{line_number}: no {text_column!r} field (has {keys}); set the text column")
+                value = record[text_column]
+                rows.append("" if value is None else str(value))
+                total += len(rows[-1]) + len(ROW_SEPARATOR)
+                if max_chars is not None and total >= max_chars:
+                    break
+    except UnicodeDecodeError as error:
+        raise TextDataError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
+    except OSError as error:
+        raise TextDataError(f"{path}: cannot read ({error.strerror or error})") from error
+    return ROW_SEPARATOR.join(rows)
+
+
+def _read_folder(folder: Path, text_column: str, max_chars: int | None) -> str:
+    files = sorted(
+        (
+            file
+            for file in folder.rglob("*")
+            if file.is_file()
+            and file.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES
+            and not any(part.startswith(".") for part in file.relative_to(folder).parts)
+        ),
+        key=lambda file: file.relative_to(folder).as_posix(),
+    )
+    if not files:
+        raise TextDataError(f"{folder}: folder holds no *.txt, *.md or *.jsonl files")
+    parts: list[str] = []
+    total = 0
+    for file in files:
+        remaining = None if max_chars is None else max(max_chars - total, 1)
+        parts.append(_read_file(file, text_column, remaining))
+        total += len(parts[-1]) + len(ROW_SEPARATOR)
+        if max_chars is not None and total >= max_chars:
+            break
+    return ROW_SEPARATOR.join(parts)
+
+
+def parse_dataset_spec(spec: str, split: str | None = None) -> tuple[str, str | None, str | None]:
+    """`name:config:split` -> (name, config or None, split or None); an explicit `split` fills a missing one."""
+    parts = spec.split(":")
+    if len(parts) > 3 or not parts[0]:
+        raise TextDataError(f"{spec!r}: expected a file, a folder or a dataset spec name[:config[:split]]")
+    name, config, spec_split = (parts + [None, None])[:3]
+    if split and spec_split and split != spec_split:
+        raise TextDataError(f"{spec!r}: names split {spec_split!r} but split={split!r} was also given")
+    return name, config or None, spec_split or split or None
+
+
+def _read_dataset(spec: str, text_column: str, split: str | None, max_chars: int | None) -> str:
+    name, config, split = parse_dataset_spec(spec, split)
+    try:
+        import datasets
+    except ImportError as error:  # pragma: no cover - datasets is a declared dependency
+        raise TextDataError(f"{spec!r}: loading a dataset needs the `datasets` package") from error
+    try:
+        loaded = datasets.load_dataset(name, config, split=split)
+    except Exception as error:  # noqa: BLE001 - any failure here means "cannot get this dataset"
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise TextDataError(
+            f"{spec!r}: datasets.load_dataset failed ({type(error).__name__}: {reason}); "
+            "the dataset name may be wrong or the Hugging Face hub unreachable (offline?): pass a local text file or folder instead"
+        ) from error
+    if isinstance(loaded, datasets.DatasetDict):
+        if len(loaded) != 1:
+            raise TextDataError(f"{spec!r}: has splits {sorted(loaded)}; name one as {name}:{config or ''}:SPLIT")
+        loaded = next(iter(loaded.values()))
+    if text_column not in loaded.column_names:
+        raise TextDataError(f"{spec!r}: no column {text_column!r} (columns: {loaded.column_names}); set the text column")
+    rows: list[str] = []
+    total = 0
+    for value in loaded[text_column] if max_chars is None else _iter_column(loaded, text_column):
+        rows.append("" if value is None else str(value))  # blank rows are kept: they are the newlines
+        total += len(rows[-1]) + len(ROW_SEPARATOR)
+        if max_chars is not None and total >= max_chars:
+            break
+    return ROW_SEPARATOR.join(rows)
+
+
+def _iter_column(dataset, column: str, batch: int = 1024):
+    """Rows of one column in batches, so `max_chars` does not materialise a huge column."""
+    for start in range(0, len(dataset), batch):
+        yield from dataset[start : start + batch][column]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizing
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """Token ids of a text plus, per token, the character offset where it ends in that text.
+
+    The offsets let an evaluation that stops early say exactly which stretch of text it covered (for
+    bits per byte and word perplexity); they are None when the tokenizer cannot report offsets.
+    """
+
+    ids: torch.Tensor  # (num_tokens,) int64
+    char_ends: list[int] | None  # len num_tokens; a prepended BOS ends at 0
+    text: str
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def span_text(self, num_tokens: int) -> str | None:
+        """The text covered by the first `num_tokens` tokens (None if that cannot be known)."""
+        if num_tokens >= len(self):
+            return self.text
+        if self.char_ends is None or num_tokens <= 0:
+            return None
+        return self.text[: self.char_ends[num_tokens - 1]]
+
+
+def tokenizer_adds_bos(tokenizer) -> bool:
+    """Whether `tokenizer(text)` puts a BOS token in front (Llama-2 style) - probed, not assumed."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    without = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > len(without) and with_special[0] == bos
+
+
+def tokenize_with_offsets(tokenizer, text: str) -> TokenizedText:
+    """Tokenize a whole text in one call: one BOS in front if the tokenizer adds one, nothing else.
+
+    One call (not chunks) so that the ids are exactly what the tokenizer gives for the text - chunking
+    would change merges and SentencePiece word-boundary prefixes at every chunk start.  `verbose=False`
+    silences the "longer than the model's maximum length" warning, which is about feeding the model,
+    not about tokenizing; nothing is truncated.
+    """
+    if not text:
+        raise TextDataError("cannot tokenize an empty text")
+    char_ends: list[int] | None
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        char_ends = [end for _, end in encoded["offset_mapping"]]
+    except (NotImplementedError, ValueError, TypeError):  # tokenizers without offset support
+        encoded = tokenizer(text, add_special_tokens=False, verbose=False)
+        char_ends = None
+    ids = list(encoded["input_ids"])
+    if not ids:
+        raise TextDataError("the tokenizer produced no tokens for this text")
+    if tokenizer_adds_bos(tokenizer):
+        ids = [tokenizer.bos_token_id] + ids
+        char_ends = None if char_ends is None else [0] + char_ends
+    return TokenizedText(torch.tensor(ids, dtype=torch.long), char_ends, text)
+
+
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """1-D LongTensor of the ids of `text` (see `tokenize_with_offsets` for the rules)."""
+    return tokenize_with_offsets(tokenizer, text).ids
+
+
+def pack_windows(ids: torch.Tensor, seq_len: int, num: int, stride: int | None = None) -> torch.Tensor:
+    """The first `num` full windows of `seq_len` tokens, `stride` apart (default: no overlap).
+
+    Returns (n, seq_len) with n = min(num, windows that fit); calibration wants whole windows only, so
+    a ragged tail is dropped rather than padded.
+    """
+    stride = seq_len if stride is None else stride
+    if seq_len <= 0 or num <= 0 or stride <= 0:
+        raise TextDataError(f"seq_len, num and stride must be positive (got {seq_len}, {num}, {stride})")
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # (num_tokens,)
+    if ids.numel() < seq_len:
+        raise TextDataError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}; use more text or a shorter window")
+    windows = ids.unfold(0, seq_len, stride)  # (available, seq_len) view
+    return windows[:num].clone()  # (n, seq_len)

@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""Greedy decode speed and KV-cache size of a source model and its MLA conversion, side by side.
+
+Why: the point of MLA is a smaller cache, which should make long-context decoding cheaper in memory
+and (where decoding is memory-bound) faster.  This times plain `model.generate` (greedy, `use_cache=True`,
+a fixed number of new tokens after a prompt of N tokens) for both models in the same run, on the same
+prompts, and counts the bytes of the cache `generate` hands back (`mla_convert.kv_cache_measure`).
+
+Prefill and decode are timed separately within one `generate` call: a logits processor stamps the
+clock each time the model has produced next-token logits, so the first stamp ends the prefill and the
+rest are decode steps (decode tok/s = (new_tokens - 1) / (last stamp - first stamp)).
+
+    python scripts/bench_decode.py --source SRC --converted OUT --contexts 512,2048 --new-tokens 32 \
+        --write-benchmarks BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SECTION_BEGIN = "<!-- bench_decode:begin -->"
+SECTION_END = "<!-- bench_decode:end -->"
+CPU_DEFAULT_CONTEXTS = "512,2048"  # SmolLM2 source + converted finish in a few minutes on 2 cores
+GPU_DEFAULT_CONTEXTS = "512,2048,8192"
+
+
+@dataclass
+class DecodeTiming:
+    model: str
+    context: int  # prompt tokens actually used
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    kv_cache_bytes: int
+    kv_bytes_per_token: float
+
+
+class StepClock:
+    """A logits processor that only records when each next-token distribution is ready.
+
+    It returns the scores untouched; on CUDA it synchronizes first so the stamp is the real finish time.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", required=True, help="source model folder or hub id")
+    parser.add_argument("--converted", required=True, help="converted (MLA) model folder or hub id")
+    parser.add_argument("--contexts", help=f"prompt lengths, comma separated (default: {CPU_DEFAULT_CONTEXTS} on CPU, {GPU_DEFAULT_CONTEXTS} on GPU)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated after each prompt")
+    parser.add_argument("--data", help="text for the prompts (file, folder or dataset spec); default: random token ids")
+    parser.add_argument("--device", help="cpu or cuda[:i] (default: cuda if available)")
+    parser.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: all cores but one; on a shared 2-core machine a second busy "
+        "thread made decode 5-20x slower and erratic, one thread gave steady numbers)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per (model, context); the fastest counts")
+    parser.add_argument("--write-benchmarks", metavar="BENCHMARKS.md", help="replace (or append) this script's section there")
+    parser.add_argument("--json", dest="json_path", help="also write the raw timings as JSON")
+    return parser.parse_args(argv)
+
+
+def load(model: str, device: torch.device, dtype: torch.dtype):
+    from mla_convert.perplexity import load_model_for_eval
+
+    loaded, path = load_model_for_eval(model, device=device, dtype=str(dtype).replace("torch.", ""))
+    return loaded, path
+
+
+def prompt_ids(args, tokenizer_folder: Path, length: int, vocab_size: int) -> torch.Tensor:
+    """(1, length) prompt: the start of --data if given, else seeded random ids (speed ignores content)."""
+    if args.data is None:
+        generator = torch.Generator().manual_seed(length)
+        return torch.randint(0, vocab_size, (1, length), generator=generator)
+    from mla_convert.perplexity import load_tokenizer_for_eval
+    from mla_convert.textdata import load_text, tokenize_text
+
+    tokenizer = load_tokenizer_for_eval(tokenizer_folder)
+    chars = length * 8
+    while True:
+        ids = tokenize_text(tokenizer, load_text(args.data, max_chars=chars))
+        if ids.numel() >= length:
+            return ids[:length][None]  # (length,) -> (1, length)
+        full_text_tokens = ids.numel()
+        chars *= 2
+        if chars > 64 * length * 8:
+            raise SystemExit(f"error: {args.data} has only {full_text_tokens} tokens, fewer than a {length}-token prompt")
+
+
+def time_generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> tuple[float, float, int]:
+    """(prefill seconds, decode seconds, cache bytes) of one greedy `generate`."""
+    from transformers import LogitsProcessorList
+
+    from mla_convert.kv_cache_measure import cache_bytes
+
+    clock = StepClock(device)
+    ids = ids.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        use_cache=True,
+        logits_processor=LogitsProcessorList([clock]),
+        return_dict_in_generate=True,
+        pad_token_id=model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0,
+    )
+    generated = out.sequences.shape[1] - ids.shape[1]
+    if generated != new_tokens or len(clock.stamps) != new_tokens:
+        raise RuntimeError(f"generate produced {generated} tokens ({len(clock.stamps)} steps), expected {new_tokens}")
+    cache = getattr(out, "cache", None)  # transformers 5.x name; `past_key_values` is deprecated
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    per_layer, _, _ = cache_bytes(cache)
+    prefill = clock.stamps[0] - start
+    decode = clock.stamps[-1] - clock.stamps[0]
+    del out, cache
+    return prefill, decode, sum(per_layer)
+
+
+def bench_pair(args, contexts: list[int], device: torch.device, dtype: torch.dtype) -> dict[str, list[DecodeTiming]]:
+    """Time both models at every context, alternating source and converted run by run.
+
+    Both models stay loaded and take turns, so load from other users of a shared machine (or clock
+    changes) hits both alike instead of whichever happened to run second.
+    """
+    models = {}
+    for label, spec in (("source", args.source), ("converted", args.converted)):
+        model, path = load(spec, device, dtype)
+        config = model.config.get_text_config()
+        time_generate(model, prompt_ids(args, path, 16, config.vocab_size), 2, device)  # warm-up: first-call setup
+        models[label] = (model, path, config)
+    timings: dict[str, list[DecodeTiming]] = {label: [] for label in models}
+    limits = [getattr(config, "max_position_embeddings", None) for _, _, config in models.values()]
+    max_positions = min((limit for limit in limits if limit), default=None)
+    for context in contexts:
+        best: dict[str, tuple[float, float, int]] = {}
+        length = context
+        if max_positions is not None and context + args.new_tokens > max_positions:
+            # Stay inside the trained positions; both models get the same (shorter) prompt.
+            length = max_positions - args.new_tokens
+            print(f"note: context {context}: prompt cut to {length} tokens (max_position_embeddings={max_positions})", file=sys.stderr)
+        prompts = {label: prompt_ids(args, path, length, config.vocab_size) for label, (_, path, config) in models.items()}
+        for _ in range(args.repeats):
+            for label, (model, _, _) in models.items():
+                prefill, decode, held = time_generate(model, prompts[label], args.new_tokens, device)
+                if label not in best or decode < best[label][1]:
+                    best[label] = (prefill, decode, held)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        held_tokens = length + args.new_tokens - 1  # the last generated token is never fed back
+        for label, (prefill, decode, held) in best.items():
+            timing = DecodeTiming(label, length, args.new_tokens, prefill, decode, (args.new_tokens - 1) / decode, held, held / held_tokens)
+            timings[label].append(timing)
+            print(
+                f"{label:>9} ctx {length:>6}: prefill {prefill:7.2f}s  decode {timing.decode_tokens_per_s:8.2f} tok/s  "
+                f"KV {held / 2**20:9.2f} MiB",
+                flush=True,
+            )
+    return timings
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    processor = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                processor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {processor}, {torch.get_num_threads()} threads"
+
+
+def markdown_table(source: list[DecodeTiming], converted: list[DecodeTiming]) -> str:
+    header = (
+        "| context | source tok/s | converted tok/s | speed ratio | source KV MiB | converted KV MiB | KV ratio "
+        "| source prefill s | converted prefill s |"
+    )
+    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s, c in zip(source, converted):
+        lines.append(
+            f"| {s.context} | {s.decode_tokens_per_s:.2f} | {c.decode_tokens_per_s:.2f} | "
+            f"{c.decode_tokens_per_s / s.decode_tokens_per_s:.2f}x | {s.kv_cache_bytes / 2**20:.2f} | "
+            f"{c.kv_cache_bytes / 2**20:.2f} | {s.kv_cache_bytes / c.kv_cache_bytes:.2f}x | {s.prefill_s:.2f} | {c.prefill_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace this script's marked section of BENCHMARKS.md, or append it; other sections stay."""
+    section = f"{SECTION_BEGIN}\n{body.rstrip()}\n{SECTION_END}\n"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if not text.strip():
+        text = "# Benchmarks\n"
+    if SECTION_BEGIN in text and SECTION_END in text:
+        before, rest = text.split(SECTION_BEGIN, 1)
+        after = rest.split(SECTION_END, 1)[1].lstrip("\n")
+        text = before + section + ("\n" + after if after else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from mla_convert.shapes import parse_dtype
+
+    dtype = parse_dtype(args.dtype, default=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
+    elif args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in (args.contexts or (GPU_DEFAULT_CONTEXTS if device.type == "cuda" else CPU_DEFAULT_CONTEXTS)).split(",")]
+    if args.new_tokens < 2:
+        raise SystemExit("error: --new-tokens must be at least 2 (one prefill step plus decode steps)")
+    started = time.perf_counter()
+    with torch.inference_mode():
+        timings = bench_pair(args, contexts, device, dtype)
+    source, converted = timings["source"], timings["converted"]
+    table = markdown_table(source, converted)
+    command = "python scripts/bench_decode.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    body = "\n".join(
+        [
+            "## Greedy decode: source vs converted (`scripts/bench_decode.py`)",
+            "",
+            f"`{command}`",
+            "",
+            f"{datetime.date.today().isoformat()}; {device_name(device)}; {str(dtype).replace('torch.', '')}; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}; greedy `generate`, "
+            f"{args.new_tokens} new tokens after a prompt of `context` tokens "
+            f"({'text from ' + args.data if args.data else 'random token ids'}); best of {args.repeats}.",
+            f"source: `{args.source}`; converted: `{args.converted}`. Decode tok/s excludes the prefill; "
+            "KV MiB is what the returned `DynamicCache` holds (context + new tokens - 1 positions).",
+            "",
+            table,
+        ]
+    )
+    print()
+    print(table)
+    print(f"\n(total {time.perf_counter() - started:.0f}s)")
+    if args.write_benchmarks:
+        write_section(Path(args.write_benchmarks), body)
+        print(f"wrote section to {args.write_benchmarks}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"source": [asdict(t) for t in source], "converted": [asdict(t) for t in converted]}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

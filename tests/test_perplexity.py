@@ -1,0 +1,274 @@
+"""Sliding-window perplexity: agrees with independent computations, scores every token once, and
+reproduces the project's protocol numbers on real weights."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mla_convert.errors import MLAConvertError
+from mla_convert.perplexity import (
+    PerplexityResult,
+    compare_models,
+    evaluate_perplexity,
+    format_markdown_table,
+    plan_windows,
+    run_eval,
+)
+from mla_convert.textdata import tokenize_with_offsets
+from tiny_models import tiny_model
+
+
+def hf_guide_nll(model, ids: torch.Tensor, context: int, stride: int, max_windows: int | None = None):
+    """The Hugging Face perplexity guide's loop, written independently with `labels=` and -100 masking.
+
+    Returns (summed NLL, scored tokens); the model's own mean loss is multiplied back by the number of
+    labels it averaged over, so the sum is exact.
+    """
+    ids = ids.reshape(1, -1)  # (1, num_tokens)
+    num_tokens = ids.shape[1]
+    nll, count, previous_end, windows = 0.0, 0, 0, 0
+    with torch.no_grad():
+        for begin in range(0, num_tokens, stride):
+            end = min(begin + context, num_tokens)
+            target_length = end - previous_end
+            input_ids = ids[:, begin:end]
+            labels = input_ids.clone()
+            labels[:, :-target_length] = -100
+            valid = int((labels[:, 1:] != -100).sum())
+            if valid:
+                loss = model(input_ids=input_ids, labels=labels).loss
+                nll += loss.item() * valid
+                count += valid
+                windows += 1
+            previous_end = end
+            if end == num_tokens or (max_windows is not None and windows == max_windows):
+                break
+    return nll, count
+
+
+# ---------------------------------------------------------------------------------------- (c) accounting
+
+
+@pytest.mark.parametrize(
+    "context, stride",
+    [(16, 16), (16, 8), (16, 1), (16, 5), (7, 3), (7, 6), (32, 32), (64, 10), (200, 50), (200, 200)],
+)
+def test_every_token_scored_once(context, stride):
+    """No token scored twice or skipped: with stride < context every position 1..N-1 is scored exactly
+    once; with stride = context the first token of each window has no context and is the only gap."""
+    num_tokens = 101
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (num_tokens,))
+    windows = plan_windows(num_tokens, context, stride)
+    scored = [p for w in windows for p in range(w.score_from, w.end)]
+    assert len(scored) == len(set(scored))  # nothing twice
+    assert all(w.end - w.begin <= context and w.begin < w.score_from for w in windows)
+    if stride < context or context >= num_tokens:
+        assert sorted(scored) == list(range(1, num_tokens))
+    else:
+        assert sorted(scored) == [p for p in range(1, num_tokens) if p % context != 0]
+    assert all(w.num_scored <= stride for w in windows[1:])
+
+    model = tiny_model(seed=3, weight_scale=4.0)
+    result = evaluate_perplexity(model, ids, context_length=context, stride=stride, batch_size=3, progress=False)
+    expected_nll, expected_count = hf_guide_nll(model, ids, context, stride)
+    assert result.num_scored_tokens == expected_count == len(scored)
+    assert result.num_tokens == num_tokens
+    assert result.nll_sum == pytest.approx(expected_nll, rel=1e-5)
+
+
+@pytest.mark.parametrize("context, stride, max_windows", [(16, 4, 5), (16, 16, 3), (10, 7, 1)])
+def test_max_windows_bounds_the_span(context, stride, max_windows):
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(0))
+    model = tiny_model(seed=2, weight_scale=4.0)
+    result = evaluate_perplexity(model, ids, context_length=context, stride=stride, max_windows=max_windows, progress=False)
+    expected_nll, expected_count = hf_guide_nll(model, ids, context, stride, max_windows)
+    assert result.num_windows == max_windows
+    assert result.num_scored_tokens == expected_count
+    assert result.nll_sum == pytest.approx(expected_nll, rel=1e-5)
+    span = context + (max_windows - 1) * stride
+    assert result.num_tokens == span
+    if stride < context:
+        assert result.num_scored_tokens == span - 1
+
+
+def test_max_tokens_truncates_before_planning():
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(0))
+    model = tiny_model(seed=2, weight_scale=4.0)
+    truncated = evaluate_perplexity(model, ids, context_length=32, stride=8, max_tokens=77, progress=False)
+    direct = evaluate_perplexity(model, ids[:77], context_length=32, stride=8, progress=False)
+    assert truncated.num_tokens == 77 and truncated.num_scored_tokens == 76
+    assert truncated.nll_sum == direct.nll_sum
+
+
+def test_batching_does_not_change_the_result():
+    ids = torch.randint(0, 128, (250,), generator=torch.Generator().manual_seed(5))
+    model = tiny_model(seed=4, weight_scale=4.0)
+    one = evaluate_perplexity(model, ids, context_length=24, stride=10, batch_size=1, progress=False)
+    many = evaluate_perplexity(model, ids, context_length=24, stride=10, batch_size=7, progress=False)
+    assert many.num_scored_tokens == one.num_scored_tokens
+    assert many.nll_sum == pytest.approx(one.nll_sum, rel=1e-5)
+
+
+def test_bad_settings_are_user_errors():
+    model = tiny_model()
+    ids = torch.arange(50) % 128
+    with pytest.raises(MLAConvertError, match="stride"):
+        evaluate_perplexity(model, ids, context_length=8, stride=9, progress=False)
+    with pytest.raises(MLAConvertError, match="context length"):
+        evaluate_perplexity(model, ids, context_length=1, progress=False)
+    with pytest.raises(MLAConvertError, match="needs the text"):
+        evaluate_perplexity(model, object(), None, context_length=8, progress=False)
+
+
+# ---------------------------------------------------------------------------------------- (d) formulas
+
+
+def test_bits_per_byte_and_word_perplexity_by_hand():
+    result = PerplexityResult(
+        nll_sum=20.0, num_scored_tokens=8, num_windows=1, num_tokens=9, num_bytes=16, num_words=5, context_length=9, stride=9
+    )
+    assert result.perplexity == pytest.approx(math.exp(20.0 / 8))
+    assert result.bits_per_byte == pytest.approx(20.0 / math.log(2) / 16)  # 1.8034 bits per byte
+    assert result.bits_per_byte == pytest.approx(1.80337, abs=1e-5)
+    assert result.word_perplexity == pytest.approx(math.exp(4.0))
+    unknown = PerplexityResult(20.0, 8, 1, 9, None, None, 9, 9)
+    assert unknown.bits_per_byte is None and unknown.word_perplexity is None
+
+
+@pytest.mark.real_model
+def test_bytes_and_words_are_those_of_the_evaluated_span(stories260k):
+    """Multi-byte characters make bytes != characters; a truncated run counts only its own span."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    text = "Lily saw a café near the park — it was big. " * 30 + "The end."
+    model = tiny_model(vocab_size=512, seed=0)
+    full = evaluate_perplexity(model, tokenizer, text, context_length=64, progress=False)
+    assert full.num_bytes == len(text.encode("utf-8")) > len(text)
+    assert full.num_words == len(text.split())
+    assert full.bits_per_byte == pytest.approx(full.nll_sum / math.log(2) / len(text.encode("utf-8")))
+    assert full.word_perplexity == pytest.approx(math.exp(full.nll_sum / len(text.split())))
+
+    part = evaluate_perplexity(model, tokenizer, text, context_length=64, max_windows=2, progress=False)
+    tokenized = tokenize_with_offsets(tokenizer, text)
+    span = text[: tokenized.char_ends[part.num_tokens - 1]]
+    assert part.num_tokens == 128
+    assert part.num_bytes == len(span.encode("utf-8")) < full.num_bytes
+    assert part.num_words == len(span.split())
+    # ids without a tokenizer: only a full evaluation can name its text
+    ids_only = evaluate_perplexity(model, tokenized.ids, text, context_length=64, max_windows=2, progress=False)
+    assert ids_only.nll_sum == part.nll_sum and ids_only.num_bytes is None
+
+
+# ---------------------------------------------------------------------------------------- any causal LM
+
+
+def tiny_deepseek_v3(seed: int = 0):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, max_position_embeddings=256,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    )
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+def test_deepseek_v3_model_is_evaluated_like_any_other():
+    model = tiny_deepseek_v3()
+    ids = torch.randint(0, 128, (120,), generator=torch.Generator().manual_seed(9))
+    result = evaluate_perplexity(model, ids, context_length=32, stride=12, batch_size=2, progress=False)
+    expected_nll, expected_count = hf_guide_nll(model, ids, 32, 12)
+    assert result.num_scored_tokens == expected_count == 119
+    assert result.nll_sum == pytest.approx(expected_nll, rel=1e-5)
+
+
+def test_compare_models_uses_identical_windows_and_reports_the_ratio():
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2))
+    a, b = tiny_model(seed=1, weight_scale=4.0), tiny_model(seed=2, weight_scale=4.0)
+    comparison = compare_models(a, b, ids, context_length=32, stride=16, progress=False, model_label="A", baseline_label="B")
+    alone_a = evaluate_perplexity(a, ids, context_length=32, stride=16, progress=False)
+    alone_b = evaluate_perplexity(b, ids, context_length=32, stride=16, progress=False)
+    assert comparison.model.nll_sum == alone_a.nll_sum and comparison.baseline.nll_sum == alone_b.nll_sum
+    assert comparison.ratio == pytest.approx(alone_a.perplexity / alone_b.perplexity)
+    assert comparison.ratio != pytest.approx(1.0)
+    table = format_markdown_table(comparison)
+    lines = table.splitlines()
+    assert lines[0].startswith("| model | perplexity") and "ppl ratio" in lines[0]
+    assert lines[2].startswith("| B | ") and lines[2].endswith("| 1.0000 |")
+    assert lines[3].startswith("| A | ") and lines[3].endswith(f"| {comparison.ratio:.4f} |")
+
+
+# ---------------------------------------------------------------------------------------- real weights
+
+
+@pytest.mark.real_model
+def test_stories260k_protocol_and_overlap(stories260k, tinystories_text):
+    """(b) The project protocol (ctx 256, 60 non-overlapping windows: 5.735), stride = context equals
+    the default exactly, and overlapping windows (more left context per token) give a lower ppl."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(stories260k).eval()
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    text = tinystories_text.read_text(encoding="utf-8")
+    tokenized = tokenize_with_offsets(tokenizer, text)
+
+    protocol = evaluate_perplexity(model, tokenized, context_length=256, max_windows=60, batch_size=8, progress=False)
+    assert protocol.num_windows == 60 and protocol.num_scored_tokens == 60 * 255
+    assert protocol.perplexity == pytest.approx(5.735, abs=0.005)
+
+    span = dict(context_length=256, max_tokens=256 * 20, progress=False, batch_size=4)
+    default = evaluate_perplexity(model, tokenized, **span)
+    same_stride = evaluate_perplexity(model, tokenized, stride=256, **span)
+    overlapping = evaluate_perplexity(model, tokenized, stride=64, **span)
+    assert same_stride == default
+    assert overlapping.num_tokens == default.num_tokens == 256 * 20
+    assert overlapping.num_scored_tokens == 256 * 20 - 1 > default.num_scored_tokens
+    assert overlapping.perplexity < default.perplexity
+
+
+@pytest.mark.real_model
+def test_run_eval_writes_json_and_table(stories260k, tinystories_text, tmp_path):
+    out = tmp_path / "eval.json"
+    report = run_eval(
+        str(stories260k), str(tinystories_text), baseline=str(stories260k), context_length=128, max_windows=5,
+        batch_size=5, json_path=out, progress=False,
+    )
+    assert report.ratio == pytest.approx(1.0)
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["context_length"] == 128 and saved["settings"]["max_windows"] == 5
+    results = list(saved["results"].values())
+    assert results[0]["num_windows"] == 5 and results[0]["num_scored_tokens"] == 5 * 127
+    assert results[0]["perplexity"] == pytest.approx(math.exp(results[0]["nll_sum"] / (5 * 127)))
+    assert "(baseline)" in report.markdown()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_wikitext_matches_direct_loss(smollm2, wikitext_text):
+    """(a) 3 non-overlapping windows of 512 on WikiText-2 test vs plain `model(ids, labels=ids).loss`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    text = wikitext_text.read_text(encoding="utf-8")
+    context, num_windows = 512, 3
+
+    result = evaluate_perplexity(model, tokenizer, text, context_length=context, max_windows=num_windows, batch_size=3, progress=False)
+
+    ids = tokenizer(text[:20000], add_special_tokens=False)["input_ids"]  # SmolLM2 adds no BOS
+    windows = torch.tensor(ids[: context * num_windows]).reshape(num_windows, context)  # (3, 512)
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    direct = math.exp(sum(losses) / num_windows)  # every window averages over context - 1 labels
+    assert result.num_scored_tokens == num_windows * (context - 1)
+    assert result.perplexity == pytest.approx(direct, rel=0.01)
+    assert result.perplexity == pytest.approx(direct, rel=1e-4)  # in fact the same computation
+    assert 10 < result.perplexity < 60
