@@ -1,0 +1,121 @@
+"""Batched generation with the absorbed MLA model: prefill every prompt, then one token per sequence per step.
+
+Semantics follow transformers' `generate` for a single unpadded prompt, so each prompt's output can be
+compared with it token for token: greedy picks the argmax of the logits; sampling uses temperature and
+nucleus (top-p) filtering; a sequence stops after `max_new_tokens` tokens or right after it emits an
+end-of-sequence id (which is kept in its output, as `generate` keeps it), and finished sequences leave
+the batch and give their cache pages back.
+
+Sampling is seeded per prompt (`seed + index`), each prompt with its own generator: a prompt's sample
+never depends on how many other prompts share the batch or when they finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..calibration import top_p_sample
+from .errors import GenerationSettingsError
+from .model import AbsorbedMLAModel
+from .paged_cache import PagedLatentCache
+
+DEFAULT_PAGE_SIZE = 16
+
+
+@dataclass
+class GenerationOutput:
+    """Generated ids per prompt (prompt not included) and the cache they were decoded with."""
+
+    sequences: list[list[int]]
+    cache: PagedLatentCache
+
+
+def _check_settings(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, do_sample: bool,
+                    temperature: float, top_p: float) -> None:
+    if not prompts:
+        raise GenerationSettingsError("no prompts given")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise GenerationSettingsError(f"prompt {index} is empty; every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise GenerationSettingsError(f"prompt {index} holds token ids outside the vocabulary (0..{vocab_size - 1})")
+    if max_new_tokens < 1:
+        raise GenerationSettingsError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise GenerationSettingsError(f"temperature must be > 0 when sampling, got {temperature}")
+    if do_sample and not 0 < top_p <= 1:
+        raise GenerationSettingsError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_tokens: int, do_sample: bool = False,
+                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, page_size: int = DEFAULT_PAGE_SIZE,
+                   num_pages: int | None = None) -> GenerationOutput:
+    """Generate for token-id prompts of any lengths; `num_pages=None` sizes the cache for the worst case.
+
+    The worst case is every prompt running to max_new_tokens: the cache then holds prompt + max_new_tokens
+    - 1 tokens per sequence (the last generated token is returned, never fed back).
+    """
+    prompts = [list(map(int, prompt)) for prompt in prompts]
+    _check_settings(prompts, model.embed_tokens.shape[0], max_new_tokens, do_sample, temperature, top_p)
+    if num_pages is None:
+        num_pages = PagedLatentCache.pages_needed([len(p) + max_new_tokens - 1 for p in prompts], page_size)
+    cache = model.new_cache(num_pages, page_size)
+    seq_ids = [cache.add_sequence() for _ in prompts]
+    generators = ([torch.Generator(device=model.device).manual_seed(seed + index) for index in range(len(prompts))]
+                  if do_sample else None)
+    eos = set(model.eos_token_ids)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    logits = model.prefill(cache, seq_ids, prompts)  # (B, vocab)
+    while True:
+        if do_sample:
+            chosen = [int(top_p_sample(logits[row : row + 1].float(), temperature, top_p, generators[index])[0])
+                      for row, index in enumerate(active)]
+        else:
+            chosen = logits.float().argmax(dim=-1).tolist()
+        still_active = []
+        for index, token in zip(active, chosen):
+            outputs[index].append(token)
+            if token in eos or len(outputs[index]) >= max_new_tokens:
+                cache.release(seq_ids[index])
+            else:
+                still_active.append(index)
+        active = still_active
+        if not active:
+            return GenerationOutput(outputs, cache)
+        logits = model.decode(cache, [seq_ids[i] for i in active], [outputs[i][-1] for i in active])
+
+
+def _model(model_or_dir: AbsorbedMLAModel | str | Path, device, decode_backend: str) -> AbsorbedMLAModel:
+    if isinstance(model_or_dir, AbsorbedMLAModel):
+        return model_or_dir
+    return AbsorbedMLAModel.from_folder(model_or_dir, device=device, decode_backend=decode_backend)
+
+
+def generate_ids(model_or_dir: AbsorbedMLAModel | str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                 device: str | torch.device | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+                 decode_backend: str = "auto") -> list[list[int]]:
+    """Generated token ids per prompt (prompt excluded, a final eos included).
+
+    `model_or_dir`: an exported folder (loaded on `device`, default CUDA when available) or an already
+    loaded `AbsorbedMLAModel` (then `device` / `decode_backend` are the model's own).
+    """
+    model = _model(model_or_dir, device, decode_backend)
+    return run_generation(model, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, page_size).sequences
+
+
+def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int, do_sample: bool = False,
+                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, device: str | torch.device | None = None,
+                  page_size: int = DEFAULT_PAGE_SIZE, decode_backend: str = "auto") -> list[str]:
+    """Continuations of text prompts, tokenised and detokenised with the folder's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    sequences = generate_ids(model_dir, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, device,
+                             page_size, decode_backend)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]

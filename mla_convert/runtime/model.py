@@ -1,0 +1,322 @@
+"""A dense DeepseekV3 MLA model held in absorbed form: prefill into, and decode from, a paged latent cache.
+
+The math is that of transformers' `DeepseekV3ForCausalLM` (same norms, same RoPE functions imported
+from transformers, same softmax scale), rearranged so that decoding only ever reads the (R + D)-wide
+latent cache:
+
+* Keys.  Head h's key is k_h = [W_UK[h] c ; k_rope] with W_UK[h] (nope, R) the key rows of kv_b_proj
+  and c the normalised latent, so q_nope[h] . (W_UK[h] c) = (q_nope[h] W_UK[h]) . c.  The query side
+  absorbs W_UK: q_latent[h] = q_nope[h] @ W_UK[h] (R values per head), and the score is
+  q_latent[h] . c + q_rope[h] . k_rope - what `mla_decode` computes over the cache.
+* Values.  v_h = W_UV[h] c, and attention is linear in the values, so
+  sum_t p_t v_h,t = W_UV[h] (sum_t p_t c_t): the kernel returns the attention-weighted latent
+  (H, R), and W_UV[h] then o_proj map it to the hidden size.
+
+Why W_UK / W_UV stay separate per-head matrices instead of being multiplied into q_proj / o_proj once:
+per decoded token, the value side costs H*v*R (W_UV) + H*v*hidden (o_proj) multiply-adds separately,
+but H*R*hidden as one fused (H, R, hidden) matrix; fused is dearer whenever R > v*hidden/(hidden - v),
+roughly whenever R > v, which is the case at the usual compressions (SmolLM2 at 2x: R = 128, v = 64,
+hidden = 576: 406K vs 664K; stories260K at 2x: R = 24, v = 8).  The query side is the same count with
+nope for v (q_proj then W_UK versus a fused (H*R, hidden) q_proj).  Only at extreme compression
+(R < v) would fusing pay; one layout keeps the runtime simple.  So "absorbing at load" means laying
+kv_b_proj out once as contiguous per-head W_UK (H, nope, R) and W_UV^T (H, R, v) for batched matmuls.
+
+Prefill uses the expanded form instead (keys and values materialised from the prompt's latents, then
+ordinary causal attention): its T^2 part costs H*T^2*(nope + D + v) versus H*T^2*(2R + D) absorbed, so
+for long prompts with R > nope it is the cheaper form (DeepSeek's own inference splits the same way),
+and it is exactly the computation transformers runs.  The latents written to the cache are the same
+either way; decode reads only them.
+
+Prompts of different lengths are packed (no padding): all prompt tokens go through the projections and
+MLPs as one (N, hidden) matrix, and only the attention runs per sequence, on its own slice.  Nothing
+is computed for padding and no mask is needed; the per-sequence attention loop is a handful of calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..source_model import rms_norm
+from .decode_backends import DecodeAttention, decode_attention
+from .errors import GenerationSettingsError, RuntimeModelError
+from .loading import ExportedFolder, compute_dtype, read_exported_folder
+from .paged_cache import PagedLatentCache
+
+
+def _latent_norm_eps() -> float:
+    """transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV3RMSNorm's default eps (not rms_norm_eps)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    return float(inspect.signature(DeepseekV3RMSNorm.__init__).parameters["eps"].default)
+
+
+@dataclass
+class AbsorbedAttention:
+    """One layer's MLA attention weights, laid out for the absorbed decode (shapes per field)."""
+
+    q_proj: torch.Tensor | None  # (H*(nope+D), hidden), when q_lora_rank is None
+    q_a_proj: torch.Tensor | None  # (q_lora_rank, hidden)
+    q_a_bias: torch.Tensor | None  # (q_lora_rank,)
+    q_a_norm: torch.Tensor | None  # (q_lora_rank,)
+    q_b_proj: torch.Tensor | None  # (H*(nope+D), q_lora_rank)
+    kv_a_proj: torch.Tensor  # (R + D, hidden)
+    kv_a_bias: torch.Tensor | None  # (R + D,)
+    kv_a_norm: torch.Tensor  # (R,)
+    kv_b_proj: torch.Tensor  # (H*(nope+v), R): the expanded prefill
+    w_uk: torch.Tensor  # (H, nope, R): absorbed into the query
+    w_uv_t: torch.Tensor  # (H, R, v): applied to the attention-weighted latent
+    o_proj: torch.Tensor  # (hidden, H*v)
+    o_bias: torch.Tensor | None  # (hidden,)
+
+
+@dataclass
+class DenseLayer:
+    input_norm: torch.Tensor  # (hidden,)
+    attention: AbsorbedAttention
+    post_attention_norm: torch.Tensor  # (hidden,)
+    gate_proj: torch.Tensor  # (intermediate, hidden)
+    up_proj: torch.Tensor  # (intermediate, hidden)
+    down_proj: torch.Tensor  # (hidden, intermediate)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What one layer's attention needs for N tokens, RoPE already applied."""
+
+    q_nope: torch.Tensor  # (N, H, nope)
+    q_rope: torch.Tensor  # (N, H, D), rotated
+    latent: torch.Tensor  # (N, R), normalised
+    k_rope: torch.Tensor  # (N, D), rotated, shared by all heads
+
+    @property
+    def cache_rows(self) -> torch.Tensor:
+        return torch.cat([self.latent, self.k_rope], dim=-1)  # (N, R + D): the cache's row layout
+
+
+class AbsorbedMLAModel:
+    """An exported dense DeepseekV3 MLA model in memory, decoding through a `PagedLatentCache`."""
+
+    def __init__(self, folder: ExportedFolder, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, decode_backend: str = "auto"):
+        from transformers.activations import ACT2FN
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+        from ..rope import inv_freq_from_config
+
+        config = folder.config
+        self.path = folder.path
+        self.config = config
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.dtype = compute_dtype(dtype, folder.stored_dtype)
+        self.eos_token_ids = folder.eos_token_ids
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.hidden_size = config.hidden_size
+        self.rms_norm_eps = config.rms_norm_eps
+        self.latent_norm_eps = _latent_norm_eps()
+        self.activation = ACT2FN[config.hidden_act]
+        # RoPE and the softmax scale exactly as DeepseekV3RotaryEmbedding / DeepseekV3Attention compute them
+        inv_freq, self.attention_scaling = inv_freq_from_config(
+            config, "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding")
+        self.inv_freq = inv_freq.to(self.device)  # (D/2,) fp32
+        self.rotate = hf.apply_rotary_pos_emb_interleave if config.rope_interleave else hf.apply_rotary_pos_emb
+        self.softmax_scale = float(hf.yarn_apply_mscale(config.rope_parameters, (self.nope_dim + self.rope_dim) ** -0.5))
+        self.backend_name = decode_backend
+        self.decode_attention: DecodeAttention = decode_attention(decode_backend, self.device)
+
+        tensors = folder.tensors
+        take = self._taker(tensors)
+        self.embed_tokens = take("model.embed_tokens.weight")  # (vocab, hidden)
+        self.final_norm = take("model.norm.weight")  # (hidden,)
+        if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head = self.embed_tokens  # tied, as transformers ties them
+        else:
+            self.lm_head = take("lm_head.weight")  # (vocab, hidden)
+        self.layers = [self._load_layer(take, tensors, index) for index in range(self.num_layers)]
+
+    @classmethod
+    def from_folder(cls, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                    decode_backend: str = "auto") -> "AbsorbedMLAModel":
+        return cls(read_exported_folder(path), device, dtype, decode_backend)
+
+    # ------------------------------------------------------------------ loading
+    def _taker(self, tensors: dict[str, torch.Tensor]):
+        def take(name: str, optional: bool = False) -> torch.Tensor | None:
+            if name not in tensors:
+                if optional:
+                    return None
+                raise RuntimeModelError(f"{self.path}: tensor {name} is missing from the checkpoint")
+            return tensors[name].to(device=self.device, dtype=self.dtype)
+
+        return take
+
+    def _load_layer(self, take, tensors: dict[str, torch.Tensor], index: int) -> DenseLayer:
+        prefix = f"model.layers.{index}."
+        attn = prefix + "self_attn."
+        heads, nope, v, rank = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        if f"{prefix}mlp.gate_proj.weight" not in tensors:
+            raise RuntimeModelError(
+                f"{self.path}: layer {index} has no dense MLP (mlp.gate_proj.weight); MoE layers are not supported")
+        kv_b = take(attn + "kv_b_proj.weight")  # (H*(nope+v), R)
+        if kv_b.shape != (heads * (nope + v), rank):
+            expected = (heads * (nope + v), rank)
+            raise RuntimeModelError(f"{self.path}: layer {index} kv_b_proj is {tuple(kv_b.shape)}, config says {expected}")
+        per_head = kv_b.view(heads, nope + v, rank)  # (H, nope+v, R): head h's key rows, then its value rows
+        use_q_lora = self.config.q_lora_rank is not None
+        attention = AbsorbedAttention(
+            q_proj=None if use_q_lora else take(attn + "q_proj.weight"),
+            q_a_proj=take(attn + "q_a_proj.weight") if use_q_lora else None,
+            q_a_bias=take(attn + "q_a_proj.bias", optional=True) if use_q_lora else None,
+            q_a_norm=take(attn + "q_a_layernorm.weight") if use_q_lora else None,
+            q_b_proj=take(attn + "q_b_proj.weight") if use_q_lora else None,
+            kv_a_proj=take(attn + "kv_a_proj_with_mqa.weight"),
+            kv_a_bias=take(attn + "kv_a_proj_with_mqa.bias", optional=True),
+            kv_a_norm=take(attn + "kv_a_layernorm.weight"),
+            kv_b_proj=kv_b,
+            w_uk=per_head[:, :nope, :].contiguous(),  # (H, nope, R)
+            w_uv_t=per_head[:, nope:, :].transpose(1, 2).contiguous(),  # (H, R, v)
+            o_proj=take(attn + "o_proj.weight"),
+            o_bias=take(attn + "o_proj.bias", optional=True),
+        )
+        return DenseLayer(
+            input_norm=take(prefix + "input_layernorm.weight"),
+            attention=attention,
+            post_attention_norm=take(prefix + "post_attention_layernorm.weight"),
+            gate_proj=take(prefix + "mlp.gate_proj.weight"),
+            up_proj=take(prefix + "mlp.up_proj.weight"),
+            down_proj=take(prefix + "mlp.down_proj.weight"),
+        )
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self, num_pages: int, page_size: int) -> PagedLatentCache:
+        return PagedLatentCache(self.num_layers, num_pages, page_size, self.kv_lora_rank, self.rope_dim,
+                                self.dtype, self.device)
+
+    # ------------------------------------------------------------------ building blocks
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (N, D) for absolute positions (N,), computed as DeepseekV3RotaryEmbedding does."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (N, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (N, D): transformers' layout, the rotation reads what it needs
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def attention_inputs(self, x: torch.Tensor, attention: AbsorbedAttention, cos: torch.Tensor,
+                         sin: torch.Tensor) -> AttentionInputs:
+        """Queries, normalised latent and shared RoPE key of N normalised hidden states x (N, hidden)."""
+        count = x.shape[0]
+        if attention.q_proj is not None:
+            q = F.linear(x, attention.q_proj)
+        else:
+            q_small = F.linear(x, attention.q_a_proj, attention.q_a_bias)
+            q = F.linear(rms_norm(q_small, attention.q_a_norm, self.latent_norm_eps), attention.q_b_proj)
+        q = q.view(count, self.num_heads, self.nope_dim + self.rope_dim)  # (N, H, nope + D)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        compressed = F.linear(x, attention.kv_a_proj, attention.kv_a_bias)  # (N, R + D), in the compute dtype
+        latent, k_rope = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = rms_norm(latent, attention.kv_a_norm, self.latent_norm_eps)  # fp32 variance, like transformers
+        # heads on dim 1 (k as a single head) so transformers' rotation broadcasts cos/sin (N, 1, D/2)
+        q_rope, k_rope = self.rotate(q_rope, k_rope[:, None, :], cos, sin, unsqueeze_dim=1)
+        return AttentionInputs(q_nope, q_rope, latent, k_rope[:, 0, :])  # k_rope (N, D)
+
+    def mlp(self, x: torch.Tensor, layer: DenseLayer) -> torch.Tensor:
+        return F.linear(self.activation(F.linear(x, layer.gate_proj)) * F.linear(x, layer.up_proj), layer.down_proj)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) last hidden states -> (B, vocab) logits in the compute dtype."""
+        return F.linear(rms_norm(hidden, self.final_norm, self.rms_norm_eps), self.lm_head)
+
+    # ------------------------------------------------------------------ prefill
+    def expanded_attention(self, inputs: AttentionInputs, attention: AbsorbedAttention, start: int,
+                           end: int) -> torch.Tensor:
+        """Causal attention of one prompt (tokens start..end of the packed batch) -> (T, H*v)."""
+        length = end - start
+        heads = self.num_heads
+        kv = F.linear(inputs.latent[start:end], attention.kv_b_proj)  # (T, H*(nope+v))
+        kv = kv.view(length, heads, self.nope_dim + self.v_dim)  # (T, H, nope + v)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = inputs.k_rope[start:end, None, :].expand(length, heads, self.rope_dim)  # (T, H, D): shared by heads
+        keys = torch.cat([k_nope, k_rope], dim=-1)  # (T, H, nope + D)
+        queries = torch.cat([inputs.q_nope[start:end], inputs.q_rope[start:end]], dim=-1)  # (T, H, nope + D)
+        out = F.scaled_dot_product_attention(
+            queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # (1, H, T, ·)
+            is_causal=length > 1, scale=self.softmax_scale,
+        )  # (1, H, T, v)
+        return out[0].transpose(0, 1).reshape(length, heads * self.v_dim)  # (T, H*v)
+
+    @torch.no_grad()
+    def prefill(self, cache: PagedLatentCache, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Run the prompts (packed, no padding), store their latents; returns (B, vocab) next-token logits.
+
+        Each prompt attends only to itself, so its sequence must be new (empty in the cache); continuing
+        a cached sequence goes through `decode`.
+        """
+        positions, slots, bounds = [], [], []
+        for seq_id, prompt in zip(seq_ids, prompts, strict=True):
+            if cache.length(seq_id) != 0:
+                raise GenerationSettingsError(
+                    f"sequence {seq_id} already holds {cache.length(seq_id)} tokens; prefill starts new sequences only")
+            seq_positions, seq_slots = cache.append(seq_id, len(prompt))
+            bounds.append((len(positions), len(positions) + len(prompt)))
+            positions += seq_positions
+            slots += seq_slots
+        ids = torch.tensor([token for prompt in prompts for token in prompt], device=self.device)  # (N,)
+        positions_t = torch.tensor(positions, device=self.device)  # (N,)
+        slots_t = torch.tensor(slots, device=self.device)  # (N,)
+        cos, sin = self.rope_cos_sin(positions_t)
+        hidden = F.embedding(ids, self.embed_tokens)  # (N, hidden)
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, self.rms_norm_eps)
+            inputs = self.attention_inputs(x, layer.attention, cos, sin)
+            cache.write(index, slots_t, inputs.cache_rows)
+            attended = torch.cat([self.expanded_attention(inputs, layer.attention, s, e) for s, e in bounds])  # (N, H*v)
+            hidden = hidden + F.linear(attended, layer.attention.o_proj, layer.attention.o_bias)
+            hidden = hidden + self.mlp(rms_norm(hidden, layer.post_attention_norm, self.rms_norm_eps), layer)
+        last = torch.tensor([end - 1 for _, end in bounds], device=self.device)  # (B,)
+        return self.logits(hidden[last])
+
+    # ------------------------------------------------------------------ decode
+    def absorbed_attention(self, inputs: AttentionInputs, attention: AbsorbedAttention, kv_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, attending over its cached latents -> (B, H*v)."""
+        batch = inputs.q_nope.shape[0]
+        q_latent = torch.bmm(inputs.q_nope.transpose(0, 1), attention.w_uk)  # (H, B, nope) @ (H, nope, R) -> (H, B, R)
+        out, _ = self.decode_attention(
+            q_latent.transpose(0, 1), inputs.q_rope, kv_cache, page_table, seq_lens,  # (B, H, R), (B, H, D)
+            self.softmax_scale, self.kv_lora_rank,
+        )  # out (B, H, R): attention-weighted latent per head
+        values = torch.bmm(out.transpose(0, 1), attention.w_uv_t)  # (H, B, R) @ (H, R, v) -> (H, B, v)
+        return values.transpose(0, 1).reshape(batch, self.num_heads * self.v_dim)  # (B, H*v)
+
+    @torch.no_grad()
+    def decode(self, cache: PagedLatentCache, seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed one token per sequence, append its latent to the cache; returns (B, vocab) logits."""
+        positions, slots = [], []
+        for seq_id in seq_ids:
+            seq_positions, seq_slots = cache.append(seq_id, 1)
+            positions += seq_positions
+            slots += seq_slots
+        page_table = cache.page_table(seq_ids)  # (B, max_pages), after the appends: shared by every layer
+        seq_lens = cache.seq_lens(seq_ids)  # (B,), counting the new token
+        slots_t = torch.tensor(slots, device=self.device)  # (B,)
+        cos, sin = self.rope_cos_sin(torch.tensor(positions, device=self.device))
+        hidden = F.embedding(torch.tensor(tokens, device=self.device), self.embed_tokens)  # (B, hidden)
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, self.rms_norm_eps)
+            inputs = self.attention_inputs(x, layer.attention, cos, sin)
+            cache.write(index, slots_t, inputs.cache_rows)
+            attended = self.absorbed_attention(inputs, layer.attention, cache.layer(index), page_table, seq_lens)
+            hidden = hidden + F.linear(attended, layer.attention.o_proj, layer.attention.o_bias)
+            hidden = hidden + self.mlp(rms_norm(hidden, layer.post_attention_norm, self.rms_norm_eps), layer)
+        return self.logits(hidden)

@@ -1,0 +1,362 @@
+"""The absorbed-MLA runtime against transformers' own DeepseekV3 on the same exported folders.
+
+Why these checks: the runtime rearranges the attention (W_UK into the query, W_UV after the attention,
+a paged (R + D)-wide cache, packed prompts, its own generation loop), so the only trustworthy oracle
+is stock `DeepseekV3ForCausalLM.generate` on the very same folder.  fp32 folders make greedy decoding
+comparable token for token; the remaining differences are fp32 summation order (~1e-7 relative), far
+below the smallest top-2 logit gaps of these models.
+
+Models: tiny random DeepseekV3 checkpoints built here (every attention variant the converter writes:
+q_proj or q_a/q_b with biases, tied/untied head, default/linear/yarn RoPE), the real stories260K
+converted by `convert` here, and SmolLM2-135M converted once per session (slow).
+
+Torch runs single-threaded in this module: on the shared 2-core machine, batched matmuls of these tiny
+sizes spend ~100x longer in thread barriers than computing (a generate call took 10 s instead of 0.1 s).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from mla_convert.calibration import CalibrationOptions
+from mla_convert.convert import ConvertOptions, convert
+from mla_convert.runtime import (
+    AbsorbedMLAModel,
+    GenerationSettingsError,
+    PagedLatentCache,
+    RuntimeModelError,
+    generate_ids,
+    generate_text,
+    run_generation,
+)
+
+NEW_TOKENS = 32
+PROMPTS = [
+    "Once upon a time",
+    "The little dog was very happy because he found a big red ball in the park near the",
+    "Lily",
+]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+TINY_VARIANTS = {
+    "q_proj-default-rope": dict(q_lora_rank=None, attention_bias=False, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "q_lora-bias-tied-linear-rope": dict(q_lora_rank=32, attention_bias=True, tie_word_embeddings=True,
+                                         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+    # mscale != mscale_all_dim: cos/sin carry an attention scaling != 1 and the softmax scale an mscale
+    "q_proj-yarn-rope": dict(q_lora_rank=None, attention_bias=False, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                              "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def build_tiny_folder(path, tokenizer_dir, seed: int = 0, first_k_dense_replace: int = 2, **variant):
+    """Save a tiny random dense DeepseekV3 (+ the stories260K tokenizer, vocab 512) at `path`.
+
+    initializer_range 0.2 (not 0.02) makes the next-token distribution peaked enough that greedy
+    decoding is decided by clear margins; biases are drawn non-zero so that they matter.
+    """
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=first_k_dense_replace, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+        max_position_embeddings=256, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1, n_group=1,
+        topk_group=1, num_mtp_layers=0, initializer_range=0.2, bos_token_id=1, eos_token_id=2, **variant,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+def prompt_ids(folder) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return [tokenizer(text)["input_ids"] for text in PROMPTS]
+
+
+def transformers_greedy(folder, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **generate_kwargs) -> list[list[int]]:
+    """Stock DeepseekV3ForCausalLM.generate, each prompt alone (no padding): the generated ids."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    outputs = []
+    for prompt in prompts:
+        generated = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, **generate_kwargs)
+        outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+def assert_same_tokens(runtime: list[list[int]], reference: list[list[int]]) -> None:
+    for index, (ours, theirs) in enumerate(zip(runtime, reference, strict=True)):
+        assert ours == theirs, f"prompt {index}: runtime {ours} != transformers {theirs}"
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory, stories260k):
+    root = tmp_path_factory.mktemp("tiny-mla")
+    return {name: build_tiny_folder(root / name, stories260k, seed=index, **variant)
+            for index, (name, variant) in enumerate(TINY_VARIANTS.items())}
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_folders):
+    return tiny_folders["q_proj-default-rope"]
+
+
+@pytest.fixture(scope="module")
+def stories_mla(tmp_path_factory, stories260k):
+    """stories260K converted by the real converter (fp32 export, tiny calibration: ~10 s)."""
+    out = tmp_path_factory.mktemp("stories-mla") / "out"
+    convert(stories260k, out, ConvertOptions(compression=2, dtype="fp32",
+                                             calibration=CalibrationOptions(num_samples=4, seq_len=64)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_mla(tmp_path_factory, smollm2):
+    """SmolLM2-135M converted once per session (fp32, tiny calibration: ~1 min on 2 cores)."""
+    out = tmp_path_factory.mktemp("smollm2-mla") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        convert(smollm2, out, ConvertOptions(compression=2, dtype="fp32",
+                                             calibration=CalibrationOptions(num_samples=2, seq_len=64)))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- 1. equivalence
+@pytest.mark.parametrize("variant", list(TINY_VARIANTS))
+def test_greedy_matches_transformers_on_tiny_models(tiny_folders, variant):
+    folder = tiny_folders[variant]
+    prompts = prompt_ids(folder)
+    assert len({len(p) for p in prompts}) == len(prompts), "the batch must mix prompt lengths"
+    runtime = generate_ids(folder, prompts, NEW_TOKENS, device="cpu")
+    assert_same_tokens(runtime, transformers_greedy(folder, prompts))
+
+
+@pytest.mark.real_model
+def test_greedy_matches_transformers_on_converted_stories260k(stories_mla):
+    prompts = prompt_ids(stories_mla)
+    runtime = generate_ids(stories_mla, prompts, NEW_TOKENS, device="cpu")
+    assert_same_tokens(runtime, transformers_greedy(stories_mla, prompts))
+    assert all(len(ids) == NEW_TOKENS for ids in runtime), "a trained model should not stop at once"
+
+
+def test_yarn_variant_exercises_both_rope_scalings(tiny_folders):
+    """The yarn folder really tests cos/sin scaling and the mscale'd softmax scale (both != their plain values)."""
+    model = AbsorbedMLAModel.from_folder(tiny_folders["q_proj-yarn-rope"], device="cpu")
+    assert model.attention_scaling != pytest.approx(1.0)
+    assert model.softmax_scale != pytest.approx((model.nope_dim + model.rope_dim) ** -0.5)
+
+
+@pytest.mark.real_model
+def test_bf16_compute_keeps_the_tiny_scale_latent(stories_mla):
+    """bf16 keeps fp32's exponent: the ~1e-7-scale pre-norm latent survives and logits stay within bf16 rounding."""
+    prompts = prompt_ids(stories_mla)
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AbsorbedMLAModel.from_folder(stories_mla, device="cpu", dtype=dtype)
+        cache = model.new_cache(num_pages=8, page_size=16)
+        seqs = [cache.add_sequence() for _ in prompts]
+        model.prefill(cache, seqs, prompts)
+        logits[dtype] = model.decode(cache, seqs, [5] * len(prompts)).float()  # (B, vocab), one absorbed step
+    error = (logits[torch.bfloat16] - logits[torch.float32]).norm() / logits[torch.float32].norm()
+    assert error < 0.03
+    with pytest.raises(RuntimeModelError, match="fp16"):
+        AbsorbedMLAModel.from_folder(stories_mla, device="cpu", dtype=torch.float16)
+
+
+@pytest.mark.real_model
+def test_generate_text_decodes_the_greedy_continuation(stories_mla):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(stories_mla))
+    texts = generate_text(stories_mla, PROMPTS[:2], max_new_tokens=12, device="cpu")
+    reference = transformers_greedy(stories_mla, [tokenizer(p)["input_ids"] for p in PROMPTS[:2]], new_tokens=12)
+    assert texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in reference]
+    assert all(text.strip() for text in texts)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_converted_smollm2(smollm2_mla):
+    prompts = prompt_ids(smollm2_mla)
+    runtime = generate_ids(smollm2_mla, prompts, NEW_TOKENS, device="cpu")
+    assert_same_tokens(runtime, transformers_greedy(smollm2_mla, prompts))
+
+
+def test_stops_at_eos_like_transformers(tiny_folder):
+    """Each sequence stops right after its own eos (kept in the output), the others go on."""
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    prompts = prompt_ids(tiny_folder)
+    free_running = run_generation(model, prompts, NEW_TOKENS).sequences
+    eos = free_running[1][5]  # a token prompt 1 emits mid-way: make it the end-of-sequence id
+    assert eos not in free_running[1][:5]
+    model.eos_token_ids = (eos,)
+    stopped = run_generation(model, prompts, NEW_TOKENS).sequences
+    assert stopped[1] == free_running[1][:6]
+    for ours, free in zip(stopped, free_running):
+        expected = free[: free.index(eos) + 1] if eos in free else free
+        assert ours == expected
+    assert_same_tokens(stopped, transformers_greedy(tiny_folder, prompts, eos_token_id=eos))
+
+
+# ----------------------------------------------------------------------------------------- 2. cache
+def test_page_sizes_give_the_same_tokens_and_cache_holds_r_plus_d_per_token(tiny_folder):
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    prompts = prompt_ids(tiny_folder)
+    by_page_size = {size: run_generation(model, prompts, NEW_TOKENS, page_size=size) for size in (1, 16)}
+    assert by_page_size[1].sequences == by_page_size[16].sequences
+
+    width = model.kv_lora_rank + model.rope_dim
+    element = torch.empty((), dtype=model.dtype).element_size()
+    fed_back = sum(len(p) + len(out) - 1 for p, out in zip(prompts, by_page_size[1].sequences))
+    for size, output in by_page_size.items():
+        cache = output.cache
+        assert cache.storage.shape == (model.num_layers, cache.num_pages, size, width)
+        assert cache.values_per_token_per_layer == width == 24 + 8
+        assert cache.bytes_per_token == model.num_layers * width * element
+        assert cache.bytes_allocated == cache.num_pages * size * cache.bytes_per_token
+        assert cache.tokens_written == fed_back
+    # page size 1 wastes nothing: the pool is exactly the worst case, (R + D) values per token and layer
+    exact = by_page_size[1].cache
+    assert exact.num_pages == sum(len(p) + NEW_TOKENS - 1 for p in prompts)
+    assert exact.peak_pages_in_use <= exact.tokens_written
+    assert exact.bytes_in_use == 0  # every sequence gave its pages back
+
+
+def test_cache_rows_are_transformers_latent_and_rotated_key(tiny_folders):
+    """After prefill + decode, the paged cache holds exactly what transformers caches: kv_a_layernorm(c) and k_rot."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_folders["q_lora-bias-tied-linear-rope"]
+    model = AbsorbedMLAModel.from_folder(folder, device="cpu")
+    prompt = prompt_ids(folder)[1]
+    cache = model.new_cache(num_pages=16, page_size=4)
+    other = cache.add_sequence()  # a neighbour, so that the sequence's pages are not simply 0, 1, 2...
+    seq = cache.add_sequence()
+    model.prefill(cache, [other, seq], [prompt[:3], prompt])
+    extra = [5, 6]
+    for token in extra:
+        model.decode(cache, [other, seq], [7, token])
+    tokens = prompt + extra
+    pages = cache.page_table([seq])[0].long()  # (max_pages,)
+    rows = cache.layer(1)[pages].reshape(-1, cache.width)[: len(tokens)]  # (T, R + D) in token order
+    assert cache.length(seq) == len(tokens)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        past = hf(torch.tensor([tokens]), use_cache=True).past_key_values
+    latent = past.layers[1].keys[0, 0]  # (T, R): DeepseekV3 caches the normalised latent as "keys"
+    k_rot = past.layers[1].values[0, 0]  # (T, D) and the rotated shared key as "values"
+    torch.testing.assert_close(rows[:, : model.kv_lora_rank], latent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows[:, model.kv_lora_rank :], k_rot, rtol=1e-5, atol=1e-5)
+
+
+def test_full_cache_and_second_prefill_are_clear_errors(tiny_folder):
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    with pytest.raises(GenerationSettingsError, match="cache is full"):
+        run_generation(model, [[1, 2, 3, 4]], 8, page_size=2, num_pages=3)
+    cache = model.new_cache(num_pages=4, page_size=4)
+    seq = cache.add_sequence()
+    model.prefill(cache, [seq], [[1, 2, 3]])
+    with pytest.raises(GenerationSettingsError, match="new sequences only"):
+        model.prefill(cache, [seq], [[4, 5]])
+
+
+# ----------------------------------------------------------------------------------------- 3. kernel path
+def test_triton_kernel_path_matches_reference_path(tiny_folder):
+    """The runtime driving the Triton kernel (interpreter on CPU, compiled on CUDA) equals the reference path."""
+    from mla_decode_triton import mla_decode, mla_decode_reference
+    from mla_decode_triton.launcher import INTERPRETED
+
+    device = "cpu" if INTERPRETED else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run here")
+    kernel = AbsorbedMLAModel.from_folder(tiny_folder, device=device, decode_backend="triton")
+    reference = AbsorbedMLAModel.from_folder(tiny_folder, device=device, decode_backend="reference")
+    assert kernel.decode_attention is mla_decode and reference.decode_attention is mla_decode_reference
+    prompts = prompt_ids(tiny_folder)[:2]
+    caches = {name: m.new_cache(num_pages=16, page_size=4) for name, m in (("kernel", kernel), ("reference", reference))}
+    seqs = {name: [cache.add_sequence() for _ in prompts] for name, cache in caches.items()}
+    logits_k = kernel.prefill(caches["kernel"], seqs["kernel"], prompts)
+    logits_r = reference.prefill(caches["reference"], seqs["reference"], prompts)
+    for _ in range(3):  # a few decode steps: each one runs the kernel once per layer
+        tokens = logits_r.argmax(-1).tolist()
+        assert logits_k.argmax(-1).tolist() == tokens
+        logits_k = kernel.decode(caches["kernel"], seqs["kernel"], tokens)
+        logits_r = reference.decode(caches["reference"], seqs["reference"], tokens)
+        torch.testing.assert_close(logits_k, logits_r, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(caches["kernel"].storage, torch.zeros_like(caches["kernel"].storage))
+
+
+# ----------------------------------------------------------------------------------------- sampling
+def test_sampling_is_seeded_per_prompt(tiny_folder):
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    prompts = prompt_ids(tiny_folder)
+    settings = dict(do_sample=True, temperature=1.5, top_p=0.9)
+    first = generate_ids(model, prompts, 16, seed=3, **settings)
+    assert first == generate_ids(model, prompts, 16, seed=3, **settings)
+    assert first != generate_ids(model, prompts, 16, seed=4, **settings)
+    # each prompt has its own generator: prompt 0's sample does not depend on its batch mates
+    assert generate_ids(model, prompts[:1], 16, seed=3, **settings) == first[:1]
+    greedy = generate_ids(model, prompts, 16)
+    assert first != greedy
+    # a nucleus that only holds the top token is greedy decoding through the sampling code path
+    assert generate_ids(model, prompts, 16, do_sample=True, top_p=1e-6, seed=5) == greedy
+
+
+# ----------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_ids=[[]]), "empty"),
+    (dict(prompt_ids=[[1, 512]]), "outside the vocabulary"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(do_sample=True, temperature=0.0), "temperature"),
+    (dict(do_sample=True, top_p=0.0), "top_p"),
+    (dict(decode_backend="cuda-graphs"), "decode backend"),
+])
+def test_bad_settings_are_one_line_errors(tiny_folder, kwargs, message):
+    arguments = dict(prompt_ids=[[1, 2, 3]], max_new_tokens=4, device="cpu") | kwargs
+    with pytest.raises(GenerationSettingsError, match=message) as error:
+        generate_ids(tiny_folder, **arguments)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the MoE block's empty shared expert
+def test_moe_and_non_deepseek_folders_are_refused(tmp_path, stories260k):
+    moe = build_tiny_folder(tmp_path / "moe", stories260k, first_k_dense_replace=1, q_lora_rank=None)
+    with pytest.raises(RuntimeModelError, match="MoE"):
+        AbsorbedMLAModel.from_folder(moe, device="cpu")
+    with pytest.raises(RuntimeModelError, match="model_type 'llama'"):
+        AbsorbedMLAModel.from_folder(stories260k, device="cpu")
+
+
+def test_pages_needed_counts_each_sequence_separately():
+    assert PagedLatentCache.pages_needed([1, 16, 17], 16) == 1 + 1 + 2
+    assert PagedLatentCache.pages_needed([5, 3], 1) == 8
