@@ -84,6 +84,149 @@ def inspect(
     console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False)
 
 
+@app.command()
+@user_errors
+def convert(
+    source: str = typer.Argument(..., help="Source model folder or Hugging Face hub id (Llama, Mistral, Qwen2, SmolLM)."),
+    output: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite)."),
+    kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", "-r", help="Latent rank R."),
+    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", "-d", help="Dimension D of the shared RoPE key."),
+    compression: Optional[float] = typer.Option(None, "--compression", "-c", help="Target KV-cache ratio; picks R and D."),
+    q_lora_rank: Optional[int] = typer.Option(None, "--q-lora-rank", help="Also factor the queries to this rank."),
+    method: str = typer.Option("activation-aware", help="activation-aware (default), input (whitened only) or svd (weight-only)."),
+    calib_data: Optional[str] = typer.Option(None, help="Calibration text: file, folder or datasets spec name:config:split. Default: text sampled from the source model."),
+    calib_samples: int = typer.Option(16, help="Calibration windows."),
+    calib_seq_len: int = typer.Option(512, help="Tokens per calibration window."),
+    calib_text_column: str = typer.Option("text", help="Text column of a datasets dataset."),
+    seed: int = typer.Option(0, help="Seed for sampling calibration text."),
+    sequential: bool = typer.Option(False, help="Calibrate each layer on the outputs of the already converted layers."),
+    refine_steps: int = typer.Option(0, help="Adam steps per layer on the attention output error (0: closed form only)."),
+    dtype: str = typer.Option("auto", help="Export dtype: auto (source's; fp16 -> bf16), bf16 or fp32."),
+    device: str = typer.Option("cpu", help="cpu or cuda (for the calibration forward passes)."),
+    max_shard_size: str = typer.Option("5GB", help="Largest output shard."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    allow_pickle: bool = typer.Option(False, help="Read pickled *.bin weights (torch.load with weights_only=True)."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of the source."),
+    push_to_hub: Optional[str] = typer.Option(None, help="After converting, push to this hub repo (namespace/name)."),
+    private: bool = typer.Option(False, help="With --push-to-hub: create a private repo."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars, only errors and the output path."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep every phase's progress bar and print per-layer details."),
+):
+    """Convert an MHA/GQA checkpoint into a stock DeepseekV3 MLA checkpoint."""
+    from .calibration import CalibrationOptions
+    from .console import RichProgress, engines_table, summary_table
+    from .convert import ConvertOptions, command_line, convert as run_convert, install_sigterm_handler
+
+    install_sigterm_handler()
+    options = ConvertOptions(
+        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, compression=compression, q_lora_rank=q_lora_rank, method=method,
+        calibration=CalibrationOptions(data=calib_data, num_samples=calib_samples, seq_len=calib_seq_len,
+                                       seed=seed, text_column=calib_text_column),
+        dtype=dtype, device=device, sequential=sequential, refine_steps=refine_steps, max_shard_size=max_shard_size,
+        overwrite=overwrite, allow_pickle=allow_pickle, revision=revision, command=command_line(),
+    )
+    progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
+    try:
+        result = run_convert(source, output, options, progress)
+    finally:
+        progress.finish()
+    if not quiet:
+        if verbose:
+            layers = Table(title="per layer")
+            for column in ("layer", "kept energy", "attention error", "latent scale"):
+                layers.add_column(column, justify="right")
+            for row in result.report["layers"]:
+                error = row.get("attention_output_relative_error")
+                layers.add_row(str(row["layer"]), f"{row['kept_energy']:.4f}", "-" if error is None else f"{error:.4f}",
+                               f"{row['latent_scale']:.2e}")
+            console.print(layers)
+        console.print(summary_table(result.report))
+        console.print(engines_table(result.report))
+    console.print(str(result.output), highlight=False)
+    if push_to_hub:
+        from .hub import push_to_hub as push
+
+        console.print(push(result.output, push_to_hub, private=private).summary(), highlight=False)
+
+
+@app.command(name="eval")
+@user_errors
+def evaluate(
+    model: str = typer.Argument(..., help="Model folder or hub id (any causal LM, e.g. a converted folder)."),
+    data: str = typer.Option(..., "--data", help="Text file, folder, or datasets spec name:config:split."),
+    baseline: Optional[str] = typer.Option(None, help="Also evaluate this model (e.g. the source) on the same windows."),
+    context: int = typer.Option(1024, help="Context length of each window."),
+    stride: Optional[int] = typer.Option(None, help="Window stride (default: context, non-overlapping windows)."),
+    max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
+    max_tokens: Optional[int] = typer.Option(None, help="Evaluate at most this many tokens."),
+    batch_size: int = typer.Option(1, help="Windows per forward pass."),
+    text_column: str = typer.Option("text", help="Text column of a datasets dataset."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda if available)."),
+    dtype: str = typer.Option("auto", help="auto, bf16, fp16 or fp32."),
+    kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache for this many tokens (0: skip)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+):
+    """Perplexity (and bits/byte, word perplexity) with the sliding-window method; optional baseline."""
+    from .perplexity import run_eval
+
+    report = run_eval(model, data, baseline=baseline, context_length=context, stride=stride, max_windows=max_windows,
+                      max_tokens=max_tokens, batch_size=batch_size, device=device, dtype=dtype, text_column=text_column,
+                      json_path=json_out)
+    console.print(report.markdown(), highlight=False)
+    if kv_context > 0:
+        from .kv_cache_measure import measure_kv_cache
+        from .perplexity import load_model_for_eval
+        from .shapes import human_bytes
+
+        for name in [model] + ([baseline] if baseline else []):
+            loaded, _ = load_model_for_eval(name, device, dtype)
+            measured = measure_kv_cache(loaded, tokens=kv_context)
+            console.print(
+                f"{name}: KV cache {human_bytes(measured.total_bytes)} for {kv_context} tokens "
+                f"({measured.bytes_per_token:.0f} B/token, {measured.bytes_per_token_per_layer:.0f} B/token/layer, {measured.cache_class})",
+                highlight=False,
+            )
+
+
+@app.command()
+@user_errors
+def generate(
+    model: str = typer.Argument(..., help="Converted (DeepseekV3) model folder."),
+    prompts: list[str] = typer.Argument(..., help="One or more prompts."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
+    sample: bool = typer.Option(False, help="Sample instead of greedy decoding."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda if available)."),
+    page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
+):
+    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU)."""
+    from .runtime import generate_text
+
+    outputs = generate_text(model, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,
+                            top_p=top_p, seed=seed, device=device, page_size=page_size)
+    for prompt, text in zip(prompts, outputs):
+        console.print(f"[bold]{prompt}[/]{text}", highlight=False)
+
+
+@app.command()
+@user_errors
+def push(
+    folder: Path = typer.Argument(..., help="A folder written by `mla-convert convert`."),
+    repo_id: str = typer.Argument(..., help="Hub repository, namespace/name."),
+    private: bool = typer.Option(False, help="Create the repository as private."),
+    revision: Optional[str] = typer.Option(None, help="Branch to push to (created if needed)."),
+    commit_message: Optional[str] = typer.Option(None, help="Commit message."),
+    dry_run: bool = typer.Option(False, help="Only list the files and sizes that would be uploaded and check the card (no network)."),
+):
+    """Upload a converted model and its generated model card to the Hugging Face Hub (token: HF_TOKEN or `hf auth login`)."""
+    from .hub import push_to_hub
+
+    result = push_to_hub(folder, repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=dry_run)
+    console.print(result.summary(), highlight=False)
+
+
 @app.command("fetch-demo-model")
 @user_errors
 def fetch_demo_model(

@@ -1,0 +1,217 @@
+"""Calibration: token windows, and per-layer activation statistics collected layer by layer.
+
+Memory stays at one layer's weights plus the calibration hidden states: the layer-streamed source
+forward runs every calibration window through layer i, accumulates that layer's statistics, and moves
+the hidden states on; big per-layer statistics (input second moments) are spilled to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import MLAConvertError
+from .rope import RopeStats, rope_stats_from_moments
+from .source_model import (
+    StreamedSourceModel,
+    apply_rotary,
+    attention_distance_profile,
+    attention_from_qkv,
+    mlp,
+    project_qkv,
+    rms_norm,
+    rotary_cos_sin,
+)
+
+
+@dataclass
+class CalibrationOptions:
+    data: str | None = None  # text file, folder, or datasets spec; None: sample from the source model
+    num_samples: int = 16
+    seq_len: int = 512
+    seed: int = 0
+    text_column: str = "text"
+    temperature: float = 1.0
+    top_p: float = 0.95
+    profile_samples: int = 8  # windows used for the attention-distance profile
+    error_samples: int = 4  # windows kept per layer to measure conversion error
+    chunk: int = 4  # windows pushed through a layer at once
+
+
+# --------------------------------------------------------------------------- token windows
+def calibration_ids(
+    model: StreamedSourceModel, folder: Path, options: CalibrationOptions, progress: Callable | None = None
+) -> tuple[torch.Tensor, str]:
+    """(num_samples, seq_len) token ids and a description of where they came from."""
+    if options.data is None:
+        ids = sample_from_model(model, options.num_samples, options.seq_len, options.seed, options.temperature,
+                                options.top_p, progress=progress)
+        return ids, f"{options.num_samples} x {options.seq_len} tokens sampled from the source model (seed {options.seed})"
+    return text_windows(folder, options), f"{options.num_samples} x {options.seq_len} token windows of {options.data}"
+
+
+def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:
+    """Evenly spaced windows of a tokenised text (only as much text as the windows need is tokenised)."""
+    from transformers import AutoTokenizer
+
+    from .textdata import load_text
+
+    needed = options.num_samples * options.seq_len
+    # ~4 characters per token for English BPE; take generously, tokenise once
+    text = load_text(options.data, text_column=options.text_column, max_chars=needed * 12)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    del tokenizer
+    if ids.numel() < options.seq_len:
+        raise MLAConvertError(
+            f"calibration text {options.data!r} has {ids.numel()} tokens; need at least --calib-seq-len {options.seq_len}"
+        )
+    count = min(options.num_samples, ids.numel() // options.seq_len)
+    starts = torch.linspace(0, ids.numel() - options.seq_len, count).long()
+    return torch.stack([ids[s : s + options.seq_len] for s in starts.tolist()])  # (count, seq_len)
+
+
+def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from (batch, vocab) logits with temperature and nucleus filtering."""
+    probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the top token
+    sorted_probs = sorted_probs * keep
+    choice = torch.multinomial(sorted_probs, 1, generator=generator)  # (batch, 1)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_from_model(
+    model: StreamedSourceModel,
+    num: int,
+    length: int,
+    seed: int,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    start_id: int | None = None,
+    progress: Callable | None = None,
+) -> torch.Tensor:
+    """Batched, seeded ancestral sampling from the layer-streamed source model (no text needed).
+
+    Each step streams the layers from the checkpoint (the OS page cache makes re-reads cheap) and keeps
+    a bf16 KV cache, so memory is the cache plus one layer, never the model.
+    """
+    shape = model.shape
+    generator = torch.Generator().manual_seed(seed)
+    if start_id is None:
+        start_id = model.config.get("bos_token_id")
+        if isinstance(start_id, list):
+            start_id = start_id[0]
+        start_id = 0 if start_id is None else int(start_id)
+    ids = torch.full((num, length), start_id, dtype=torch.long)
+    cache_k = [torch.empty(num, shape.num_kv_heads, length, shape.head_dim, dtype=torch.bfloat16) for _ in range(shape.num_layers)]
+    cache_v = [torch.empty_like(k) for k in cache_k]
+    for t in range(length - 1):
+        hidden = model.embed(ids[:, t : t + 1])  # (num, 1, d)
+        cos, sin = rotary_cos_sin(model.inv_freq, torch.tensor([t]), model.dtype)
+        for index in range(shape.num_layers):
+            layer = model.load_layer(index)
+            x = rms_norm(hidden, layer.weights["input_norm"], shape.rms_norm_eps)
+            q, k, v = project_qkv(x, layer, shape)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cache_k[index][:, :, t : t + 1] = k.to(torch.bfloat16)
+            cache_v[index][:, :, t : t + 1] = v.to(torch.bfloat16)
+            keys = cache_k[index][:, :, : t + 1].to(model.dtype)
+            values = cache_v[index][:, :, : t + 1].to(model.dtype)
+            hidden = hidden + attention_from_qkv(q, keys, values, layer, shape)
+            hidden = hidden + mlp(rms_norm(hidden, layer.weights["post_attn_norm"], shape.rms_norm_eps), layer)
+            del layer
+            model.release()
+        logits = model.logits(model.final_norm(hidden))[:, -1]  # (num, vocab)
+        ids[:, t + 1] = top_p_sample(logits, temperature, top_p, generator)
+        model.release()
+        if progress:
+            progress(t + 1, length - 1)
+    return ids
+
+
+# --------------------------------------------------------------------------- statistics
+class StatsStore:
+    """Per-layer statistics spilled to a temporary folder (the model's layers never all sit in memory)."""
+
+    def __init__(self, parent: str | Path | None = None):
+        self._dir = tempfile.TemporaryDirectory(prefix="mla-convert-stats-", dir=parent)
+        self.path = Path(self._dir.name)
+
+    def save(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.path / f"layer-{layer:05d}.safetensors"))
+
+    def load(self, layer: int) -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / f"layer-{layer:05d}.safetensors"))
+
+    def cleanup(self) -> None:
+        self._dir.cleanup()
+
+
+@dataclass
+class LayerInputStats:
+    second_moment: torch.Tensor  # (d, d) float64, E[x x^T] of the normalised attention input
+    mean: torch.Tensor  # (d,) float64
+    samples: torch.Tensor  # (error_samples, T, d) attention inputs kept to measure conversion error
+    distance_profile: torch.Tensor  # (H, T)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {"second_moment": self.second_moment, "mean": self.mean, "samples": self.samples,
+                "distance_profile": self.distance_profile}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "LayerInputStats":
+        return cls(tensors["second_moment"], tensors["mean"], tensors["samples"], tensors["distance_profile"])
+
+
+def layer_input_stats(
+    model: StreamedSourceModel, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    options: CalibrationOptions, move_hidden: bool = True,
+) -> LayerInputStats:
+    """Statistics of layer `layer`'s attention input over all windows.
+
+    With `move_hidden`, `hidden` is also pushed through the (source) layer in place, so one pass over the
+    layers both measures and advances the calibration activations.
+    """
+    shape = model.shape
+    d = shape.hidden_size
+    moment = torch.zeros(d, d, dtype=torch.float64)
+    total = torch.zeros(d, dtype=torch.float64)
+    count = 0
+    profile = torch.zeros(shape.num_heads, hidden.shape[1], dtype=torch.float64)
+    profiled = 0
+    samples = []
+    for start in range(0, hidden.shape[0], options.chunk):
+        chunk = hidden[start : start + options.chunk]
+        x = rms_norm(chunk, layer.weights["input_norm"], shape.rms_norm_eps)
+        flat = x.reshape(-1, d).double()  # (chunk * T, d)
+        moment += flat.T @ flat
+        total += flat.sum(0)
+        count += flat.shape[0]
+        if len(samples) < options.error_samples:
+            samples.extend(x[: options.error_samples - len(samples)])
+        q, k, v = project_qkv(x, layer, shape)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if profiled < options.profile_samples:
+            take = min(options.profile_samples - profiled, q.shape[0])
+            profile += attention_distance_profile(q[:take], k[:take], shape.head_dim**-0.5,
+                                                  shape.num_heads // shape.num_kv_heads) * take
+            profiled += take
+        if move_hidden:
+            new = chunk + attention_from_qkv(q, k, v, layer, shape)
+            hidden[start : start + options.chunk] = new + mlp(rms_norm(new, layer.weights["post_attn_norm"], shape.rms_norm_eps), layer)
+    return LayerInputStats(moment / count, total / count, torch.stack(samples), profile / max(profiled, 1))
+
+
+def rope_stats_for_layer(layer, stats: LayerInputStats, shape) -> RopeStats:
+    w = layer.weights
+    return rope_stats_from_moments(
+        w["q_weight"], w.get("q_bias"), w["k_weight"], w.get("k_bias"), stats.second_moment, stats.mean,
+        shape.num_heads, shape.num_kv_heads, shape.head_dim, stats.distance_profile,
+    )

@@ -1,0 +1,95 @@
+"""Low-rank factorization of the stacked NoPE-key / value projection into MLA down/up projections.
+
+MLA caches c = W_down x (rank R) and rebuilds every head's NoPE key and value as W_up c.  Which rank-R
+subspace to keep decides quality:
+
+- `weight` (plain SVD of W): treats every input direction and every output row as equally important.
+  Known to be very poor; kept for comparison (`--method svd`).
+- `input`: whitens the input side with the calibration second moment C = E[x x^T], so the error is
+  measured on real activations: minimise E||(W - W_up W_down) x||^2.
+- `output` (default, "activation-aware"): additionally weights each output row by what its error
+  costs downstream.  A NoPE-key error e moves the logits by q^T e, so key rows are weighted by the
+  queries' second moment E[q q^T]; a value error moves the layer output by W_o e, so value rows are
+  weighted by W_o^T W_o.  The two blocks are scaled to equal energy (`kv_balance` shifts that), since
+  a fixed K/V ratio did not transfer between models.
+
+Given the chosen subspace (W_down), the best W_up is the least-squares fit on the calibration
+activations, whatever the output weighting: W_up = W C W_down^T (W_down C W_down^T)^-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("output", "input", "weight")
+
+
+def psd_root(matrix: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric square root and inverse square root of a PSD matrix, flooring tiny eigenvalues."""
+    matrix = 0.5 * (matrix + matrix.T)
+    eigvals, eigvecs = torch.linalg.eigh(matrix.double())
+    floor = eigvals.max().clamp_min(1e-300) * rel_floor
+    eigvals = eigvals.clamp_min(floor)
+    root = (eigvecs * eigvals.sqrt()) @ eigvecs.T
+    inv_root = (eigvecs * eigvals.rsqrt()) @ eigvecs.T
+    return root, inv_root
+
+
+@dataclass
+class Factorization:
+    down: torch.Tensor  # (rank, d_in)
+    up: torch.Tensor  # (rows, rank)
+    kept_energy: float  # fraction of the (weighted) energy inside the kept subspace
+    singular_values: torch.Tensor
+
+
+def block_diag_root(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Block-diagonal matrix of the PSD square roots of `blocks`."""
+    return torch.block_diag(*[psd_root(block)[0] for block in blocks])
+
+
+@dataclass
+class Whitening:
+    """E[x x^T] with its square root and inverse square root, computed once per layer."""
+
+    second_moment: torch.Tensor
+    root: torch.Tensor
+    inv_root: torch.Tensor
+
+    @classmethod
+    def of(cls, second_moment: torch.Tensor) -> "Whitening":
+        root, inv_root = psd_root(second_moment.double())
+        return cls(second_moment.double(), root, inv_root)
+
+
+def factorize(
+    weight: torch.Tensor,
+    rank: int,
+    whitening: Whitening | None = None,
+    row_weight_root: torch.Tensor | None = None,
+) -> Factorization:
+    """W (rows, d_in) ~ up @ down with down (rank, d_in).
+
+    whitening: the inputs' second moment (None: weight-only SVD, every input direction equal).
+    row_weight_root: (rows, rows) square root of the output-side weighting (None: identity).
+    """
+    weight = weight.double()
+    if whitening is None:
+        target = weight if row_weight_root is None else row_weight_root.double() @ weight
+        _, singular, vh = torch.linalg.svd(target, full_matrices=False)
+        down = vh[:rank]
+        up = weight @ down.T  # rows of down are orthonormal: least squares in the weight metric
+        energy = singular.pow(2)
+        return Factorization(down, up, (energy[:rank].sum() / energy.sum().clamp_min(1e-300)).item(), singular)
+    target = weight @ whitening.root
+    if row_weight_root is not None:
+        target = row_weight_root.double() @ target
+    _, singular, vh = torch.linalg.svd(target, full_matrices=False)
+    down = vh[:rank] @ whitening.inv_root  # (rank, d_in); the latent has unit second moment per dimension
+    moment = whitening.second_moment
+    gram = down @ moment @ down.T  # (rank, rank)
+    up = torch.linalg.solve(gram, (weight @ moment @ down.T).T).T  # (rows, rank): least squares on the activations
+    energy = singular.pow(2)
+    return Factorization(down, up, (energy[:rank].sum() / energy.sum().clamp_min(1e-300)).item(), singular)

@@ -1,0 +1,64 @@
+"""Functional DeepseekV3 MLA attention on converted weights, for measuring conversion error.
+
+Mirrors `DeepseekV3Attention` (tests check it against transformers) without importing the transformers
+modeling stack, so per-layer errors can be measured inside the low-memory conversion process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .mla_layer import LATENT_NORM_EPS
+from .source_model import rms_norm
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3)...: x (..., T, D); cos/sin (T, D/2). Layout kept."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (..., T, D/2, 2)
+    return out.flatten(-2)  # (..., T, D)
+
+
+def mla_attention(
+    x: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    num_heads: int,
+    nope_dim: int,
+    rope_dim: int,
+    v_dim: int,
+    inv_freq: torch.Tensor,
+    latent_norm: bool = True,
+) -> torch.Tensor:
+    """Causal MLA attention of the normalised input x (b, T, d) -> (b, T, d), weights named as in `self_attn.*`.
+
+    latent_norm=False skips kv_a_layernorm / q_a_layernorm: the norm-free form used while refining.
+    """
+    batch, length, _ = x.shape
+    dtype = x.dtype
+    w = {name: tensor.to(dtype) for name, tensor in weights.items()}
+    if "q_proj.weight" in w:
+        q = F.linear(x, w["q_proj.weight"])
+    else:
+        q_latent = F.linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
+        if latent_norm:
+            q_latent = rms_norm(q_latent, w["q_a_layernorm.weight"], LATENT_NORM_EPS)
+        q = F.linear(q_latent, w["q_b_proj.weight"])
+    q = q.view(batch, length, num_heads, nope_dim + rope_dim).transpose(1, 2)  # (b, H, T, nope + rope)
+    q_nope, q_rope = q.split([nope_dim, rope_dim], dim=-1)
+    rank = w["kv_b_proj.weight"].shape[1]
+    compressed = F.linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+    latent, k_rope = compressed.split([rank, rope_dim], dim=-1)  # (b, T, R), (b, T, D)
+    if latent_norm:
+        latent = rms_norm(latent, w["kv_a_layernorm.weight"], LATENT_NORM_EPS)
+    kv = F.linear(latent, w["kv_b_proj.weight"]).view(batch, length, num_heads, nope_dim + v_dim).transpose(1, 2)
+    k_nope, value = kv.split([nope_dim, v_dim], dim=-1)  # (b, H, T, nope), (b, H, T, v)
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, D/2)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    q_rope = rotate_interleaved(q_rope, cos, sin)
+    k_rope = rotate_interleaved(k_rope[:, None], cos, sin).expand(-1, num_heads, -1, -1)  # (b, H, T, D)
+    query = torch.cat([q_nope, q_rope], dim=-1)
+    key = torch.cat([k_nope, k_rope], dim=-1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=length > 1, scale=(nope_dim + rope_dim) ** -0.5)
+    out = out.transpose(1, 2).reshape(batch, length, num_heads * v_dim)  # (b, T, H*v)
+    return F.linear(out, w["o_proj.weight"], w.get("o_proj.bias"))

@@ -1,0 +1,232 @@
+"""A functional, layer-streamed forward pass of a Llama-family source model.
+
+Calibration, self-sampling and the converted-layer checks need the source model's activations, but
+must not hold the model in memory: a layer's weights are read from the checkpoint when the layer runs
+and dropped after.  The math mirrors transformers' Llama/Mistral/Qwen2 decoder layers exactly
+(`tests/test_source_model.py` checks it against them); it is written out here because importing the
+transformers modeling stack alone costs ~170 MB of resident memory, a third of SmolLM2's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint_reader import CheckpointReader
+from .shapes import SourceShape
+
+EMBED_CHUNK_ROWS = 8192
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in fp32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """The plain RoPE grid, computed with the same float ops as transformers."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+
+
+def rope_inv_freq(rope_parameters: dict, dim: int) -> torch.Tensor:
+    """Inverse frequencies for `dim` rotary dimensions under `rope_parameters` (default/linear/llama3).
+
+    Non-default types go through transformers' own `ROPE_INIT_FUNCTIONS`, fed a minimal
+    DeepseekV3Config whose head_dim is `dim`, so source and exported model share one code path.
+    """
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        return default_inv_freq(float(rope_parameters["rope_theta"]), dim)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        hidden_size=dim,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        qk_rope_head_dim=dim,
+        qk_nope_head_dim=0,
+        v_head_dim=dim,
+        kv_lora_rank=1,
+        q_lora_rank=None,
+        num_hidden_layers=1,
+        first_k_dense_replace=1,
+        rope_parameters=dict(rope_parameters),
+        max_position_embeddings=int(rope_parameters.get("original_max_position_embeddings", 4096)) * 8,
+    )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    if scaling != 1.0:
+        raise ValueError(f"rope_type {rope_type} scales attention by {scaling}; not supported")
+    return inv_freq
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (len(positions), 2 * len(inv_freq)) in rotate_half layout, as transformers builds them."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # (T, h/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, h)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, T, h); cos/sin: (T, h)."""
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class SourceLayer:
+    """One decoder layer's weights, by role (`q_weight`, `k_bias`, `gate_weight`, `input_norm`, ...)."""
+
+    index: int
+    weights: dict[str, torch.Tensor]
+
+    def get(self, role: str) -> torch.Tensor | None:
+        return self.weights.get(role)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def project_qkv(x: torch.Tensor, layer: SourceLayer, shape: SourceShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-rotation q, k, v: (batch, heads, T, head_dim) each, from the normalised input x (batch, T, hidden)."""
+    batch, length, _ = x.shape
+    w = layer.weights
+    q = linear(x, w["q_weight"], w.get("q_bias")).view(batch, length, shape.num_heads, shape.head_dim).transpose(1, 2)
+    k = linear(x, w["k_weight"], w.get("k_bias")).view(batch, length, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
+    v = linear(x, w["v_weight"], w.get("v_bias")).view(batch, length, shape.num_kv_heads, shape.head_dim).transpose(1, 2)
+    return q, k, v
+
+
+def attention_from_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: SourceLayer, shape: SourceShape
+) -> torch.Tensor:
+    """Causal GQA attention + o_proj: rotated q (b, H, T, h), k/v (b, G, S, h) -> (b, T, hidden)."""
+    causal = q.shape[2] == k.shape[2] and q.shape[2] > 1
+    # enable_gqa shares each kv head across its query group without materialising repeated keys
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=shape.head_dim**-0.5, enable_gqa=True)
+    batch, _, length, _ = out.shape
+    out = out.transpose(1, 2).reshape(batch, length, shape.num_heads * shape.head_dim)  # (b, T, H*h)
+    return linear(out, layer.weights["o_weight"], layer.weights.get("o_bias"))
+
+
+def mlp(x: torch.Tensor, layer: SourceLayer) -> torch.Tensor:
+    w = layer.weights
+    gate = linear(x, w["gate_weight"], w.get("gate_bias"))
+    up = linear(x, w["up_weight"], w.get("up_bias"))
+    return linear(F.silu(gate) * up, w["down_weight"], w.get("down_bias"))
+
+
+class StreamedSourceModel:
+    """The source model run layer by layer from its checkpoint, holding one layer's weights at a time."""
+
+    def __init__(self, reader: CheckpointReader, config: dict, shape: SourceShape, dtype: torch.dtype = torch.float32):
+        self.reader = reader
+        self.config = config
+        self.shape = shape
+        self.arch = shape.architecture
+        self.dtype = dtype
+        self.inv_freq = rope_inv_freq(shape.rope_parameters, shape.head_dim)
+
+    # ------------------------------------------------------------------ weights
+    def release(self) -> None:
+        """Close the shard handle; weights already returned keep their (memory-mapped) data alive only while used."""
+        self.reader.close()
+
+    def load_layer(self, index: int) -> SourceLayer:
+        names = self.arch.layer_weight_names(index, self.config)
+        tensors = self.reader.get_many(names.values())
+        return SourceLayer(index, {role: tensors[name].to(self.dtype) for role, name in names.items()})
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows for `ids` (any shape), read in row chunks so the full table is never resident."""
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.shape.hidden_size, dtype=self.dtype)
+        rows = self._row_slicer(self.arch.embed)
+        for start in range(0, self.shape.vocab_size, EMBED_CHUNK_ROWS):
+            stop = min(start + EMBED_CHUNK_ROWS, self.shape.vocab_size)
+            inside = (flat >= start) & (flat < stop)
+            if inside.any():
+                out[inside] = rows(start, stop).to(self.dtype)[flat[inside] - start]
+        return out.view(*ids.shape, self.shape.hidden_size)
+
+    def _row_slicer(self, name: str):
+        """A function (start, stop) -> rows of tensor `name`, reading only those rows."""
+        return lambda start, stop: self.reader.get_rows(name, start, stop)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.reader.get(self.arch.final_norm).to(self.dtype)
+        return rms_norm(hidden, weight, self.shape.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head applied in vocabulary chunks (the head is the largest matrix of small models)."""
+        name = self.arch.embed if self.shape.tied_embeddings else self.arch.lm_head
+        rows = self._row_slicer(name)
+        parts = []
+        for start in range(0, self.shape.vocab_size, EMBED_CHUNK_ROWS):
+            stop = min(start + EMBED_CHUNK_ROWS, self.shape.vocab_size)
+            parts.append(linear(hidden, rows(start, stop).to(self.dtype)))
+        return torch.cat(parts, dim=-1)
+
+    # ------------------------------------------------------------------ compute
+    def cos_sin(self, length: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cos_sin(self.inv_freq, torch.arange(offset, offset + length), self.dtype)
+
+    def layer_forward(
+        self, hidden: torch.Tensor, layer: SourceLayer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer on full sequences (b, T, hidden); returns (output, normalised attention input)."""
+        x = rms_norm(hidden, layer.weights["input_norm"], self.shape.rms_norm_eps)
+        q, k, v = project_qkv(x, layer, self.shape)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        hidden = hidden + attention_from_qkv(q, k, v, layer, self.shape)
+        hidden = hidden + mlp(rms_norm(hidden, layer.weights["post_attn_norm"], self.shape.rms_norm_eps), layer)
+        return hidden, x
+
+
+def attention_distance_profile(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """Average attention probability at each distance t - s, per query head: (H, T).
+
+    q: rotated queries (b, H, T, h); k: rotated keys (b, G, T, h).  Computed per sequence to bound memory.
+    """
+    batch, heads, length, _ = q.shape
+    profile = torch.zeros(heads, length, dtype=torch.float64)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    # gather index: for query t and distance d, key t - d
+    for b in range(batch):
+        keys = k[b].repeat_interleave(group, dim=0)  # (H, T, h)
+        scores = torch.einsum("htd,hsd->hts", q[b].float(), keys.float()) * scale
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = scores.softmax(-1)  # (H, T, S)
+        # sum over t of probs[h, t, t - d]: walk the diagonals
+        for d in range(length):
+            profile[:, d] += probs.diagonal(offset=-d, dim1=1, dim2=2).sum(-1).double()
+    return profile / (batch * length)
+
+
+def sequence_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL of ids (b, T) under logits (b, T, V)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum")
+
+
+__all__ = [
+    "StreamedSourceModel",
+    "SourceLayer",
+    "rms_norm",
+    "apply_rotary",
+    "rotary_cos_sin",
+    "rope_inv_freq",
+    "attention_distance_profile",
+    "project_qkv",
+    "attention_from_qkv",
+    "mlp",
+]

@@ -1,0 +1,70 @@
+"""The functional, layer-streamed source forward must equal transformers' own models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from mla_convert.checkpoint_reader import CheckpointReader, load_config
+from mla_convert.shapes import SourceShape
+from mla_convert.source_model import StreamedSourceModel, rope_inv_freq
+from tiny_models import save_tiny_model
+
+
+def streamed_logits(folder, ids):
+    config = load_config(folder)
+    shape = SourceShape.from_config(config)
+    with CheckpointReader(folder) as reader:
+        model = StreamedSourceModel(reader, config, shape)
+        hidden = model.embed(ids)
+        cos, sin = model.cos_sin(ids.shape[1])
+        for index in range(shape.num_layers):
+            hidden, _ = model.layer_forward(hidden, model.load_layer(index), cos, sin)
+        return model.logits(model.final_norm(hidden))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(family="llama", num_heads=4, num_kv_heads=2),
+        dict(family="llama", num_heads=4, num_kv_heads=4, attention_bias=True, tie_word_embeddings=True),
+        dict(family="llama", num_heads=4, num_kv_heads=1),
+        dict(family="mistral", num_heads=4, num_kv_heads=2),
+        dict(family="qwen2", num_heads=4, num_kv_heads=2),
+    ],
+)
+def test_streamed_forward_matches_transformers_on_tiny_models(tmp_path, kwargs):
+    folder = save_tiny_model(tmp_path / "m", max_shard_size="40KB", weight_scale=4.0, **kwargs)
+    ids = torch.randint(0, 128, (2, 17))
+    expected = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(streamed_logits(folder, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.real_model
+def test_streamed_forward_matches_transformers_on_stories260k(stories260k):
+    ids = torch.randint(0, 512, (2, 40))
+    expected = AutoModelForCausalLM.from_pretrained(stories260k).eval()(ids).logits
+    torch.testing.assert_close(streamed_logits(stories260k, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 100000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
+def test_rope_inv_freq_matches_llama_rotary_embedding(rope):
+    config = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_parameters=dict(rope), max_position_embeddings=131072)
+    expected = LlamaRotaryEmbedding(config).inv_freq
+    assert torch.equal(rope_inv_freq(rope, 128), expected)
