@@ -271,6 +271,7 @@ class Converter:
             options.rope_candidates_measured, progress,
         )
         rope_parameters = deepseek_rope_parameters(shape.rope_parameters, grid, shape.head_dim)
+        rope_error = verify_exported_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, model.inv_freq))
         target_config = build_deepseek_config(config, shape, mla, rope_parameters, export_dtype, q_lora_rank, attention_bias)
         writer = CheckpointWriter(output, options.max_shard_size, options.overwrite)
         with writer:
@@ -315,6 +316,7 @@ class Converter:
             report = _report(self.source, config, shape, mla, options, method, self.calibration_description, self.ids,
                              grid, rope_parameters, grid_table, layer_reports, export_dtype,
                              time.time() - started + self.calibration_seconds, q_lora_rank, attention_bias)
+            report["rope"]["max_relative_frequency_error"] = rope_error
             writer.write_json("mla_convert.json", report)
             _write_card(writer, report)
             result_path = writer.commit()
@@ -398,6 +400,17 @@ def _role_of(shape: SourceShape, config: dict, index: int, name: str) -> str:
         if candidate == name:
             return role
     raise KeyError(name)
+
+
+def verify_exported_rope(rope_parameters: dict, rope_dim: int, expected: torch.Tensor, rtol: float = 2e-6) -> float:
+    """The exported config's inverse frequencies (computed as transformers computes them) must equal the chosen ones."""
+    from .source_model import rope_inv_freq
+
+    actual = rope_inv_freq(rope_parameters, rope_dim).double()
+    error = ((actual - expected.double()).abs() / expected.double()).max().item()
+    if error > rtol:
+        raise AssertionError(f"exported RoPE frequencies differ from the chosen ones (max relative error {error:.2e})")
+    return error
 
 
 def advance_through_converted(model: StreamedSourceModel, layer, weights, hidden: torch.Tensor, shape: SourceShape,

@@ -105,8 +105,12 @@ class SourceShape:
 
     @property
     def max_kv_lora_rank(self) -> int:
-        """Largest useful latent rank: the rank of the stacked key/value projection (plus a bias column)."""
-        return min(2 * self.num_kv_heads * self.head_dim, self.hidden_size + int(self.qkv_bias))
+        """Largest useful latent rank: the rank of the stacked NoPE-key/value projection.
+
+        Biases need no latent column: NoPE-key biases shift every score of a query equally (softmax drops
+        them) and value biases move into o_proj's bias (attention weights sum to one).
+        """
+        return min(2 * self.num_kv_heads * self.head_dim, self.hidden_size)
 
     @property
     def max_rope_dim(self) -> int:
@@ -170,8 +174,7 @@ def shape_problems(source: SourceShape, kv_lora_rank: int | None, rope_dim: int 
         elif kv_lora_rank > source.max_kv_lora_rank:
             problems.append(
                 f"--kv-lora-rank {kv_lora_rank}: larger than the source allows (at most {source.max_kv_lora_rank} = "
-                f"min(2 x {source.num_kv_heads} kv heads x head_dim {source.head_dim}, hidden size {source.hidden_size}"
-                f"{' + 1 bias column' if source.qkv_bias else ''}))"
+                f"min(2 x {source.num_kv_heads} kv heads x head_dim {source.head_dim}, hidden size {source.hidden_size}))"
             )
     return problems
 

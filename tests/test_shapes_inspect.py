@@ -194,11 +194,12 @@ def test_impossible_shapes_are_rejected(rank, rope, expected):
     assert check_mla_shape(source, 384, 64) == MLAShape(384, 64)
 
 
-def test_rank_limit_counts_the_bias_column():
+def test_rank_limit_needs_no_bias_column():
+    """Biases leave the latent: NoPE-key biases cancel in the softmax, value biases move into o_proj."""
     source = SourceShape.from_config({**SMOLLM2, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 9})
-    assert source.max_kv_lora_rank == 577  # hidden 576 + 1 bias column
-    with pytest.raises(InvalidShapeError, match=r"at most 577 = .*\+ 1 bias column"):
-        check_mla_shape(source, 578, 64)
+    assert source.max_kv_lora_rank == 576
+    with pytest.raises(InvalidShapeError, match=r"at most 576 = .*hidden size 576\)\)"):
+        check_mla_shape(source, 577, 64)
 
 
 @pytest.mark.parametrize("compression, fragment", [(30, "at most 21.3"), (0, "at least 1"), (-2, "at least 1"), (0.5, "at least 1")])

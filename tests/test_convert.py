@@ -1,0 +1,216 @@
+"""The conversion core: exactness oracle, stock loading, the cached latent, RoPE grids, bad shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
+
+from mla_convert.calibration import CalibrationOptions
+from mla_convert.convert import ConvertOptions, convert
+from mla_convert.errors import MLAConvertError, PreflightError
+from mla_convert.kv_cache_measure import measure_kv_cache
+from mla_convert.rope import RopeGrid, deepseek_rope_parameters, grid_inv_freq
+from mla_convert.source_model import rope_inv_freq
+from tiny_models import save_tiny_model
+
+TINY_CALIBRATION = CalibrationOptions(num_samples=4, seq_len=32, error_samples=2, profile_samples=2)
+
+
+def fast_options(**kwargs) -> ConvertOptions:
+    kwargs.setdefault("calibration", TINY_CALIBRATION)
+    kwargs.setdefault("dtype", "fp32")
+    return ConvertOptions(**kwargs)
+
+
+def logits_of(folder, ids):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def relative(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small matmuls on a shared 2-core machine are far slower with 2 threads; keep tests quick."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- exactness oracle
+@pytest.mark.parametrize(
+    "family, bias",
+    [("llama", False), ("llama", True), ("qwen2", True), ("mistral", False)],
+)
+def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias):
+    """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model."""
+    kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=16, hidden_size=64, num_layers=2, weight_scale=3.0)
+    if family == "llama":
+        kwargs["attention_bias"] = bias
+    source = save_tiny_model(tmp_path / "src", **kwargs)
+    out = tmp_path / "mla"
+    result = convert(source, out, fast_options(kv_lora_rank=32, rope_dim=16))
+    ids = torch.randint(0, 128, (2, 48))
+    converted, expected = logits_of(out, ids), logits_of(source, ids)
+    torch.testing.assert_close(converted, expected, rtol=1e-4, atol=1e-4)
+    if bias:  # the query bias rides through q_a_proj exactly (W_q is square and invertible here)
+        assert all(layer["query_bias_residual"] < 1e-6 for layer in result.report["layers"])
+
+
+def test_gqa_at_full_rank_loses_only_the_rope_truncation(tmp_path):
+    """2 kv heads share one RoPE key: the only loss at full latent rank is the rotation of the second
+    head's keys, so the error is well below dropping RoPE entirely and the factorization keeps everything."""
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)
+    result = convert(source, tmp_path / "full", fast_options(kv_lora_rank=64, rope_dim=16))
+    assert all(layer["kept_energy"] > 1 - 1e-9 for layer in result.report["layers"])
+    ids = torch.randint(0, 128, (2, 48))
+    error = relative(logits_of(tmp_path / "full", ids), logits_of(source, ids))
+    assert 1e-4 < error < 0.25, error
+    # RoPE estimate: the plan keeps far less logit error than no RoPE at all, in every layer
+    for layer in result.report["layers"]:
+        assert layer["rope_error_estimate"] < 0.6 * layer["rope_error_if_no_rope"]
+
+
+def test_mha_full_rank_conversion_keeps_everything(tmp_path):
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=4, head_dim=16, hidden_size=64, weight_scale=3.0)
+    result = convert(source, tmp_path / "out", fast_options(kv_lora_rank=64, rope_dim=16))
+    assert all(layer["kept_energy"] > 1 - 1e-9 for layer in result.report["layers"])
+    ids = torch.randint(0, 128, (1, 40))
+    assert relative(logits_of(tmp_path / "out", ids), logits_of(source, ids)) < 0.3
+
+
+# ----------------------------------------------------------------------------- stock format
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(family="llama", num_kv_heads=2, tie_word_embeddings=True),
+        dict(family="llama", num_kv_heads=4, attention_bias=True),
+        dict(family="qwen2", num_kv_heads=2),
+        dict(family="mistral", num_kv_heads=1),
+    ],
+)
+def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwargs):
+    source = save_tiny_model(tmp_path / "src", num_heads=4, head_dim=16, hidden_size=64, **kwargs)
+    out = tmp_path / "mla"
+    convert(source, out, fast_options(kv_lora_rank=12, rope_dim=8, dtype="bf16"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    assert "auto_map" not in config
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert not any(isinstance(module, DeepseekV3MoE) for module in model.modules())
+    ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True)
+        uncached = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    measured = measure_kv_cache(model, tokens=20)
+    assert measured.bytes_per_token == (12 + 8) * config["num_hidden_layers"] * 2  # bf16 latent + RoPE key
+
+
+def test_rope_grid_of_the_export_matches_transformers(tmp_path):
+    """The exported rope_parameters reproduce the chosen slot frequencies in DeepseekV3RotaryEmbedding."""
+    cases = [
+        ({"rope_type": "default", "rope_theta": 100000.0}, RopeGrid(0.0, 2.0, 8)),
+        ({"rope_type": "default", "rope_theta": 10000.0}, RopeGrid(1.5, 1.0, 8)),
+        ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, RopeGrid(0.5, 2.0, 8)),
+        ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, RopeGrid(0.0, 2.0, 16)),
+    ]
+    for source_params, grid in cases:
+        head_dim = 64
+        source_freq = rope_inv_freq(source_params, head_dim)
+        expected = grid_inv_freq(grid, source_freq)
+        params = deepseek_rope_parameters(source_params, grid, head_dim)
+        config = DeepseekV3Config(qk_rope_head_dim=2 * grid.num_slots, rope_parameters=params, num_hidden_layers=1,
+                                  max_position_embeddings=131072)
+        actual = DeepseekV3RotaryEmbedding(config).inv_freq
+        torch.testing.assert_close(actual.double(), expected, rtol=2e-6, atol=0)
+        torch.testing.assert_close(rope_inv_freq(params, 2 * grid.num_slots), actual, rtol=0, atol=0)
+
+
+def test_latent_is_stored_at_a_scale_that_keeps_the_norm_linear(tmp_path):
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)
+    out = tmp_path / "mla"
+    convert(source, out, fast_options(kv_lora_rank=16, rope_dim=8))
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    captured = []
+    attn = model.model.layers[0].self_attn
+    hook = attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, i, o: captured.append(o[..., :16]))
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 64)) * 0 + torch.randint(0, 128, (2, 64)))
+    hook.remove()
+    mean_square = captured[0].pow(2).mean(-1).max().item()
+    assert mean_square < 1e-5 * 1e-6  # far below the norm's eps: RMSNorm(alpha c) = alpha c / sqrt(eps)
+
+
+# ----------------------------------------------------------------------------- options and errors
+def test_weight_only_svd_and_sequential_run_and_differ(tmp_path):
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)
+    svd = convert(source, tmp_path / "svd", fast_options(kv_lora_rank=12, rope_dim=8, method="svd"))
+    aware = convert(source, tmp_path / "aware", fast_options(kv_lora_rank=12, rope_dim=8))
+    assert svd.report["options"]["method"] == "weight" and aware.report["options"]["method"] == "output"
+    # activation-aware is measured on the calibration inputs, where it must not be worse than plain SVD
+    assert aware.report["summary"]["mean_attention_error"] <= svd.report["summary"]["mean_attention_error"] + 1e-9
+    sequential = convert(source, tmp_path / "seq", fast_options(kv_lora_rank=12, rope_dim=8, sequential=True))
+    assert sequential.report["options"]["sequential"] is True
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(kv_lora_rank=1000, rope_dim=8), "larger than the source allows"),
+        (dict(kv_lora_rank=16, rope_dim=7), "must be even"),
+        (dict(kv_lora_rank=16, rope_dim=64), "larger than the source head_dim"),
+        (dict(compression=4, kv_lora_rank=8), "give either the ratio or the ranks"),
+        (dict(kv_lora_rank=16, rope_dim=8, dtype="fp16"), "fp16"),
+    ],
+)
+def test_impossible_requests_fail_before_any_work(tmp_path, options, message):
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    with pytest.raises(PreflightError, match=message):
+        convert(source, tmp_path / "out", fast_options(**options))
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob("*.mla-convert-partial"))
+
+
+def test_existing_output_is_refused_without_overwrite(tmp_path):
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(MLAConvertError, match="already exists"):
+        convert(source, tmp_path / "out", fast_options(kv_lora_rank=16, rope_dim=8))
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    convert(source, tmp_path / "out", fast_options(kv_lora_rank=16, rope_dim=8, overwrite=True))
+    assert (tmp_path / "out" / "mla_convert.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.mark.real_model
+def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp_path):
+    """One-shot 2x conversion of a real model stays close to it (full protocol lives in the benchmark)."""
+    from mla_convert.perplexity import evaluate_perplexity
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "mla"
+    result = convert(stories260k, out, ConvertOptions(compression=2, dtype="fp32",
+                                                      calibration=CalibrationOptions(num_samples=8, seq_len=128)))
+    assert result.report["cache"]["ratio"] == 2.0
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    text = tinystories_text.read_text()
+    scores = {}
+    for name, folder in (("source", stories260k), ("converted", out)):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        scores[name] = evaluate_perplexity(model, tokenizer, text, context_length=256, max_windows=10, progress=False).perplexity
+    assert math.isfinite(scores["converted"])
+    assert scores["converted"] < 1.35 * scores["source"], scores
