@@ -1,0 +1,756 @@
+"""`sweep`: one source model converted at several KV-cache ratios, each scored on one text, as a table and a plot.
+
+Why a sweep is its own function rather than a loop over `convert` + `eval`:
+
+* Calibration (sampling or reading text, then the layer-streamed statistics pass) does not depend on the
+  target shape, and it is the slow part of a conversion.  One `Converter` calibrates once and every
+  (ratio, method) export reuses those statistics; each point records which statistics it used, so the
+  result itself shows that there was one calibration pass.
+* Every model, the source included, is scored on the same token windows (one tokenization, the project
+  protocol of `perplexity.evaluate_perplexity`: non-overlapping windows, token-weighted NLL), so the
+  perplexities are directly comparable.
+* Converted folders are only a means to a number: they live in a temporary folder and each is deleted
+  as soon as it has been scored, unless the caller keeps them.
+
+The result is written as markdown (for READMEs and BENCHMARKS.md), CSV (for spreadsheets), JSON (every
+number, for scripts) and a PNG of perplexity against KV-cache bytes per token, the trade-off a user picks
+a ratio from.  The files are rewritten after every point, so an interrupted sweep keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gc
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from .calibration import CalibrationOptions
+from .convert import METHOD_ALIASES, Converter, ConvertOptions, Progress
+from .errors import MLAConvertError, PreflightError
+from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
+from .shapes import dtype_bytes, human_bytes, parse_dtype, shape_for_compression
+from .textdata import TokenizedText, load_text, tokenize_with_offsets
+
+DEFAULT_METHODS = ("activation-aware", "svd")
+SOURCE = "source"
+# What a reader sees for each factorization method (keys: the converter's internal method names).
+METHOD_LABELS = {"output": "activation-aware", "input": "input-whitened", "weight": "weight-only SVD"}
+# Plot styling per method: colour and marker stay the same across every sweep plot of the project.
+METHOD_STYLES = {
+    "output": {"color": "tab:blue", "marker": "o"},
+    "weight": {"color": "tab:orange", "marker": "s"},
+    "input": {"color": "tab:green", "marker": "^"},
+}
+PLOT_SIZE_INCHES = (9.0, 5.6)
+PLOT_DPI = 110
+
+
+class SweepError(MLAConvertError):
+    """Bad sweep settings (ratios, methods, output folder)."""
+
+
+# --------------------------------------------------------------------------- settings
+def parse_ratios(text: str | Iterable[float]) -> list[float]:
+    """`"2,4,8"` (or numbers) -> sorted distinct ratios, each at least 1 (a user error otherwise)."""
+    if isinstance(text, str):
+        parts = [part.strip() for part in text.replace(" ", ",").split(",") if part.strip()]
+        ratios = []
+        for part in parts:
+            try:
+                ratios.append(float(part.rstrip("xX")))
+            except ValueError:
+                raise SweepError(f"--ratios {text!r}: {part!r} is not a number; write e.g. 2,4,8") from None
+    else:
+        ratios = [float(r) for r in text]
+    if not ratios:
+        raise SweepError("--ratios: give at least one KV-cache ratio, e.g. 2,4,8")
+    bad = [r for r in ratios if not (math.isfinite(r) and r >= 1)]
+    if bad:
+        raise SweepError(f"--ratios: {', '.join(f'{r:g}' for r in bad)}: each ratio must be at least 1 (how many times smaller the cache gets)")
+    return sorted(set(ratios))
+
+
+def canonical_methods(methods: str | Iterable[str]) -> list[str]:
+    """Method names (aliases allowed, e.g. `svd` = `weight`) -> the converter's names, order kept, duplicates dropped."""
+    if isinstance(methods, str):
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    out: list[str] = []
+    for name in methods:
+        if name not in METHOD_ALIASES:
+            raise SweepError(f"--methods: {name!r} is not a method; choose from activation-aware, input, svd")
+        if METHOD_ALIASES[name] not in out:
+            out.append(METHOD_ALIASES[name])
+    if not out:
+        raise SweepError("--methods: give at least one method (activation-aware, input, svd)")
+    return out
+
+
+def format_ratio(ratio: float) -> str:
+    return f"{ratio:g}x"
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class SweepPoint:
+    """One evaluated model: the source, or one (ratio, method) conversion of it."""
+
+    method: str  # "source", or the converter's method name: output / input / weight
+    requested_ratio: float | None  # None for the source
+    kv_lora_rank: int | None  # None for the source
+    rope_dim: int | None
+    values_per_token_layer: int  # cached numbers per token per layer
+    result: PerplexityResult | None  # None when the conversion or evaluation failed (see `error`)
+    error: str | None = None
+    convert_seconds: float | None = None
+    eval_seconds: float | None = None
+    mean_attention_error: float | None = None  # conversion's own proxy (relative attention output error)
+    calibration_id: str | None = None  # the statistics the conversion used; one id per calibration pass
+    model_path: str | None = None  # kept converted folder (None: deleted after evaluation)
+    export_dtype: str | None = None  # dtype the conversion was written (and so evaluated) in
+
+    @property
+    def is_source(self) -> bool:
+        return self.method == SOURCE
+
+    @property
+    def label(self) -> str:
+        if self.is_source:
+            return SOURCE
+        return f"{METHOD_LABELS.get(self.method, self.method)} {format_ratio(self.requested_ratio)}"
+
+    @property
+    def method_label(self) -> str:
+        return SOURCE if self.is_source else METHOD_LABELS.get(self.method, self.method)
+
+    @property
+    def perplexity(self) -> float:
+        return math.nan if self.result is None else self.result.perplexity
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and math.isfinite(self.result.perplexity)
+
+
+@dataclass
+class SweepResult:
+    """Every point of a sweep plus what is needed to read it (model, data, protocol, cache dtype)."""
+
+    model_name: str
+    source: str
+    data: str
+    num_layers: int
+    attention_kind: str  # MHA / GQA / MQA of the source
+    cache_dtype: str  # dtype the models were exported and evaluated in; bytes are counted in it
+    context_length: int
+    max_windows: int | None
+    source_point: SweepPoint
+    points: list[SweepPoint] = field(default_factory=list)
+    calibration: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    files: "SweepFiles | None" = None  # where `save` last wrote the table, CSV, JSON and plot
+
+    # ---- cache arithmetic
+    @property
+    def bytes_per_value(self) -> int:
+        return dtype_bytes(parse_dtype(self.cache_dtype))
+
+    def values_per_token(self, point: SweepPoint) -> int:
+        """Cached numbers per token over all layers."""
+        return point.values_per_token_layer * self.num_layers
+
+    def bytes_per_token(self, point: SweepPoint) -> int:
+        return self.values_per_token(point) * self.bytes_per_value
+
+    def actual_ratio(self, point: SweepPoint) -> float:
+        """How many times smaller this point's cache is than the source's (exact, from the shapes)."""
+        return self.source_point.values_per_token_layer / point.values_per_token_layer
+
+    def perplexity_ratio(self, point: SweepPoint) -> float:
+        return point.perplexity / self.source_point.perplexity
+
+    @property
+    def calibration_passes(self) -> int:
+        """Distinct calibration statistics the conversions used (1 when the calibration was reused)."""
+        return len({p.calibration_id for p in self.points if p.calibration_id is not None})
+
+    @property
+    def methods(self) -> list[str]:
+        return list(dict.fromkeys(p.method for p in self.points))
+
+    @property
+    def num_windows(self) -> int | None:
+        return None if self.source_point.result is None else self.source_point.result.num_windows
+
+    def all_points(self) -> list[SweepPoint]:
+        """Source first, then the conversions by ratio (small compression first) and method."""
+        order = {m: i for i, m in enumerate(self.methods)}
+        return [self.source_point] + sorted(self.points, key=lambda p: (p.requested_ratio, order[p.method]))
+
+    # ---- table rows
+    def rows(self) -> list[dict]:
+        """One dict per model (source first): the numbers of the CSV, unformatted."""
+        rows = []
+        for point in self.all_points():
+            result = point.result
+            rows.append({
+                "model": point.label,
+                "method": point.method_label,
+                "requested_ratio": point.requested_ratio,
+                "kv_lora_rank": point.kv_lora_rank,
+                "rope_dim": point.rope_dim,
+                "values_per_token_layer": point.values_per_token_layer,
+                "values_per_token": self.values_per_token(point),
+                "bytes_per_token": self.bytes_per_token(point),
+                "cache_dtype": self.cache_dtype,
+                "actual_ratio": self.actual_ratio(point),
+                "perplexity": point.perplexity,
+                "perplexity_ratio": self.perplexity_ratio(point),
+                "bits_per_byte": None if result is None else result.bits_per_byte,
+                "mean_nll": None if result is None else result.mean_nll,
+                "scored_tokens": None if result is None else result.num_scored_tokens,
+                "windows": None if result is None else result.num_windows,
+                "context_length": self.context_length,
+                "mean_attention_error": point.mean_attention_error,
+                "convert_seconds": point.convert_seconds,
+                "eval_seconds": point.eval_seconds,
+                "error": point.error,
+                "model_path": point.model_path,
+            })
+        return rows
+
+    def markdown(self) -> str:
+        """A markdown table: one row per model, source first."""
+        header = ["model", "shape (rank + rope)", "KV cache / token", "ratio", "perplexity", "vs source",
+                  "bits/byte", "attn. error", "convert s", "eval s"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
+        for point in self.all_points():
+            shape = f"{self.attention_kind} K+V" if point.is_source else f"{point.kv_lora_rank} + {point.rope_dim}"
+            result = point.result
+            lines.append("| " + " | ".join([
+                f"**{point.label}**" if point.is_source else point.label,
+                shape,
+                f"{human_bytes(self.bytes_per_token(point))} ({self.values_per_token(point)} values)",
+                f"{self.actual_ratio(point):.2f}x",
+                f"{point.perplexity:.3f}" if point.ok else f"failed: {point.error}",
+                f"{self.perplexity_ratio(point):.3f}" if point.ok else "-",
+                "-" if result is None or result.bits_per_byte is None else f"{result.bits_per_byte:.4f}",
+                "-" if point.mean_attention_error is None else f"{point.mean_attention_error:.3f}",
+                _seconds(point.convert_seconds),
+                _seconds(point.eval_seconds),
+            ]) + " |")
+        return "\n".join(lines)
+
+    def describe_protocol(self) -> str:
+        """Two or three sentences saying how the numbers were measured (for the markdown files)."""
+        source = self.source_point.result
+        data = Path(self.data).name if Path(self.data).exists() else self.data
+        text = (f"Perplexity on `{data}`: {source.num_windows} non-overlapping windows of {self.context_length} tokens "
+                f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.cache_dtype} "
+                f"over all {self.num_layers} layers.")
+        if self.calibration:
+            passes = self.calibration_passes
+            description = self.calibration.get("description", "n/a")
+            calib_data = self.settings.get("convert_options", {}).get("calibration", {}).get("data")
+            if calib_data and os.sep in str(calib_data):  # a local file: its name says enough, the path is this machine's
+                description = description.replace(str(calib_data), f"`{Path(calib_data).name}`")
+            text += (f" Calibration: {description}, {self.calibration.get('seconds', '?')} s, "
+                     f"{passes} pass{'es' if passes != 1 else ''} shared by {len(self.points)} conversions.")
+        return text
+
+    def csv_text(self) -> str:
+        rows = self.rows()
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+        return buffer.getvalue()
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model_name,
+            "source": self.source,
+            "data": self.data,
+            "num_layers": self.num_layers,
+            "attention_kind": self.attention_kind,
+            "cache_dtype": self.cache_dtype,
+            "context_length": self.context_length,
+            "max_windows": self.max_windows,
+            "calibration": {**self.calibration, "passes": self.calibration_passes},
+            "settings": self.settings,
+            "rows": self.rows(),
+            "points": [_point_to_dict(p) for p in self.all_points()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SweepResult":
+        """Rebuild a result from `to_dict` output (e.g. to redraw the plot without rerunning the sweep)."""
+        points = [_point_from_dict(p) for p in data["points"]]
+        source = next(p for p in points if p.is_source)
+        calibration = {k: v for k, v in data.get("calibration", {}).items() if k != "passes"}
+        return cls(data["model"], data["source"], data["data"], data["num_layers"], data["attention_kind"],
+                   data["cache_dtype"], data["context_length"], data.get("max_windows"), source,
+                   [p for p in points if not p.is_source], calibration, data.get("settings", {}))
+
+    def plot(self, path: str | os.PathLike, title: str | None = None) -> Path:
+        return plot_sweep(self, path, title)
+
+    def save(self, out_dir: str | os.PathLike, stem: str = "sweep", title: str | None = None) -> "SweepFiles":
+        """Write `<stem>.md`, `.csv`, `.json` and `.png` into `out_dir` (created if needed)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        files = SweepFiles(out / f"{stem}.md", out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png")
+        _write_atomic(files.markdown, f"# KV-cache sweep: {self.model_name}\n\n{self.describe_protocol()}\n\n{self.markdown()}\n")
+        _write_atomic(files.csv, self.csv_text())
+        _write_atomic(files.json, json.dumps(_json_safe(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n")
+        if self.source_point.ok:
+            self.plot(files.png, title)
+        self.files = files
+        return files
+
+
+_RESULT_FIELDS = [f.name for f in dataclasses.fields(PerplexityResult)]
+
+
+def _point_to_dict(point: SweepPoint) -> dict:
+    data = {f.name: getattr(point, f.name) for f in dataclasses.fields(SweepPoint)}
+    data["result"] = None if point.result is None else point.result.to_dict()  # with perplexity, bits/byte, ...
+    return data
+
+
+def _point_from_dict(data: dict) -> SweepPoint:
+    result = data.get("result")
+    if result is not None:
+        result = PerplexityResult(**{k: result[k] for k in _RESULT_FIELDS})
+    return SweepPoint(**{**data, "result": result})
+
+
+def _json_safe(value):
+    """NaN/inf (a failed point's perplexity) as null: strict JSON readers refuse NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def load_sweep(path: str | os.PathLike) -> SweepResult:
+    """A sweep from the JSON file `SweepResult.save` wrote."""
+    return SweepResult.from_dict(json.loads(Path(path).read_text()))
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
+@dataclass(frozen=True)
+class SweepFiles:
+    markdown: Path
+    csv: Path
+    json: Path
+    png: Path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+# --------------------------------------------------------------------------- plot
+def _use_log_y(values: Sequence[float]) -> bool:
+    """Log y once the perplexities span more than a factor 2: then a linear axis squashes the good points."""
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    return len(finite) >= 2 and max(finite) / min(finite) > 2.0
+
+
+def _plain_number(value: float, _position=None) -> str:
+    if value <= 0:
+        return ""
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]:
+    """Where a point's perplexity label goes: above for the worst method at that size, below for the best.
+
+    Points of different methods share an x (the same ratio), so labels placed the same way collide.
+    """
+    same_size = sorted((p.perplexity for p in result.points if p.ok and p.requested_ratio == point.requested_ratio))
+    if len(same_size) < 2:
+        return (8, 0)
+    if point.perplexity == same_size[-1]:
+        return (6, 9)
+    if point.perplexity == same_size[0]:
+        return (6, -10)
+    return (9, 0)
+
+
+def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None = None,
+               size_inches: tuple[float, float] = PLOT_SIZE_INCHES, dpi: int = PLOT_DPI) -> Path:
+    """Perplexity against KV-cache bytes per token: one curve per method, the source as a dashed line.
+
+    The x axis is logarithmic (ratios double from point to point), ticks sit at the measured cache sizes
+    and the top axis names their compression ratios; y is logarithmic when perplexities span more than a
+    factor 2 (weight-only SVD at high ratios otherwise flattens every other point).  Drawn on a bare
+    `Figure` (no pyplot state), so it is safe inside a library and in tests; the image is exactly
+    `size_inches * dpi` pixels.
+    """
+    from matplotlib import ticker
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size_inches, dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    source = result.source_point
+    source_bytes = result.bytes_per_token(source)
+    source_ppl = source.perplexity
+
+    ax.axhline(source_ppl, color="black", linestyle="--", linewidth=1.3, zorder=1,
+               label=f"source {result.attention_kind} ({human_bytes(source_bytes)}/token): {source_ppl:.3f}")
+    ax.plot([source_bytes], [source_ppl], marker="*", markersize=13, color="black", linestyle="none", zorder=3)
+    ax.annotate(f"source {source_ppl:.2f}", (source_bytes, source_ppl), textcoords="offset points", xytext=(-10, 9),
+                ha="right", fontsize=8.5, bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+
+    plotted: list[float] = [source_ppl]
+    for method in result.methods:
+        points = sorted((p for p in result.points if p.method == method and p.ok), key=result.bytes_per_token)
+        failed = [p for p in result.points if p.method == method and not p.ok]
+        style = METHOD_STYLES.get(method, {"color": None, "marker": "D"})
+        label = METHOD_LABELS.get(method, method)
+        if failed:
+            label += f" (failed at {', '.join(format_ratio(p.requested_ratio) for p in failed)})"
+        if not points:
+            ax.plot([], [], label=label, **style)
+            continue
+        xs = [result.bytes_per_token(p) for p in points]
+        ys = [p.perplexity for p in points]
+        plotted += ys
+        ax.plot(xs, ys, linewidth=2, markersize=7, label=label, zorder=2, **style)
+        for p, x, y in zip(points, xs, ys):
+            ax.annotate(f"{y:.2f}" if y < 100 else f"{y:.0f}", (x, y), textcoords="offset points",
+                        xytext=_label_offset(result, p), fontsize=8.5, color=style["color"], ha="left", va="center",
+                        bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+
+    # x: bytes per token, log2 (the ratios double), ticks at the measured sizes, smaller cache on the left
+    sizes = sorted({result.bytes_per_token(p) for p in [source] + [p for p in result.points if p.ok]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([human_bytes(s) for s in sizes])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.set_xlim(sizes[0] / 1.35, sizes[-1] * 1.35)
+    ax.margins(y=0.08)
+    ax.set_xlabel(f"KV cache per token, all {result.num_layers} layers ({result.cache_dtype}; log scale)")
+    top = ax.secondary_xaxis("top", functions=(lambda x: x, lambda x: x))
+    top.set_xticks(sizes)
+    top.set_xticklabels([format_ratio(round(source_bytes / s, 2)) for s in sizes])
+    top.xaxis.set_minor_locator(ticker.NullLocator())
+    top.set_xlabel("KV-cache compression vs the source")
+
+    if _use_log_y(plotted):
+        ax.set_yscale("log")
+        span = max(plotted) / min(plotted)
+        # a log axis labels only powers of ten; with a few decades, 1-2-5 steps are what a reader wants
+        if span < 1000:
+            ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(1.5, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0)))
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(_plain_number))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_ylabel("perplexity (log scale, lower is better)")
+    else:
+        ax.set_ylabel("perplexity (lower is better)")
+    ax.grid(True, which="major", alpha=0.35)
+    ax.grid(True, which="minor", axis="y", alpha=0.15)
+
+    if title is None:
+        windows = result.num_windows
+        title = (f"{result.model_name}: perplexity vs KV-cache size\n"
+                 f"{Path(result.data).name}, {windows} x {result.context_length}-token windows")
+    ax.set_title(title, fontsize=12)
+    # below the axes: inside, it would sooner or later sit on a point (bad SVD points reach any corner)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9.5, frameon=False)
+    out = Path(path)
+    partial = out.with_name(out.name + ".partial.png")
+    fig.savefig(partial, dpi=dpi, format="png")
+    partial.replace(out)
+    return out
+
+
+# --------------------------------------------------------------------------- running a sweep
+def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, max_windows: int | None,
+              device: str | None, dtype: str, batch_size: int, progress: Progress, label: str) -> tuple[PerplexityResult, float]:
+    """Load one model, score it on the shared windows (progress per forward pass), free it."""
+    started = time.time()
+    model = _load_quietly(model_path, device, dtype)
+    total = len(plan_windows(len(tokenized), context_length, None, max_windows))
+    progress.phase(f"perplexity: {label}", total)
+    done = [0]
+
+    def count_windows(module, args, kwargs, output):
+        done[0] += int(kwargs["input_ids"].shape[0])
+        progress.advance(done[0], total)
+
+    hook = model.register_forward_hook(count_windows, with_kwargs=True)
+    try:
+        result = evaluate_perplexity(model, tokenized, context_length=context_length, max_windows=max_windows,
+                                     batch_size=batch_size, progress=False, desc=label)
+    finally:
+        hook.remove()
+        del model
+        gc.collect()
+    return result, time.time() - started
+
+
+def _load_quietly(model_path: Path, device: str | None, dtype: str):
+    """`load_model_for_eval` without transformers' per-load progress bar (a sweep loads many models)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load_model_for_eval(model_path, device, dtype)[0]
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _model_name(source: str | os.PathLike) -> str:
+    path = Path(str(source))
+    return path.name if path.name else str(source)
+
+
+def run_sweep(
+    source: str | os.PathLike,
+    ratios: str | Iterable[float],
+    data: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    context_length: int = 1024,
+    max_windows: int | None = None,
+    methods: str | Iterable[str] = DEFAULT_METHODS,
+    calibration: CalibrationOptions | None = None,
+    options: ConvertOptions | None = None,
+    keep_models: bool = False,
+    models_dir: str | os.PathLike | None = None,
+    eval_device: str | None = None,
+    eval_dtype: str = "auto",
+    batch_size: int = 1,
+    text_column: str = "text",
+    model_name: str | None = None,
+    stem: str = "sweep",
+    progress: Progress | None = None,
+) -> SweepResult:
+    """Convert `source` at every ratio with every method (one calibration), score all on `data`, write files.
+
+    `options` carries everything else a conversion takes (dtype, device, sequential, refine steps, ...);
+    its compression, ranks, method and output settings are set per point.  `calibration` replaces
+    `options.calibration`.  Converted folders are written under `models_dir` (default: the system temp
+    folder) and deleted after scoring; with `keep_models` they are kept as `<out_dir>/models/<method>-<ratio>x`
+    (or under `models_dir` when there is no `out_dir`).  With `out_dir`, the table, CSV, JSON and plot
+    (`<stem>.md/.csv/.json/.png`) are rewritten after every point.  A point whose conversion or
+    evaluation fails (e.g. non-finite weights) is recorded with its error and the sweep goes on.
+    """
+    progress = progress or Progress()
+    ratios = parse_ratios(ratios)
+    methods = canonical_methods(methods)
+    base = dataclasses.replace(options or ConvertOptions(), kv_lora_rank=None, rope_dim=None, overwrite=False)
+    if calibration is not None:
+        base = dataclasses.replace(base, calibration=calibration)
+    if batch_size < 1:
+        raise SweepError(f"--batch-size {batch_size}: must be at least 1")
+    out = None if out_dir is None else Path(out_dir)
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise SweepError(f"--out-dir {out}: exists and is not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+    if models_dir is not None and not Path(models_dir).is_dir():
+        raise SweepError(f"--models-dir {models_dir}: no such folder")
+    if keep_models and out is None and models_dir is None:
+        raise SweepError("--keep-models: say where to keep them (an output folder or a models folder)")
+
+    keep_root = None
+    if keep_models:
+        keep_root = (out / "models") if out is not None else Path(models_dir)
+        keep_root.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-", dir=models_dir)
+    try:
+        with Converter(source, base, progress) as converter:
+            # everything that can fail cheaply fails before the slow calibration and evaluations
+            _preflight_all(converter, base, ratios, methods, keep_root or Path(scratch.name))
+            if base.calibration.data is not None:
+                load_text(base.calibration.data, text_column=base.calibration.text_column, max_chars=1000)
+            progress.phase("reading and tokenizing the evaluation text")
+            tokenizer = load_tokenizer_for_eval(converter.source_path)
+            tokenized = tokenize_with_offsets(tokenizer, load_text(data, text_column=text_column))
+            windows = plan_windows(len(tokenized), context_length, None, max_windows)
+            max_positions = converter.shape.max_position_embeddings
+            if context_length > max_positions:
+                raise SweepError(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
+            progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
+                             f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
+
+            source_result, source_seconds = _evaluate(converter.source_path, tokenized, context_length, max_windows,
+                                                      eval_device, eval_dtype, batch_size, progress, SOURCE)
+            progress.message(f"source: perplexity {source_result.perplexity:.4f}")
+            shape = converter.shape
+            result = SweepResult(
+                model_name=model_name or _model_name(source),
+                source=str(source),
+                data=str(data),
+                num_layers=shape.num_layers,
+                attention_kind=shape.attention_kind,
+                cache_dtype=str(shape.torch_dtype).replace("torch.", ""),
+                context_length=context_length,
+                max_windows=max_windows,
+                source_point=SweepPoint(SOURCE, None, None, None, shape.kv_values_per_token_layer, source_result,
+                                        eval_seconds=source_seconds),
+                settings={
+                    "ratios": ratios,
+                    "methods": [METHOD_LABELS[m] for m in methods],
+                    "convert_options": {k: v for k, v in base.to_dict().items() if k not in ("compression", "method", "command")},
+                    "eval_dtype": eval_dtype,
+                    "eval_device": eval_device or "cpu",
+                    "batch_size": batch_size,
+                    "text_column": text_column,
+                    "total_tokens": len(tokenized),
+                    "torch_threads": torch.get_num_threads(),
+                },
+            )
+
+            started = time.time()
+            converter.calibrate()
+            result.calibration = {"description": converter.calibration_description,
+                                  "tokens": int(converter.ids.numel()),
+                                  "seconds": round(getattr(converter, "calibration_seconds", time.time() - started), 2)}
+            if out is not None:
+                result.save(out, stem)
+
+            total = len(ratios) * len(methods)
+            for ratio in ratios:
+                for method in methods:
+                    label = f"{METHOD_LABELS[method]} {format_ratio(ratio)}"
+                    progress.message(f"[{len(result.points) + 1}/{total}] {label}")
+                    folder = (keep_root or Path(scratch.name)) / _folder_name(method, ratio)
+                    point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
+                                               max_windows, eval_device, eval_dtype, batch_size, progress, label,
+                                               keep=keep_root is not None)
+                    result.points.append(point)
+                    if point.export_dtype and not any(p.export_dtype for p in result.points[:-1]):
+                        result.cache_dtype = point.export_dtype  # count every cache in what the user will run
+                    if point.ok:
+                        progress.message(f"{label} ({point.kv_lora_rank}+{point.rope_dim}): perplexity "
+                                         f"{point.perplexity:.4f} = {result.perplexity_ratio(point):.3f} x source")
+                    else:
+                        progress.message(f"{label}: failed: {point.error}")
+                    if out is not None:
+                        result.save(out, stem)
+    finally:
+        scratch.cleanup()
+    return result
+
+
+def _folder_name(method: str, ratio: float) -> str:
+    return f"{method}-{ratio:g}x"
+
+
+def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[float], methods: Sequence[str],
+                   models_root: Path) -> None:
+    """The converter's pre-flight for every planned export (shapes, tensors, disk), all problems at once.
+
+    Quietly: its per-export notes (e.g. the disk estimate) are shown again when each export runs.
+    """
+    problems: list[str] = []
+    shown, converter.progress = converter.progress, Progress()
+    try:
+        _collect_preflight_problems(converter, base, ratios, methods, models_root, problems)
+    finally:
+        converter.progress = shown
+    if problems:
+        raise PreflightError(list(dict.fromkeys(problems)))
+
+
+def _collect_preflight_problems(converter: Converter, base: ConvertOptions, ratios: Sequence[float],
+                                methods: Sequence[str], models_root: Path, problems: list[str]) -> None:
+    for ratio in ratios:
+        for method in methods:
+            folder = models_root / _folder_name(method, ratio)
+            if folder.exists() and (folder / "mla_convert.json").is_file():
+                continue  # an earlier sweep's kept model: replaced when its turn comes
+            try:
+                converter.preflight(folder, dataclasses.replace(base, compression=ratio, method=method))
+            except PreflightError as error:
+                problems += error.problems
+            except MLAConvertError as error:
+                problems.append(str(error))
+
+
+def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
+                       tokenized: TokenizedText, context_length: int, max_windows: int | None, eval_device: str | None,
+                       eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool) -> SweepPoint:
+    mla = shape_for_compression(converter.shape, ratio)
+    common = dict(method=method, requested_ratio=ratio, kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.rope_dim,
+                  values_per_token_layer=mla.kv_values_per_token_layer)
+    options = dataclasses.replace(base, compression=ratio, method=method,
+                                  command=f"mla-convert sweep (ratio {ratio:g}, method {METHOD_LABELS[method]})")
+    if folder.exists():
+        if not (folder / "mla_convert.json").is_file():
+            return SweepPoint(result=None, error=f"{folder}: exists and is not a converted model; not replacing it", **common)
+        shutil.rmtree(folder)  # an earlier sweep's kept model
+    started = time.time()
+    try:
+        conversion = converter.export(folder, options)
+    except MLAConvertError as error:
+        return SweepPoint(result=None, error=str(error).splitlines()[0], **common)
+    convert_seconds = time.time() - started
+    report = conversion.report
+    options_used = report.get("options", {})
+    common.update(kv_lora_rank=options_used.get("kv_lora_rank", mla.kv_lora_rank),
+                  rope_dim=options_used.get("rope_dim", mla.rope_dim),
+                  values_per_token_layer=report.get("cache", {}).get("mla_values_per_token_layer", mla.kv_values_per_token_layer))
+    store = getattr(converter, "store", None)
+    calibration_id = None if store is None else str(getattr(store, "path", id(store)))
+    try:
+        evaluation, eval_seconds = _evaluate(conversion.output, tokenized, context_length, max_windows, eval_device,
+                                             eval_dtype, batch_size, progress, label)
+        error = None
+    except MLAConvertError as failure:
+        evaluation, eval_seconds, error = None, None, str(failure).splitlines()[0]
+    finally:
+        if not keep:
+            shutil.rmtree(conversion.output, ignore_errors=True)
+    return SweepPoint(result=evaluation, error=error, convert_seconds=convert_seconds, eval_seconds=eval_seconds,
+                      mean_attention_error=report.get("summary", {}).get("mean_attention_error"),
+                      calibration_id=calibration_id, model_path=str(conversion.output) if keep else None,
+                      export_dtype=report.get("cache", {}).get("dtype"), **common)
+
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "SweepError",
+    "SweepFiles",
+    "SweepPoint",
+    "SweepResult",
+    "canonical_methods",
+    "parse_ratios",
+    "load_sweep",
+    "plot_sweep",
+    "run_sweep",
+]

@@ -1,0 +1,242 @@
+"""`run_sweep`: one calibration, several (ratio, method) conversions, each scored on the same windows.
+
+Plumbing on a tiny random Llama with a character-level tokenizer built here; the quality claims and the
+agreement with `eval` on stories260K.  Every number a sweep reports is checked against something
+computed independently: cache sizes against the shapes' arithmetic, perplexities against `run_eval`
+on the same windows, the one calibration pass against the converter's statistics store.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import string
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mla_convert.calibration import CalibrationOptions
+from mla_convert.errors import MLAConvertError, PreflightError
+from mla_convert.perplexity import PerplexityResult, run_eval
+from mla_convert.sweep import (
+    PLOT_DPI,
+    PLOT_SIZE_INCHES,
+    SweepError,
+    SweepPoint,
+    SweepResult,
+    canonical_methods,
+    load_sweep,
+    parse_ratios,
+    run_sweep,
+)
+from tiny_models import save_tiny_model
+
+EXPECTED_PNG_SIZE = (round(PLOT_SIZE_INCHES[0] * PLOT_DPI), round(PLOT_SIZE_INCHES[1] * PLOT_DPI))
+TINY_CALIBRATION = CalibrationOptions(num_samples=2, seq_len=32, profile_samples=2, error_samples=2)
+
+
+# --------------------------------------------------------------------------- fixtures
+def save_char_tokenizer(folder: Path) -> None:
+    """A character-level fast tokenizer (ids 4.. = printable ASCII) so a random model can read text."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for char in string.printable:
+        vocab.setdefault(char, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>")
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory) -> Path:
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny") / "src", seed=3, weight_scale=4.0)
+    save_char_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tmp_path_factory) -> Path:
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "away", "home", "quickly"]
+    text = " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(400)) + ".\n"
+    path = tmp_path_factory.mktemp("text") / "tiny.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tiny_source, tiny_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep-out")
+    scratch = tmp_path_factory.mktemp("sweep-scratch")
+    result = run_sweep(tiny_source, "4,2", tiny_text, out, context_length=64, max_windows=3,
+                       calibration=TINY_CALIBRATION, models_dir=scratch, model_name="tiny-llama")
+    return result, out, scratch
+
+
+# --------------------------------------------------------------------------- settings
+def test_ratios_and_methods_are_parsed_or_refused_in_one_line():
+    assert parse_ratios("8, 2,4,2") == [2.0, 4.0, 8.0]
+    assert parse_ratios("1.5x 3") == [1.5, 3.0]
+    assert parse_ratios([4, 2]) == [2.0, 4.0]
+    for bad in ("2,abc", "0.5", "", "nan"):
+        with pytest.raises(SweepError) as error:
+            parse_ratios(bad)
+        assert "\n" not in str(error.value)
+    assert canonical_methods("svd,activation-aware,weight") == ["weight", "output"]
+    with pytest.raises(SweepError, match="not a method"):
+        canonical_methods(["activation-aware", "pca"])
+
+
+def test_impossible_ratio_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
+    # the tiny source caches 2 x 2 kv heads x 16 = 64 values per token and layer: 64 / 100 leaves < 3
+    with pytest.raises(PreflightError, match="--compression 100"):
+        run_sweep(tiny_source, [2, 100], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                  calibration=TINY_CALIBRATION)
+    assert not list((tmp_path / "out").iterdir())  # nothing measured, nothing written
+
+
+def test_missing_calibration_text_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
+    with pytest.raises(MLAConvertError, match="no-such-calibration.txt"):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                  calibration=CalibrationOptions(data=str(tmp_path / "no-such-calibration.txt"), num_samples=2, seq_len=32))
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_context_longer_than_the_model_is_a_user_error(tiny_source, tiny_text, tmp_path):
+    with pytest.raises(MLAConvertError, match="max_position_embeddings"):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=4096, calibration=TINY_CALIBRATION)
+
+
+# --------------------------------------------------------------------------- a tiny sweep end to end
+def test_one_row_per_ratio_and_method_plus_the_source(tiny_sweep):
+    result, out, _ = tiny_sweep
+    rows = result.rows()
+    assert [r["model"] for r in rows] == ["source", "activation-aware 2x", "weight-only SVD 2x",
+                                          "activation-aware 4x", "weight-only SVD 4x"]
+    assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows)
+    with open(out / "sweep.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["model"] for r in table] == [r["model"] for r in rows]
+    assert [float(r["perplexity"]) for r in table] == pytest.approx([r["perplexity"] for r in rows], rel=1e-12)
+    markdown = (out / "sweep.md").read_text()
+    assert markdown.count("\n| ") == 1 + len(rows)  # header + one line per model
+    assert "| **source** |" in markdown and "weight-only SVD 4x" in markdown
+
+
+def test_cache_sizes_are_the_requested_ratio_smaller(tiny_sweep):
+    result, _, _ = tiny_sweep
+    source = result.rows()[0]
+    assert source["values_per_token_layer"] == 2 * 2 * 16 and source["actual_ratio"] == 1.0
+    assert source["bytes_per_token"] == 64 * 2 * 4  # 2 layers, float32
+    for row in result.rows()[1:]:
+        assert row["values_per_token_layer"] == row["kv_lora_rank"] + row["rope_dim"]
+        # rounding to whole cached values only: within half a value per layer of source / ratio
+        assert abs(row["values_per_token_layer"] - 64 / row["requested_ratio"]) <= 0.5
+        assert row["bytes_per_token"] * row["requested_ratio"] == pytest.approx(source["bytes_per_token"], abs=2 * 4 * row["requested_ratio"])
+        assert row["values_per_token"] == row["values_per_token_layer"] * 2
+
+
+def test_calibration_runs_once_for_every_export(tiny_sweep):
+    result, _, _ = tiny_sweep
+    ids = {p.calibration_id for p in result.points}
+    assert None not in ids and len(ids) == 1  # every export read the same statistics store
+    assert result.calibration_passes == 1
+    assert result.calibration["tokens"] == TINY_CALIBRATION.num_samples * TINY_CALIBRATION.seq_len
+
+
+def test_source_row_is_what_eval_reports_on_the_same_windows(tiny_sweep, tiny_source, tiny_text):
+    result, _, _ = tiny_sweep
+    report = run_eval(tiny_source, tiny_text, context_length=64, max_windows=3, progress=False)
+    (direct,) = report.results.values()
+    assert result.source_point.result.nll_sum == pytest.approx(direct.nll_sum, rel=1e-9)
+    assert result.source_point.result.num_scored_tokens == direct.num_scored_tokens == 3 * 63
+
+
+def test_png_is_a_plot_of_the_expected_size(tiny_sweep):
+    _, out, _ = tiny_sweep
+    with Image.open(out / "sweep.png") as image:
+        image.verify()
+    with Image.open(out / "sweep.png") as image:
+        assert image.format == "PNG" and image.size == EXPECTED_PNG_SIZE
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert len(colours) > 50  # drawn curves, text and antialiasing, not a blank canvas
+
+
+def test_converted_folders_are_deleted_after_scoring(tiny_sweep):
+    result, out, scratch = tiny_sweep
+    assert not any(scratch.iterdir())
+    assert all(p.model_path is None for p in result.points)
+    assert not (out / "models").exists()
+
+
+def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_path):
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                       methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    (point,) = result.points
+    kept = Path(point.model_path)
+    assert kept == tmp_path / "out" / "models" / "weight-2x" and (kept / "config.json").exists()
+    report = run_eval(kept, tiny_text, context_length=64, max_windows=2, progress=False)
+    assert next(iter(report.results.values())).perplexity == pytest.approx(point.perplexity, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- tables and plot without models
+def _fake_result(perplexities: dict[tuple[str, float], float | None]) -> SweepResult:
+    def ppl(value: float) -> PerplexityResult:
+        return PerplexityResult(math.log(value) * 100, 100, 2, 102, 400, 80, 51, 51)
+
+    source = SweepPoint("source", None, None, None, 384, ppl(10.0))
+    points = []
+    for (method, ratio), value in perplexities.items():
+        values = round(384 / ratio)
+        points.append(SweepPoint(method, ratio, values - 16, 16, values, None if value is None else ppl(value),
+                                 error=None if value is not None else "converted layer 3: NaN", calibration_id="s"))
+    return SweepResult("fake-model", "fake", "wiki.txt", 30, "GQA", "bfloat16", 51, 2, source, points,
+                       {"description": "8 x 64 tokens"})
+
+
+def test_failed_point_is_reported_not_plotted(tmp_path):
+    result = _fake_result({("output", 2): 11.0, ("weight", 2): 15.0, ("output", 8): 40.0, ("weight", 8): None})
+    files = result.save(tmp_path, stem="fake")
+    markdown = files.markdown.read_text()
+    assert "failed: converted layer 3: NaN" in markdown
+    rows = {r["model"]: r for r in result.rows()}
+    assert rows["weight-only SVD 8x"]["error"] == "converted layer 3: NaN"
+    assert rows["source"]["bytes_per_token"] == 384 * 30 * 2  # bf16
+    assert rows["activation-aware 8x"]["actual_ratio"] == pytest.approx(8.0)
+    assert rows["activation-aware 2x"]["perplexity_ratio"] == pytest.approx(1.1)
+    with Image.open(files.png) as image:
+        assert image.size == EXPECTED_PNG_SIZE
+    reloaded = load_sweep(files.json)  # JSON keeps everything: a plot can be redrawn without rerunning
+    assert reloaded.csv_text() == result.csv_text() and reloaded.markdown() == result.markdown()
+
+
+# --------------------------------------------------------------------------- stories260K
+@pytest.mark.real_model
+def test_stories260k_sweep(stories260k, tinystories_text, tmp_path):
+    result = run_sweep(stories260k, "2,8", tinystories_text, tmp_path / "out", context_length=128, max_windows=4,
+                       calibration=CalibrationOptions(num_samples=4, seq_len=64),
+                       keep_models=True)
+    rows = {r["model"]: r for r in result.rows()}
+    assert list(rows) == ["source", "activation-aware 2x", "weight-only SVD 2x", "activation-aware 8x", "weight-only SVD 8x"]
+    # stories260K: 4 kv heads x head_dim 8 -> 64 values per token and layer, 5 layers, float32
+    assert rows["source"]["bytes_per_token"] == 64 * 5 * 4
+    assert rows["activation-aware 2x"]["bytes_per_token"] == 32 * 5 * 4
+    assert rows["weight-only SVD 8x"]["bytes_per_token"] == 8 * 5 * 4
+    source_ppl = rows["source"]["perplexity"]
+    assert 1 < source_ppl < 20
+    for label, row in rows.items():
+        assert math.isfinite(row["perplexity"])
+        if label != "source":
+            assert row["perplexity"] > source_ppl  # halving the cache without training never helps
+    # the project's claim: calibrated factorization beats weight-only SVD at the same cache size
+    assert rows["activation-aware 2x"]["perplexity"] < rows["weight-only SVD 2x"]["perplexity"]
+    assert result.calibration_passes == 1
+    kept = tmp_path / "out" / "models" / "output-2x"
+    report = run_eval(kept, tinystories_text, context_length=128, max_windows=4, progress=False)
+    assert next(iter(report.results.values())).perplexity == pytest.approx(rows["activation-aware 2x"]["perplexity"], rel=1e-9)
+    with Image.open(tmp_path / "out" / "sweep.png") as image:
+        assert image.size == EXPECTED_PNG_SIZE
