@@ -20,8 +20,8 @@ from .rope import RopeStats, rope_stats_from_moments
 from .source_model import (
     StreamedSourceModel,
     apply_rotary,
-    attention_distance_profile,
     attention_from_qkv,
+    attention_statistics,
     mlp,
     project_qkv,
     rms_norm,
@@ -38,7 +38,7 @@ class CalibrationOptions:
     text_column: str = "text"
     temperature: float = 1.0
     top_p: float = 0.95
-    profile_samples: int = 8  # windows used for the attention-distance profile
+    profile_samples: int = 8  # windows used for the attention-distance profile (attention weighting uses all)
     error_samples: int = 4  # windows kept per layer to measure conversion error
     chunk: int = 4  # windows pushed through a layer at once
 
@@ -160,14 +160,21 @@ class LayerInputStats:
     mean: torch.Tensor  # (d,) float64
     samples: torch.Tensor  # (error_samples, T, d) attention inputs kept to measure conversion error
     distance_profile: torch.Tensor  # (H, T)
+    # (d, d) E[m_s x_s x_s^T] / E[m_s], m_s = attention key position s receives: an error in a key or value
+    # costs in proportion to how much attention reads it (attention sinks above all)
+    attention_moment: torch.Tensor | None = None
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        return {"second_moment": self.second_moment, "mean": self.mean, "samples": self.samples,
-                "distance_profile": self.distance_profile}
+        out = {"second_moment": self.second_moment, "mean": self.mean, "samples": self.samples,
+               "distance_profile": self.distance_profile}
+        if self.attention_moment is not None:
+            out["attention_moment"] = self.attention_moment
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "LayerInputStats":
-        return cls(tensors["second_moment"], tensors["mean"], tensors["samples"], tensors["distance_profile"])
+        return cls(tensors["second_moment"], tensors["mean"], tensors["samples"], tensors["distance_profile"],
+                   tensors.get("attention_moment"))
 
 
 def layer_input_stats(
@@ -186,6 +193,8 @@ def layer_input_stats(
     count = 0
     profile = torch.zeros(shape.num_heads, hidden.shape[1], dtype=torch.float64)
     profiled = 0
+    weighted = torch.zeros(d, d, dtype=torch.float64)
+    total_mass = 0.0
     samples = []
     for start in range(0, hidden.shape[0], options.chunk):
         chunk = hidden[start : start + options.chunk]
@@ -198,15 +207,17 @@ def layer_input_stats(
             samples.extend(x[: options.error_samples - len(samples)])
         q, k, v = project_qkv(x, layer, shape)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if profiled < options.profile_samples:
-            take = min(options.profile_samples - profiled, q.shape[0])
-            profile += attention_distance_profile(q[:take], k[:take], shape.head_dim**-0.5,
-                                                  shape.num_heads // shape.num_kv_heads) * take
-            profiled += take
+        distance, mass = attention_statistics(q, k, shape.head_dim**-0.5, shape.num_heads // shape.num_kv_heads)
+        profile += distance
+        profiled += q.shape[0] * q.shape[2]
+        mass = mass.reshape(-1)  # (chunk * T,)
+        weighted += (flat * mass[:, None]).T @ flat
+        total_mass += mass.sum().item()
         if move_hidden:
             new = chunk + attention_from_qkv(q, k, v, layer, shape)
             hidden[start : start + options.chunk] = new + mlp(rms_norm(new, layer.weights["post_attn_norm"], shape.rms_norm_eps), layer)
-    return LayerInputStats(moment / count, total / count, torch.stack(samples), profile / max(profiled, 1))
+    return LayerInputStats(moment / count, total / count, torch.stack(samples), profile / max(profiled, 1),
+                           weighted / max(total_mass, 1e-30))
 
 
 def rope_stats_for_layer(layer, stats: LayerInputStats, shape) -> RopeStats:

@@ -127,6 +127,10 @@ def read_safetensors_header(path: Path) -> dict:
         try:
             begin, end = entry["data_offsets"]
             dtype, shape = entry["dtype"], entry["shape"]
+            if not all(isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0 for offset in (begin, end)):
+                raise TypeError("data_offsets must be non-negative integers")
+            if not isinstance(dtype, str):
+                raise TypeError("dtype must be a string")
         except (TypeError, KeyError, ValueError) as error:
             raise CheckpointError(f"{path}: corrupt safetensors file (bad header entry for {name!r})") from error
         if end > data_size or begin > end:
@@ -138,7 +142,21 @@ def read_safetensors_header(path: Path) -> dict:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         if not isinstance(shape, list) or any((not isinstance(s, int)) or s < 0 for s in shape):
             raise CheckpointError(f"{path}: corrupt safetensors file (bad shape for {name!r})")
+        # A byte range that disagrees with shape x dtype would only fail when the tensor is finally read
+        # (possibly hours into a conversion); catching it here makes it a pre-flight problem.
+        expected = _element_size(_SAFETENSORS_DTYPES[dtype])
+        for size in shape:
+            expected *= size
+        if end - begin != expected:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors file (tensor {name!r} of shape {shape} and dtype {dtype} needs "
+                f"{expected} bytes, its header gives it {end - begin})"
+            )
     return header
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class CheckpointReader:
@@ -239,6 +257,21 @@ class CheckpointReader:
                 )
             self._infos = infos
         return self._infos
+
+    def header_problems(self) -> list[str]:
+        """One line per shard whose header is unreadable or inconsistent (all shards, not just the first).
+
+        Pre-flight uses this to report every damaged shard at once; `tensor_infos` stops at the first.
+        """
+        if self.format != "safetensors":
+            return []
+        problems = []
+        for file in self.files:
+            try:
+                read_safetensors_header(_inside(self.folder, file))
+            except CheckpointError as error:
+                problems.append(str(error))
+        return problems
 
     def total_bytes(self) -> int:
         return sum(info.nbytes for info in self.tensor_infos().values())

