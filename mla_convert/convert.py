@@ -162,6 +162,17 @@ def _check_statistics(stats: LayerInputStats, index: int, step: str) -> None:
 
 
 def _peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    Linux's VmHWM belongs to the process's own address space; `ru_maxrss` is inherited across fork and
+    exec, so a conversion launched from a big parent would report the parent's peak instead of its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

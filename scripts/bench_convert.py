@@ -1,0 +1,180 @@
+"""One-shot conversion benchmark: quality per KV ratio on the project protocol, time and peak memory.
+
+Each conversion runs as its own `mla-convert convert` process (exactly what a user runs), so its wall
+time and its peak RSS (its own VmHWM, recorded in its report; counts mapped file pages too)
+belong to the conversion alone.  Each result is then scored on the project's protocol: non-overlapping
+windows, token-weighted NLL (WikiText-2 test, ctx 1024, first 40 windows for SmolLM2; the TinyStories
+excerpt, ctx 256, 60 windows for stories260K).  The source model is scored in the same run.
+
+    python scripts/bench_convert.py                      # both models, ratios 2 4 8, both methods
+    python scripts/bench_convert.py --model stories260k  # one model
+    python scripts/bench_convert.py --write-benchmarks BENCHMARKS.md
+
+Reference figures in the written table come from issue "Conversion to stock DeepseekV3 MLA" (measured
+on this protocol before this tool existed); they are quoted, not re-measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
+SECTION_BEGIN = "<!-- bench_convert:begin -->"
+SECTION_END = "<!-- bench_convert:end -->"
+
+PROTOCOLS = {
+    "stories260k": dict(source=lambda: SHARED / "assets" / "stories260k", data=SHARED / "data" / "tinystories-valid-excerpt.txt",
+                        context=256, windows=60, calib=[]),
+    "smollm2": dict(source=None, data=SHARED / "data" / "wikitext-2-raw-test.txt", context=1024, windows=40, calib=[]),
+}
+# (ratio -> {column: value}) quoted from the issue, same protocol
+REFERENCE = {
+    "stories260k": {2: {"TransMLA": "10.05", "prototype": "7.17"}, 4: {"TransMLA": "64.06", "prototype": "23.4"},
+                    8: {"TransMLA": "-", "prototype": "49.6"}},
+    "smollm2": {2: {"TransMLA": "63.31 (160+32); 59.08 (128+64)", "MHA2MLA-style SVD": "1317", "prototype": "52.3"},
+                4: {"TransMLA": "260.7", "MHA2MLA-style SVD": "5827", "prototype": "495 (10 windows)"},
+                8: {"TransMLA": "666.9", "MHA2MLA-style SVD": "17697", "prototype": "1060 (10 windows)"}},
+}
+
+
+def source_path(model: str) -> Path:
+    if model == "smollm2":
+        from mla_convert.assets import fetch_smollm2
+
+        return fetch_smollm2(quiet=True)
+    return PROTOCOLS[model]["source"]()
+
+
+def run_conversion(source: Path, out: Path, extra: list[str], threads: int | None) -> dict:
+    command = [sys.executable, "-m", "mla_convert", "convert", str(source), str(out), "--quiet", *extra]
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    started = time.time()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.time() - started
+    stdout, stderr = process.stdout.read(), process.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"conversion failed: {shlex.join(command)}\n{stderr[-2000:]}")
+    # the child's own high-water mark (VmHWM, recorded in its report): ru_maxrss from wait4 would include
+    # this (large) parent's peak, which fork/exec pass on to children as a floor
+    report = json.loads((out / "mla_convert.json").read_text())
+    return {"seconds": seconds, "peak_rss_bytes": report["summary"]["peak_rss_bytes"],
+            "command": "mla-convert convert SRC OUT " + shlex.join(extra)}
+
+
+def score(folder: Path, data: Path, context: int, windows: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mla_convert.perplexity import evaluate_perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    result = evaluate_perplexity(model, tokenizer, data.read_text(), context_length=context, max_windows=windows, progress=False)
+    return result.perplexity
+
+
+def bench_model(model: str, ratios: list[float], methods: list[str], threads: int | None, extra: list[str]) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    protocol = PROTOCOLS[model]
+    source = source_path(model)
+    rows = []
+    source_ppl = score(source, protocol["data"], protocol["context"], protocol["windows"])
+    print(f"{model}: source perplexity {source_ppl:.3f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-convert-") as work:
+        for method in methods:
+            for ratio in ratios:
+                out = Path(work) / f"{method}-{ratio:g}x"
+                args = ["--compression", f"{ratio:g}", "--method", method, *extra]
+                run = run_conversion(source, out, args, threads)
+                report = json.loads((out / "mla_convert.json").read_text())
+                ppl = score(out, protocol["data"], protocol["context"], protocol["windows"])
+                row = {"ratio": ratio, "method": method, "perplexity": ppl,
+                       "shape": f"{report['options']['kv_lora_rank']}+{report['options']['rope_dim']}", **run}
+                rows.append(row)
+                print(f"  {method:16s} {ratio:g}x {row['shape']:>8s}  ppl {ppl:9.3f}  {run['seconds']:6.1f} s  "
+                      f"peak RSS {run['peak_rss_bytes'] / 2**20:7.1f} MiB", flush=True)
+                import shutil
+
+                shutil.rmtree(out)
+    return {"model": model, "source_perplexity": source_ppl, "rows": rows, "protocol": {
+        "data": protocol["data"].name, "context": protocol["context"], "windows": protocol["windows"]},
+        "source_weight_bytes": sum(p.stat().st_size for p in Path(source).glob("*.safetensors"))}
+
+
+def markdown(results: list[dict], command: str) -> str:
+    lines = [SECTION_BEGIN, "## One-shot conversion: quality, time, memory", "",
+             f"Command: `{command}`", "",
+             "Each conversion is a separate `mla-convert convert` process with default calibration (text sampled "
+             "from the source model); time is its wall time and peak RSS its own VmHWM (includes mapped file "
+             "pages). Perplexity: non-overlapping windows, token-weighted NLL. Reference columns are quoted from "
+             "the issue (same protocol), not re-measured.", ""]
+    for result in results:
+        model, protocol = result["model"], result["protocol"]
+        refs = REFERENCE[model]
+        ref_cols = sorted({col for by_ratio in refs.values() for col in by_ratio})
+        lines += [f"### {model} ({protocol['data']}, ctx {protocol['context']}, {protocol['windows']} windows; "
+                  f"source {result['source_perplexity']:.2f})", "",
+                  "| ratio | method | shape R+D | perplexity | x source | " + " | ".join(ref_cols) + " | time | peak RSS |",
+                  "|---|---|---|---:|---:|" + "---|" * len(ref_cols) + "---:|---:|"]
+        for row in result["rows"]:
+            ratio = int(row["ratio"]) if float(row["ratio"]).is_integer() else row["ratio"]
+            ref = [refs.get(ratio, {}).get(col, "") if row["method"] == "activation-aware" else "" for col in ref_cols]
+            lines.append(f"| {ratio}x | {row['method']} | {row['shape']} | {row['perplexity']:.2f} | "
+                         f"{row['perplexity'] / result['source_perplexity']:.2f} | " + " | ".join(ref) +
+                         f" | {row['seconds']:.0f} s | {row['peak_rss_bytes'] / 2**20:.0f} MiB |")
+        lines += ["", f"Source weights on disk: {result['source_weight_bytes'] / 2**20:.0f} MiB.", ""]
+    lines.append(SECTION_END)
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, text: str) -> None:
+    current = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION_BEGIN in current and SECTION_END in current:
+        before, rest = current.split(SECTION_BEGIN, 1)
+        after = rest.split(SECTION_END, 1)[1]
+        current = before + text.rstrip("\n") + after
+    else:
+        current = current.rstrip("\n") + "\n\n" + text
+    path.write_text(current)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["stories260k", "smollm2", "both"], default="both")
+    parser.add_argument("--ratios", default="2,4,8")
+    parser.add_argument("--methods", default="activation-aware,svd")
+    parser.add_argument("--threads", type=int, default=None, help="OMP threads for every process (default: torch's)")
+    parser.add_argument("--write-benchmarks", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("extra", nargs="*", help="extra arguments for `mla-convert convert` (after --)")
+    args = parser.parse_args()
+    models = ["stories260k", "smollm2"] if args.model == "both" else [args.model]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    methods = args.methods.split(",")
+    results = [bench_model(model, ratios, methods, args.threads, args.extra) for model in models]
+    command = "python scripts/bench_convert.py " + shlex.join(sys.argv[1:])
+    text = markdown(results, command)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    if args.write_benchmarks:
+        write_section(args.write_benchmarks, text)
+
+
+if __name__ == "__main__":
+    main()
