@@ -1,0 +1,520 @@
+"""The fine-tuning loop: distil the source model (teacher) into its MLA conversion (student).
+
+Runs unchanged on one CPU process, one GPU, or many GPUs under `accelerate launch` (DDP or FSDP): the
+student and its optimizer go through `accelerator.prepare`; the teacher stays outside it (frozen,
+replicated, in bf16 on GPU), so checkpoints hold only what training changes.
+
+Exact resume: a checkpoint is `accelerator.save_state` (student weights, optimizer, RNG states) plus
+three registered objects: the LR scheduler, the data cursor (epoch + position of a seeded
+permutation) and the trainer history.  Loading all of them puts the run in the same state as an
+uninterrupted one; a test checks the final weights are bit-identical on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import MLAConvertError
+from .config import FinetuneConfig, FinetuneConfigError
+from .data import WindowCursor, cached_teacher_samples, process_slice, sample_from_teacher, text_windows
+from .evaluate import EvalWindows, evaluate_perplexity_distributed
+from .latent import LatentSite, unfold_latent_scales
+from .loss import distillation_loss
+from .saving import REPORT_FILE, save_finetuned, write_report
+from .schedule import CosineWithWarmup
+
+CHECKPOINT_PREFIX = "step-"
+COMPLETE_MARKER = "checkpoint_complete.json"
+SAMPLES_FILE = "teacher_samples.safetensors"
+LOG_FILE = "train_log.jsonl"
+# attention-only training: the parameters of every layer's self_attn block (MLA projections and norms)
+ATTENTION_MARKER = ".self_attn."
+
+
+class FinetuneError(MLAConvertError):
+    pass
+
+
+# --------------------------------------------------------------------------- history
+@dataclass
+class TrainerState:
+    """What the loop has done so far; registered for checkpointing (plain types only)."""
+
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    losses: list = field(default_factory=list)  # [step, tokens, loss, kd, ce, lr]
+    evals: list = field(default_factory=list)  # [step, tokens, perplexity]
+    teacher_perplexity: float | None = None
+    resumed_from: list = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # the data-defining settings, checked on resume
+
+    def state_dict(self) -> dict:
+        return {key: getattr(self, key) for key in self.__dataclass_fields__}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass
+class FinetuneResult:
+    output: Path | None  # None when the run stopped early (stop_after) or this is not the main process
+    state: TrainerState
+    finetuning: dict
+    checkpoint: Path | None = None
+    report: dict | None = None
+
+
+# --------------------------------------------------------------------------- helpers
+def resolve_mixed_precision(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    from ..shapes import parse_dtype
+
+    return parse_dtype(name)
+
+
+def load_converted_report(folder: Path) -> dict:
+    path = folder / REPORT_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise FinetuneError(f"{path}: not valid JSON ({error.msg})") from error
+
+
+def teacher_path(config: FinetuneConfig, report: dict) -> str:
+    """--teacher, else the conversion report's source (as recorded: a path or a hub id)."""
+    if config.teacher:
+        return config.teacher
+    source = (report.get("source") or {}).get("name_or_path")
+    if not source:
+        raise FinetuneConfigError(f"{config.model}: {REPORT_FILE} names no source model; pass --teacher")
+    return str(source)
+
+
+def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    from ..resolve import resolve_model_path
+
+    try:
+        path = resolve_model_path(name)
+    except MLAConvertError as error:
+        raise FinetuneError(f"teacher {name}: {error} (pass --teacher PATH)") from error
+    teacher = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    teacher.to(device).eval()
+    teacher.requires_grad_(False)
+    return teacher, path
+
+
+def _same_source(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it has none (tiny test models, weights-only folders)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def trainable_names(model, train: str) -> list[str]:
+    names = [name for name, _ in model.named_parameters()]
+    if train == "all":
+        return names
+    return [name for name in names if ATTENTION_MARKER in name]
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / COMPLETE_MARKER).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def downsample(rows: list, count: int = 20) -> list:
+    if len(rows) <= count:
+        return list(rows)
+    picks = sorted({round(i * (len(rows) - 1) / (count - 1)) for i in range(count)})
+    return [rows[i] for i in picks]
+
+
+# Settings that change which batches the run sees: a resume with different values cannot be exact.
+DATA_SETTINGS = ("data", "max_chars", "seq_len", "seed", "teacher_samples", "sample_temperature", "sample_top_p",
+                 "sample_batch_size", "micro_batch_size", "grad_accum", "max_steps", "train")
+
+
+# --------------------------------------------------------------------------- the run
+class Finetuner:
+    """One fine-tuning run; `run()` trains (or resumes), evaluates and saves."""
+
+    def __init__(self, config: FinetuneConfig, log=None, command: str | None = None):
+        config.validate()
+        self.config = config
+        self._log = log
+        self.command = command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        self.started = time.time()
+
+    # ----------------------------------------------------------------- logging
+    def log(self, text: str) -> None:
+        if self.accelerator.is_main_process:
+            (self._log or (lambda t: print(t, file=sys.stderr, flush=True)))(text)
+
+    def _append_log(self, record: dict) -> None:
+        if self.accelerator.is_main_process:
+            with open(self.checkpoint_root / LOG_FILE, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    # ----------------------------------------------------------------- setup
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+        from transformers import AutoModelForCausalLM
+
+        config = self.config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.accelerator = accelerator = Accelerator(mixed_precision=resolve_mixed_precision(config.mixed_precision))
+        set_seed(config.seed)
+        self.device = accelerator.device
+        self.converted = Path(config.model)
+        if not (self.converted / "config.json").is_file():
+            raise FinetuneConfigError(f"{self.converted}: not a model folder (no config.json)")
+        self.output = Path(config.output)
+        if self.output.exists() and not config.overwrite:
+            raise FinetuneConfigError(f"{self.output}: already exists; choose another output or pass --overwrite")
+        self.checkpoint_root = config.checkpoint_path
+        if accelerator.is_main_process:
+            self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        accelerator.wait_for_everyone()
+        self.report = load_converted_report(self.converted)
+
+        # --- student: stock DeepseekV3, latents unfolded to a trainable scale
+        student = AutoModelForCausalLM.from_pretrained(str(self.converted), dtype=torch.float32)
+        if student.config.model_type != "deepseek_v3":
+            raise FinetuneConfigError(f"{self.converted}: a {student.config.model_type} model; fine-tuning expects a converted DeepseekV3 folder")
+        self.sites: list[LatentSite] = unfold_latent_scales(student)
+        self.trained = trainable_names(student, config.train)
+        trained = set(self.trained)
+        for name, parameter in student.named_parameters():
+            parameter.requires_grad_(name in trained)
+        if config.gradient_checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            student.config.use_cache = False
+        self.tokenizer = load_tokenizer(self.converted)
+
+        # --- teacher
+        self.teacher = None
+        self.teacher_name = None
+        if config.needs_teacher:
+            self.teacher_name = teacher_path(config, self.report)
+            teacher_dtype = _torch_dtype(config.teacher_dtype, self.device)
+            self.teacher, teacher_folder = load_teacher(self.teacher_name, teacher_dtype, self.device)
+            if self.teacher.config.vocab_size != student.config.vocab_size:
+                raise FinetuneError(f"teacher vocabulary ({self.teacher.config.vocab_size}) differs from the student's ({student.config.vocab_size})")
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(teacher_folder)
+
+        # --- data
+        if config.data and config.eval_data and _same_source(config.data, config.eval_data):
+            self.log(f"warning: the training text {config.data} is also the evaluation text: the perplexity is not held out")
+        self.windows, self.data_description = self._training_windows()
+        self.global_micro = config.micro_batch_size * accelerator.num_processes
+        self.cursor = WindowCursor(self.windows.shape[0], config.seed)
+        self.eval_data = None
+        if config.eval_data:
+            if self.tokenizer is None:
+                raise FinetuneError("evaluation needs a tokenizer; none found in the converted folder or the teacher")
+            self.eval_data = EvalWindows.from_text(self.tokenizer, config.eval_data, config.eval_context, config.eval_windows)
+
+        # --- optimizer, schedule
+        decay, no_decay = [], []
+        for name, parameter in student.named_parameters():
+            if parameter.requires_grad:
+                (decay if parameter.dim() >= 2 else no_decay).append(parameter)
+        if not decay and not no_decay:
+            raise FinetuneError(f"train={config.train!r} selects no parameters of this model")
+        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
+                                      betas=(config.adam_beta1, config.adam_beta2))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, CosineWithWarmup(config.warmup_steps, config.max_steps, config.min_lr_ratio))
+        self.student, self.optimizer = accelerator.prepare(student, optimizer)
+        self.state = TrainerState(settings={key: getattr(config, key) for key in DATA_SETTINGS}
+                                  | {"num_processes": accelerator.num_processes})
+        accelerator.register_for_checkpointing(self.scheduler, self.cursor, self.state)
+
+    def _training_windows(self) -> tuple[torch.Tensor, str]:
+        config, accelerator = self.config, self.accelerator
+        if config.data:
+            if self.tokenizer is None:
+                raise FinetuneError("training on text needs a tokenizer; none found in the converted folder or the teacher")
+            windows = text_windows(self.tokenizer, config.data, config.seq_len, config.text_column, config.split, config.max_chars)
+            return windows, f"{config.data} ({windows.shape[0]} windows of {config.seq_len} tokens)"
+        path = self.checkpoint_root / SAMPLES_FILE
+        description = {"teacher": self.teacher_name, "num": config.teacher_samples, "seq_len": config.seq_len,
+                       "seed": config.seed, "temperature": config.sample_temperature, "top_p": config.sample_top_p,
+                       "batch_size": config.sample_batch_size}
+
+        def make() -> torch.Tensor:
+            self.log(f"sampling {config.teacher_samples} x {config.seq_len} tokens from the teacher ...")
+            began = time.time()
+            ids = sample_from_teacher(self.teacher, config.teacher_samples, config.seq_len, config.seed,
+                                      config.sample_temperature, config.sample_top_p, config.sample_batch_size, self.device)
+            self.log(f"sampled in {time.time() - began:.1f} s")
+            return ids
+
+        if accelerator.is_main_process:
+            windows = cached_teacher_samples(path, make, description)
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            windows = cached_teacher_samples(path, make, description)
+        text = (f"{config.teacher_samples} x {config.seq_len} tokens sampled from the teacher "
+                f"(temperature {config.sample_temperature}, top-p {config.sample_top_p}, seed {config.seed})")
+        return windows, text
+
+    # ----------------------------------------------------------------- pieces
+    def evaluate(self, model=None) -> float:
+        accelerator = self.accelerator
+        model = self.student if model is None else model
+        context = accelerator.autocast() if model is self.teacher else contextlib.nullcontext()
+        with context:
+            return evaluate_perplexity_distributed(
+                model, self.eval_data, self.device, accelerator.process_index, accelerator.num_processes,
+                reduce=(lambda t: accelerator.reduce(t, "sum")) if accelerator.num_processes > 1 else None,
+                batch_size=self.config.eval_batch_size)
+
+    def _record_eval(self) -> None:
+        if self.eval_data is None:
+            return
+        perplexity = self.evaluate()
+        self.state.evals.append([self.state.step, self.state.tokens, perplexity])
+        self.log(f"eval step {self.state.step}: perplexity {perplexity:.4f} ({self.state.tokens:,} tokens trained)")
+        self._append_log({"step": self.state.step, "tokens": self.state.tokens, "eval_perplexity": perplexity})
+
+    def save_checkpoint(self) -> Path:
+        accelerator = self.accelerator
+        folder = self.checkpoint_root / f"{CHECKPOINT_PREFIX}{self.state.step:07d}"
+        self.state.seconds += time.time() - self.started
+        self.started = time.time()
+        accelerator.save_state(str(folder))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (folder / COMPLETE_MARKER).write_text(json.dumps({"step": self.state.step, "tokens": self.state.tokens}) + "\n")
+            for old in checkpoint_folders(self.checkpoint_root)[: -self.config.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        self.log(f"checkpoint {folder}")
+        return folder
+
+    def maybe_resume(self) -> None:
+        config = self.config
+        if not config.resume:
+            return
+        if config.resume == "auto":
+            found = checkpoint_folders(self.checkpoint_root)
+            if not found:
+                self.log(f"resume=auto: no checkpoint in {self.checkpoint_root}; starting fresh")
+                return
+            folder = found[-1]
+        else:
+            folder = Path(config.resume)
+            if not (folder / COMPLETE_MARKER).is_file():
+                raise FinetuneConfigError(f"{folder}: not a complete checkpoint (no {COMPLETE_MARKER})")
+        expected = dict(self.state.settings)
+        self.accelerator.load_state(str(folder))
+        if self.state.settings != expected:
+            changed = sorted(k for k in expected if self.state.settings.get(k) != expected[k])
+            raise FinetuneConfigError(f"{folder}: checkpoint was made with different {', '.join(changed)}; an exact resume needs the same settings")
+        self.state.resumed_from.append(str(folder))
+        self.started = time.time()
+        self.log(f"resumed from {folder} at step {self.state.step}")
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimizer step over grad_accum micro-batches; returns mean (loss, kd, ce) across processes."""
+        config, accelerator = self.config, self.accelerator
+        totals = torch.zeros(3, dtype=torch.float64)
+        for micro in range(config.grad_accum):
+            indices = process_slice(self.cursor.draw(self.global_micro), accelerator.process_index, accelerator.num_processes)
+            batch = self.windows[indices].to(self.device)  # (micro_batch, seq_len)
+            sync = micro == config.grad_accum - 1
+            with contextlib.nullcontext() if sync else accelerator.no_sync(self.student):
+                teacher_logits = None
+                if config.distills:
+                    with torch.no_grad(), accelerator.autocast():
+                        teacher_logits = self.teacher(input_ids=batch, use_cache=False).logits
+                student_logits = self.student(input_ids=batch, use_cache=False).logits
+                parts = distillation_loss(student_logits, teacher_logits, batch, config.kd_weight, config.ce_weight,
+                                          config.temperature)
+                accelerator.backward(parts.total / config.grad_accum)
+            totals += torch.tensor([parts.total.item(), parts.kd, parts.ce], dtype=torch.float64)
+            del teacher_logits, student_logits, parts
+        if config.max_grad_norm > 0:
+            accelerator.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad], config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals /= config.grad_accum
+        if accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals.to(self.device), "mean").cpu()
+        return tuple(totals.tolist())
+
+    # ----------------------------------------------------------------- main
+    def run(self) -> FinetuneResult:
+        self.setup()
+        config, state, accelerator = self.config, self.state, self.accelerator
+        self.maybe_resume()
+        self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_description}; "
+                 f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
+        if state.step == 0 and not state.evals and self.eval_data is not None:
+            if config.eval_teacher and self.teacher is not None:
+                state.teacher_perplexity = self.evaluate(self.teacher)
+                self.log(f"teacher perplexity {state.teacher_perplexity:.4f}")
+            self._record_eval()
+        tokens_per_step = self.global_micro * config.grad_accum * config.seq_len
+        self.student.train()
+        interval_start, interval_tokens = time.time(), 0
+        while state.step < config.max_steps:
+            lr = self.scheduler.get_last_lr()[0]
+            loss, kd, ce = self.train_step()
+            if not math.isfinite(loss):
+                raise FinetuneError(f"step {state.step}: loss is {loss}; lower the learning rate")
+            state.step += 1
+            state.tokens += tokens_per_step
+            interval_tokens += tokens_per_step
+            state.losses.append([state.step, state.tokens, loss, kd, ce, lr])
+            if state.step % config.log_every == 0 or state.step == config.max_steps:
+                rate = interval_tokens / max(time.time() - interval_start, 1e-9)
+                self.log(f"step {state.step}/{config.max_steps} loss {loss:.4f} (kd {kd:.4f}, ce {ce:.4f}) lr {lr:.3g} "
+                         f"{rate:,.0f} tok/s")
+                self._append_log({"step": state.step, "tokens": state.tokens, "loss": loss, "kd": kd, "ce": ce, "lr": lr})
+                interval_start, interval_tokens = time.time(), 0
+            if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
+                self._record_eval()
+                self.student.train()
+            if config.checkpoint_every and state.step % config.checkpoint_every == 0 and state.step < config.max_steps:
+                self.save_checkpoint()
+            if config.stop_after is not None and state.step >= config.stop_after and state.step < config.max_steps:
+                folder = self.save_checkpoint()
+                return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder)
+        self._record_eval()
+        return self.finish()
+
+    # ----------------------------------------------------------------- the end
+    def finetuning_section(self, scales_before: list[float] | None = None, scales_after: list[float] | None = None,
+                           save_check: dict | None = None) -> dict:
+        config, state = self.config, self.state
+        seconds = state.seconds + (time.time() - self.started)
+        losses = state.losses
+        before = state.evals[0][2] if state.evals and state.evals[0][0] == 0 else None
+        after = state.evals[-1][2] if state.evals and state.evals[-1][0] == state.step and state.step > 0 else None
+        section = {
+            "recipe": "recipes/finetune_mla.py",
+            "command": self.command or None,
+            "teacher": self.teacher_name,
+            "data": self.data_description,
+            "trained": config.train,
+            "trained_tensors": len(self.trained),
+            "steps": state.step,
+            "tokens": state.tokens,
+            "seq_len": config.seq_len,
+            "batch_windows_per_step": self.global_micro * config.grad_accum,
+            "lr": config.lr,
+            "schedule": f"linear warmup {config.warmup_steps} steps, cosine to {config.min_lr_ratio:g} x lr at step {config.max_steps}",
+            "optimizer": f"AdamW betas ({config.adam_beta1}, {config.adam_beta2}), weight decay {config.weight_decay}, clip {config.max_grad_norm}",
+            "loss": f"{config.kd_weight:g} x KL(teacher || student) at T={config.temperature:g} + {config.ce_weight:g} x next-token CE",
+            "loss_first": losses[0][2] if losses else None,
+            "loss_last": losses[-1][2] if losses else None,
+            "loss_min": min(row[2] for row in losses) if losses else None,
+            "loss_curve": [[row[0], round(row[2], 5)] for row in downsample(losses)],
+            "eval_data": self.eval_data.description if self.eval_data is not None else None,
+            "perplexity_teacher": state.teacher_perplexity,
+            "perplexity_before": before,
+            "perplexity_after": after,
+            "perplexity_curve": [[row[1], round(row[2], 5)] for row in state.evals],
+            "mixed_precision": self.accelerator.mixed_precision,
+            "processes": self.accelerator.num_processes,
+            "device": str(self.device),
+            "seconds": round(seconds, 1),
+            "resumed": len(state.resumed_from),
+        }
+        if scales_after is not None and scales_before is not None:
+            section["latent_scales_shrunk_at_save"] = sum(a < b for a, b in zip(scales_after, scales_before))
+        if save_check is not None:
+            section.update(save_check)
+        return section
+
+    def finish(self) -> FinetuneResult:
+        accelerator, config = self.accelerator, self.config
+        probe = self._probe_ids()
+        unwrapped = accelerator.unwrap_model(self.student)
+        unwrapped.eval()
+        with torch.no_grad():
+            reference = self.student(input_ids=probe.to(self.device), use_cache=False).logits.float().cpu()  # (1, P, vocab)
+        state_dict = accelerator.get_state_dict(self.student)
+        path, report = None, None
+        if accelerator.is_main_process:
+            scales_before = [site.latent_scale for site in self.sites]
+            path, scales = save_finetuned(
+                {k: v.detach().cpu() for k, v in state_dict.items()}, self.sites, self.converted, self.output,
+                self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite)
+            save_check = self._verify_saved(path, probe, reference) if config.verify_save else None
+            report = json.loads((path / REPORT_FILE).read_text())
+            report["finetuning"] = self.finetuning_section(scales_before, scales, save_check)
+            write_report(path, report)
+            self.log(f"saved {path}")
+        accelerator.wait_for_everyone()
+        return FinetuneResult(path, self.state, report["finetuning"] if report else self.finetuning_section(), report=report)
+
+    def _probe_ids(self) -> torch.Tensor:
+        """A short fixed input for the saved-vs-trained logit check: (1, <= 64) token ids."""
+        source = self.eval_data.ids if self.eval_data is not None else self.windows[0]
+        return source[: min(64, source.numel())].view(1, -1)
+
+    def _verify_saved(self, path: Path, probe: torch.Tensor, reference: torch.Tensor) -> dict:
+        """Reload the saved folder with stock transformers and compare its logits with the trained model's."""
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(str(path)).to(self.device).eval()
+        with torch.no_grad():
+            logits = saved(input_ids=probe.to(self.device), use_cache=False).logits.float().cpu()
+        del saved
+        difference = (logits - reference).abs().max().item()
+        scale = reference.abs().max().item()
+        self.log(f"saved model vs trained model: max |logit difference| {difference:.3g} (max |logit| {scale:.3g})")
+        return {"save_check_max_logit_difference": difference, "save_check_max_logit": scale}
+
+
+def run_finetune(config: FinetuneConfig, log=None, command: str | None = None) -> FinetuneResult:
+    """Fine-tune `config.model` and save it to `config.output` (see `Finetuner`).
+
+    `log` receives progress lines (default: stderr); `command` is recorded in the report (default: argv).
+    """
+    return Finetuner(config, log, command).run()

@@ -1,0 +1,562 @@
+"""Fine-tuning recipe: exact latent reparametrisation, loss/schedule/data pieces, exact resume, the saved
+stock folder, every recipe config, and a short real run on stories260K.
+
+Tiny models are converted by the real converter (a few seconds each); stories260K is the real-weights
+check (marked real_model / slow).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mla_convert.calibration import CalibrationOptions
+from mla_convert.convert import ConvertOptions, convert
+from mla_convert.finetune.config import (
+    FinetuneConfig,
+    FinetuneConfigError,
+    config_from_mapping,
+    load_yaml_config,
+    parse_config,
+)
+from mla_convert.finetune.data import WindowCursor, process_slice, sample_from_teacher, text_chunks, tokenize_long_text
+from mla_convert.finetune.evaluate import EvalWindows, evaluate_perplexity_distributed
+from mla_convert.finetune.latent import (
+    LINEARISED_MIN_GAIN,
+    LinearLatentNorm,
+    fold_latent_scales,
+    unfold_latent_scales,
+)
+from mla_convert.finetune.loss import distillation_loss, kl_teacher_student, next_token_ce
+from mla_convert.finetune.schedule import CosineWithWarmup
+from mla_convert.finetune.trainer import ATTENTION_MARKER, run_finetune, trainable_names
+from mla_convert.mla_layer import LATENT_NORM_EPS, LINEARITY_MARGIN
+from mla_convert.perplexity import evaluate_perplexity, plan_windows
+from tiny_models import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "finetune_mla.py"
+CONFIGS = sorted((REPO / "recipes" / "configs").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((REPO / "recipes" / "configs" / "accelerate").glob("*.yaml"))
+
+
+# --------------------------------------------------------------------------- fixtures
+def _convert_tiny(root: Path, family: str, compression: float, **config) -> tuple[Path, Path]:
+    source = save_tiny_model(root / f"{family}-src", family=family, weight_scale=3.0, **config)
+    output = root / f"{family}-mla"
+    convert(source, output, ConvertOptions(compression=compression, calibration=CalibrationOptions(num_samples=4, seq_len=32)))
+    return source, output
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> tuple[Path, Path]:
+    """(source folder, converted folder): a tiny GQA Llama with tied embeddings converted at 2x (kv latent only)."""
+    return _convert_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", 2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Qwen2 (query bias): its conversion also linearises q_a_layernorm."""
+    return _convert_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", 2)
+
+
+def _load(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _ids(vocab: int, batch: int = 2, length: int = 40, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.double()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _latent_mean_squares(model, ids) -> list[float]:
+    """max over tokens of mean(x^2) / eps at every stock latent norm's input."""
+    seen: list[float] = []
+    hooks = []
+    for layer in model.model.layers:
+        for name in ("kv_a_layernorm", "q_a_layernorm"):
+            norm = getattr(layer.self_attn, name, None)
+            if norm is not None:
+                hooks.append(norm.register_forward_hook(
+                    lambda m, inp, out: seen.append((inp[0].double().pow(2).mean(-1).max() / LATENT_NORM_EPS).item())))
+    try:
+        _logits(model, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+# --------------------------------------------------------------------------- latent reparametrisation
+def test_linear_latent_norm_is_the_stock_norm_of_the_scaled_latent_within_the_margin():
+    """g~ c~ == RMSNorm_g(alpha c~) (g = g~ sqrt(eps) / alpha) to 5e-6 while mean((alpha c~)^2) <= 1e-5 eps."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    torch.manual_seed(0)
+    rank = 12
+    gain_tilde = torch.rand(rank, dtype=torch.float64) + 0.5
+    latent = torch.randn(4, 7, rank, dtype=torch.float64) * torch.logspace(-2, 1, 7, dtype=torch.float64)[None, :, None]
+    worst = latent.pow(2).mean(-1).max().item()
+    for margin, tolerance in ((LINEARITY_MARGIN, 1e-5), (1.0, None)):
+        alpha = math.sqrt(margin * LATENT_NORM_EPS / worst)
+        stock = DeepseekV3RMSNorm(rank).double()
+        with torch.no_grad():
+            stock.weight.copy_(gain_tilde * math.sqrt(LATENT_NORM_EPS) / alpha)
+        error = _relative(LinearLatentNorm(gain_tilde, alpha).double()(latent), stock(alpha * latent))
+        if tolerance is not None:
+            assert error < tolerance
+        else:
+            assert error > 0.05  # at mean(x^2) ~ eps the stock norm is NOT linear: the margin matters
+
+
+@pytest.mark.parametrize("fixture, kinds", [("tiny_llama", {"kv"}), ("tiny_qwen2", {"kv", "q"})])
+def test_unfold_keeps_logits_and_brings_weights_to_trainable_scale(fixture, kinds, request):
+    _, converted = request.getfixturevalue(fixture)
+    report = json.loads((converted / "mla_convert.json").read_text())
+    model = _load(converted)
+    ids = _ids(model.config.vocab_size)
+    before = _logits(model, ids)
+    stored_rows = model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[: model.config.kv_lora_rank].detach().clone()
+    sites = unfold_latent_scales(model)
+    after = _logits(model, ids)
+    assert {site.kind for site in sites} == kinds
+    assert len(sites) == len(kinds) * model.config.num_hidden_layers
+    assert _relative(after, before) < 1e-6
+    for site in sites:
+        recorded = report["layers"][site.layer]["latent_scale" if site.kind == "kv" else "query_latent_scale"]
+        assert site.latent_scale == pytest.approx(recorded, rel=1e-5)
+        attention = model.model.layers[site.layer].self_attn
+        norm = getattr(attention, site.norm)
+        assert isinstance(norm, LinearLatentNorm)
+        assert norm.weight.detach().mean().item() == pytest.approx(1.0, rel=1e-5)
+    unfolded_rows = model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[: model.config.kv_lora_rank].detach()
+    assert stored_rows.abs().max() < 1e-4 < unfolded_rows.abs().max()  # from ~alpha-scale to natural scale
+    assert unfold_latent_scales(model) == sites  # idempotent
+
+
+def test_one_adam_step_wipes_the_stored_latent_but_not_the_unfolded_one(tiny_llama):
+    """Why the reparametrisation exists: Adam moves every weight by ~lr, which is 1e4 x a stored latent weight."""
+    _, converted = tiny_llama
+    ids = _ids(128)
+    changes = {}
+    for form in ("stored", "unfolded"):
+        model = _load(converted)
+        if form == "unfolded":
+            unfold_latent_scales(model)
+        reference = _logits(model, ids)
+        model.train()
+        optimizer = torch.optim.AdamW(model.model.layers[0].self_attn.kv_a_proj_with_mqa.parameters(), lr=1e-3, weight_decay=0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        changes[form] = _relative(_logits(model.eval(), ids), reference)
+    # stored form: the latent rows (~1e-7) jump by ~1e-3, i.e. x1e4, and the model's output is wrecked
+    assert changes["stored"] > 0.5 and changes["unfolded"] < 0.1
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_fold_restores_the_stock_form_exactly(fixture, request):
+    _, converted = request.getfixturevalue(fixture)
+    model = _load(converted)
+    ids = _ids(model.config.vocab_size)
+    reference = _logits(model, ids)
+    stored = {k: v.clone() for k, v in model.state_dict().items()}
+    sites = unfold_latent_scales(model)
+    folded, scales = fold_latent_scales(model.state_dict(), sites)
+    assert scales == [site.latent_scale for site in sites]  # untrained: the training alpha is kept
+    for name, tensor in stored.items():
+        assert torch.allclose(folded[name], tensor, rtol=1e-5, atol=0), name
+    fresh = _load(converted)
+    fresh.load_state_dict(folded)
+    assert _relative(_logits(fresh, ids), reference) < 1e-6
+
+
+def test_fold_shrinks_the_scale_when_trained_latent_weights_grow(tiny_qwen2):
+    """If training grew the latent rows past the linearity bound, saving shrinks alpha: the stock norm stays
+    linear and the saved model still computes the trained function."""
+    _, converted = tiny_qwen2
+    model = _load(converted)
+    sites = unfold_latent_scales(model)
+    with torch.no_grad():  # "training" that grew every latent down-projection 30x
+        for layer in model.model.layers:
+            layer.self_attn.kv_a_proj_with_mqa.weight[: model.config.kv_lora_rank] *= 30
+            layer.self_attn.q_a_proj.weight.mul_(30)
+            layer.self_attn.q_a_proj.bias.mul_(30)
+    ids = _ids(model.config.vocab_size)
+    trained = _logits(model, ids)
+    folded, scales = fold_latent_scales(model.state_dict(), sites)
+    assert all(new < 0.1 * site.latent_scale for new, site in zip(scales, sites))
+    stock = _load(converted)
+    stock.load_state_dict(folded)
+    assert max(_latent_mean_squares(stock, ids)) <= LINEARITY_MARGIN
+    saved_error = _relative(_logits(stock, ids), trained)
+    # storing with the old alphas instead would leave the linear range, and the stock model would drift away
+    with torch.no_grad():
+        for site, new in zip(sites, scales):
+            attention = stock.model.layers[site.layer].self_attn
+            proj, norm = getattr(attention, site.proj), getattr(attention, site.norm)
+            proj.weight[: site.rank] *= site.latent_scale / new
+            if proj.bias is not None:
+                proj.bias[: site.rank] *= site.latent_scale / new
+            norm.weight.mul_(new / site.latent_scale)
+    assert max(_latent_mean_squares(stock, ids)) > 100 * LINEARITY_MARGIN
+    stale_error = _relative(_logits(stock, ids), trained)
+    assert saved_error < 2e-4 and stale_error > 30 * saved_error
+
+
+# --------------------------------------------------------------------------- loss, schedule, data
+def test_kl_loss_matches_its_definition_and_vanishes_for_equal_logits():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    for temperature in (1.0, 2.0):
+        p = torch.softmax(teacher / temperature, -1)
+        expected = (p * (p.log() - torch.log_softmax(student / temperature, -1))).sum(-1).mean() * temperature**2
+        assert kl_teacher_student(student, teacher, temperature).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert kl_teacher_student(teacher, teacher).item() == pytest.approx(0.0, abs=1e-6)
+    ids = torch.randint(0, 11, (2, 5))
+    expected_ce = torch.nn.functional.cross_entropy(student[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
+    assert next_token_ce(student, ids).item() == pytest.approx(expected_ce.item(), rel=1e-6)
+    parts = distillation_loss(student, teacher, ids, kd_weight=0.5, ce_weight=2.0, temperature=2.0)
+    assert parts.total.item() == pytest.approx(0.5 * parts.kd + 2.0 * parts.ce, rel=1e-6)
+
+
+def test_cosine_schedule_warms_up_then_decays_to_the_floor():
+    schedule = CosineWithWarmup(warmup_steps=4, total_steps=20, min_ratio=0.1)
+    values = [schedule(step) for step in range(20)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert values[4] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+
+
+def test_window_cursor_covers_each_epoch_once_and_resumes_identically():
+    cursor = WindowCursor(10, seed=3)
+    first = torch.cat([cursor.draw(4) for _ in range(5)])  # 20 windows = 2 epochs, draws straddle the boundary
+    assert sorted(first[:10].tolist()) == list(range(10)) and sorted(first[10:].tolist()) == list(range(10))
+    assert first[:10].tolist() != first[10:].tolist()  # a new permutation each epoch
+    saved = cursor.state_dict()
+    continued = [cursor.draw(3).tolist() for _ in range(4)]
+    restored = WindowCursor(10, seed=3)
+    restored.load_state_dict(saved)
+    assert [restored.draw(3).tolist() for _ in range(4)] == continued
+    with pytest.raises(Exception, match="same data"):
+        WindowCursor(11, seed=3).load_state_dict(saved)
+    draw = torch.arange(8)
+    slices = [process_slice(draw, rank, 4).tolist() for rank in range(4)]
+    assert sum(slices, []) == list(range(8))
+
+
+def test_long_text_is_tokenised_in_newline_pieces():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["alpha", "beta", "gamma", "delta"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    text = "\n".join(" ".join(words[(i + j) % 4] for j in range(i % 5 + 1)) for i in range(200))
+    pieces = text_chunks(text, 100)
+    assert "".join(pieces) == text and len(pieces) > 5 and all(p.endswith("\n") for p in pieces[:-1])
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenize_long_text(tokenizer, text, chunk_chars=100).tolist() == whole
+
+
+def test_teacher_samples_are_seeded_and_full_length(tiny_llama):
+    source, _ = tiny_llama
+    teacher = _load(source)
+    first = sample_from_teacher(teacher, 5, 12, seed=1, batch_size=2)
+    again = sample_from_teacher(teacher, 5, 12, seed=1, batch_size=2)
+    other = sample_from_teacher(teacher, 5, 12, seed=2, batch_size=2)
+    assert first.shape == (5, 12) and (first[:, 0] == teacher.config.bos_token_id).all()
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_distributed_eval_matches_the_project_perplexity(tiny_llama):
+    source, _ = tiny_llama
+    model = _load(source)
+    ids = torch.randint(0, 128, (700,), generator=torch.Generator().manual_seed(0))
+    windows = plan_windows(700, 64, 64, 9)
+    data = EvalWindows(ids, windows, "random ids")
+    reference = evaluate_perplexity(model, ids, context_length=64, max_windows=9, progress=False).perplexity
+    assert evaluate_perplexity_distributed(model, data, torch.device("cpu")) == pytest.approx(reference, rel=1e-9)
+    assert evaluate_perplexity_distributed(model, data, torch.device("cpu"), batch_size=4) == pytest.approx(reference, rel=1e-6)
+    # two processes, each with its share (one runs a weight-0 padding forward); their NLL sums add up
+    shares = [evaluate_perplexity_distributed(model, data, torch.device("cpu"), rank, 2) for rank in (0, 1)]
+    assert shares[0] * shares[1] == pytest.approx(reference, rel=1e-9)
+
+
+def test_attention_training_selects_only_attention_parameters(tiny_llama):
+    _, converted = tiny_llama
+    model = _load(converted)
+    names = trainable_names(model, "attention")
+    assert names and all(ATTENTION_MARKER in name for name in names)
+    assert {n.split(".self_attn.")[1] for n in names} >= {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "q_proj.weight"}
+    assert len(trainable_names(model, "all")) == len(list(model.named_parameters()))
+
+
+# --------------------------------------------------------------------------- config
+def test_config_yaml_then_flags_with_coercion(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: a\noutput: b\nlr: 1e-3\nmax_steps: 50\nmixed_precision: 'no'\ndata: null\n")
+    config = parse_config(["--config", str(path), "--max-steps", "17", "--no-verify-save", "--teacher", "t", "--data", "none"])
+    assert (config.model, config.output, config.lr, config.max_steps, config.verify_save, config.teacher, config.data) == \
+        ("a", "b", 1e-3, 17, False, "t", None)
+    assert isinstance(config.lr, float)
+
+
+def test_config_errors_name_every_problem(tmp_path):
+    with pytest.raises(FinetuneConfigError, match="unknown config keys: lerning_rate"):
+        config_from_mapping({"lerning_rate": 1})
+    with pytest.raises(FinetuneConfigError, match="quote"):
+        config_from_mapping({"mixed_precision": False})  # what YAML makes of a bare `no`
+    with pytest.raises(FinetuneConfigError, match="max_steps.*not a valid int"):
+        config_from_mapping({"max_steps": "ten"})
+    broken = FinetuneConfig(model="m", output="o", lr=0, train="mlp", warmup_steps=200, max_steps=100)
+    with pytest.raises(FinetuneConfigError) as error:
+        broken.validate()
+    assert all(part in str(error.value) for part in ("lr:", "train:", "warmup_steps"))
+
+
+# --------------------------------------------------------------------------- recipe configs
+def _header(path: Path) -> dict[str, str]:
+    """The `# key: value` lines of a config's header comment (prepare, launch)."""
+    found = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        match = re.match(r"#\s*(prepare|launch):\s*(.+)$", line)
+        if match:
+            found[match.group(1)] = match.group(2).strip()
+    return found
+
+
+def _parse_cli(args: list[str]) -> None:
+    """Parse (not run) an `mla-convert` command line with the real CLI; unknown options raise."""
+    import typer
+
+    from mla_convert.cli import app
+
+    group = typer.main.get_command(app)
+    command = group.get_command(group.make_context("mla-convert", list(args)), args[0])
+    command.make_context(args[0], list(args[1:]))
+
+
+def _accelerate_env(config_file: Path) -> tuple[dict, object]:
+    """What `accelerate launch --config_file F` turns the file into (its own parser and env builder)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), str(RECIPE)])
+    _, defaults, _ = _validate_launch_command(args)
+    if args.use_fsdp or args.multi_gpu:
+        return prepare_multi_gpu_env(args), args
+    return prepare_simple_launcher_cmd_env(args)[1], args
+
+
+def test_there_are_configs_for_every_setting():
+    names = {path.stem for path in CONFIGS}
+    assert {"stories260k_cpu", "smollm2_1gpu", "smollm2_fsdp", "mistral7b_1gpu", "mistral7b_fsdp"} <= names
+    assert {"1gpu", "fsdp_4gpu", "fsdp_8gpu"} <= {path.stem for path in ACCELERATE_CONFIGS}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_recipe_config_is_valid_and_its_launch_line_matches(path, monkeypatch):
+    values = load_yaml_config(path)
+    for key in ("model", "output", "seq_len", "max_steps", "lr", "train", "eval_data"):
+        assert key in values, f"{path.name} lacks {key}"
+    config = config_from_mapping(values)
+    config.validate()
+    assert config.data != config.eval_data, "training on the evaluation text"
+    header = _header(path)
+    assert {"prepare", "launch"} <= set(header), f"{path.name}: header needs '# prepare:' and '# launch:' lines"
+    prepare = shlex.split(header["prepare"])
+    assert prepare[:2] == ["mla-convert", "convert"] and prepare[3] == config.model
+    assert "--compression" in prepare
+    _parse_cli(prepare[1:])  # the conversion line is a valid `mla-convert convert` invocation
+    launch = shlex.split(header["launch"])
+    assert str(RECIPE.relative_to(REPO)) in launch
+    assert launch[launch.index("--config") + 1] == str(path.relative_to(REPO))
+    if launch[:2] == ["python", str(RECIPE.relative_to(REPO))]:
+        assert config.mixed_precision in ("no", "auto")  # a plain python launch is the CPU smoke run
+        return
+    assert launch[:2] == ["accelerate", "launch"]
+    config_file = REPO / launch[launch.index("--config_file") + 1]
+    assert config_file.is_file()
+    env, args = _accelerate_env(config_file)
+    assert config.mixed_precision in ("auto", args.mixed_precision)
+    if path.stem.endswith("_fsdp"):
+        assert args.use_fsdp and args.num_processes > 1
+        assert env["FSDP_VERSION"] == "2"
+        # FSDP's activation checkpointing and the model's own must not both be on
+        assert not (config.gradient_checkpointing and env["FSDP_ACTIVATION_CHECKPOINTING"] == "true")
+    else:
+        assert not args.use_fsdp and args.num_processes == 1
+
+
+@pytest.mark.parametrize("path", [p for p in ACCELERATE_CONFIGS if "fsdp" in p.stem], ids=lambda p: p.stem)
+def test_fsdp_accelerate_config_builds_a_plugin_that_wraps_deepseek_layers(path, monkeypatch):
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import StateDictType
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    env, args = _accelerate_env(path)
+    assert args.num_processes == int(re.search(r"(\d+)gpu", path.stem).group(1))
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
+    assert env["FSDP_OFFLOAD_PARAMS"] == "false" and env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    tiny = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=8, first_k_dense_replace=2, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
+        n_group=1, topk_group=1, moe_intermediate_size=48))
+    plugin.set_auto_wrap_policy(tiny)  # raises if the wrapped class name is not in the model
+    assert plugin.transformer_cls_names_to_wrap == ["DeepseekV3DecoderLayer"]
+
+
+# --------------------------------------------------------------------------- runs on a tiny model
+def _tiny_run_config(converted: Path, root: Path, name: str, **overrides) -> FinetuneConfig:
+    values = dict(
+        model=str(converted), output=str(root / name), checkpoint_dir=str(root / f"{name}.ckpt"),
+        teacher_samples=24, sample_batch_size=8, seq_len=32, micro_batch_size=2, grad_accum=2, max_steps=6,
+        warmup_steps=1, lr=3e-3, checkpoint_every=2, keep_checkpoints=2, log_every=1, num_threads=1,
+        ce_weight=0.5, seed=5,
+    )
+    values.update(overrides)
+    config = FinetuneConfig(**values)
+    config.validate()
+    return config
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(tiny_llama, tmp_path_factory):
+    """The same 6-step run done straight, and as 3 steps + stop + resume + 3 steps."""
+    _, converted = tiny_llama
+    root = tmp_path_factory.mktemp("runs")
+    straight = run_finetune(_tiny_run_config(converted, root, "straight"), log=lambda text: None, command="test")
+    stopped = run_finetune(_tiny_run_config(converted, root, "resumed", stop_after=3), log=lambda text: None)
+    resumed = run_finetune(_tiny_run_config(converted, root, "resumed", resume="auto"), log=lambda text: None)
+    return converted, straight, stopped, resumed
+
+
+def test_resume_gives_bit_identical_weights(straight_and_resumed):
+    _, straight, stopped, resumed = straight_and_resumed
+    assert stopped.output is None and stopped.state.step == 3 and stopped.checkpoint.name == "step-0000003"
+    assert resumed.state.resumed_from == [str(stopped.checkpoint)]
+    a = load_file(str(straight.output / "model.safetensors"))
+    b = load_file(str(resumed.output / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert straight.state.losses == resumed.state.losses
+    assert straight.state.tokens == resumed.state.tokens == 6 * 2 * 2 * 32
+
+
+def test_resume_refuses_a_checkpoint_from_other_settings(straight_and_resumed, tmp_path):
+    converted, straight, _, _ = straight_and_resumed
+    ckpt = straight.output.parent / "straight.ckpt"
+    config = _tiny_run_config(converted, tmp_path, "other", checkpoint_dir=str(ckpt), resume="auto", seq_len=16)
+    with pytest.raises(FinetuneConfigError, match="seq_len"):
+        run_finetune(config, log=lambda text: None)
+
+
+def test_finetuned_folder_is_a_stock_deepseek_folder(straight_and_resumed):
+    from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+
+    converted, straight, _, _ = straight_and_resumed
+    out = straight.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in converted.iterdir())
+    config = json.loads((out / "config.json").read_text())
+    assert "auto_map" not in config and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config == json.loads((converted / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(str(out))  # stock transformers, no remote code
+    assert type(model) is DeepseekV3ForCausalLM
+    # only attention changed; the latents are stored at the tiny scale again (stock norm linear)
+    trained, original = load_file(str(out / "model.safetensors")), load_file(str(converted / "model.safetensors"))
+    changed = {name for name in trained if not torch.equal(trained[name], original[name])}
+    assert changed and all(ATTENTION_MARKER in name for name in changed)
+    assert any("kv_a_proj_with_mqa" in name for name in changed)
+    for layer in model.model.layers:
+        assert layer.self_attn.kv_a_layernorm.weight.min() > LINEARISED_MIN_GAIN
+    assert max(_latent_mean_squares(model.float(), _ids(128))) <= LINEARITY_MARGIN
+    report = json.loads((out / "mla_convert.json").read_text())
+    section = report["finetuning"]
+    assert section["steps"] == 6 and section["tokens"] == 6 * 2 * 2 * 32 and section["command"] == "test"
+    assert section["save_check_max_logit_difference"] < 1e-4 * section["save_check_max_logit"]
+    assert [row[0] for row in section["loss_curve"]] == [1, 2, 3, 4, 5, 6]
+    converted_report = json.loads((converted / "mla_convert.json").read_text())
+    for saved, original in zip(report["layers"], converted_report["layers"]):  # alpha kept, or shrunk to the bound
+        assert 0.5 * original["latent_scale"] < saved["latent_scale"] <= original["latent_scale"] * (1 + 1e-6)
+    card = (out / "README.md").read_text()
+    assert "Fine-tuning after conversion" in card and "tokens: 768" in card
+
+
+@pytest.mark.slow
+def test_recipe_runs_under_accelerate_launch_and_plain_python(tiny_llama, tmp_path):
+    """Both launch styles of the recipe file itself (CLI flags only; 2 steps each)."""
+    _, converted = tiny_llama
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    common = ["--model", str(converted), "--teacher-samples", "8", "--seq-len", "16", "--micro-batch-size", "2",
+              "--max-steps", "2", "--warmup-steps", "1", "--num-threads", "1"]
+    runs = {
+        "python": [sys.executable, str(RECIPE)],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(RECIPE)],
+    }
+    for name, prefix in runs.items():
+        output = tmp_path / name
+        done = subprocess.run(prefix + common + ["--output", str(output)], capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"saved {output}: 2 steps" in done.stdout
+        assert json.loads((output / "mla_convert.json").read_text())["finetuning"]["steps"] == 2
+    bad = subprocess.run([sys.executable, str(RECIPE), "--model", str(converted), "--output", str(tmp_path / "x"),
+                          "--train", "mlp"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: train: 'mlp'")
+
+
+# --------------------------------------------------------------------------- real weights
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_stories260k_short_finetune_recovers_and_saves_what_it_trained(stories260k, tinystories_text, tmp_path):
+    """A few distillation steps on teacher-sampled text cut the 8x conversion's perplexity; the saved
+    folder scores what the run reported."""
+    from transformers import AutoTokenizer
+
+    converted = tmp_path / "mla-8x"
+    convert(stories260k, converted, ConvertOptions(compression=8, calibration=CalibrationOptions(num_samples=8, seq_len=128)))
+    config = FinetuneConfig(
+        model=str(converted), output=str(tmp_path / "ft"), teacher_samples=64, sample_batch_size=64, seq_len=128,
+        micro_batch_size=16, max_steps=8, warmup_steps=1, lr=3e-3, eval_data=str(tinystories_text), eval_context=256,
+        eval_windows=10, num_threads=1, log_every=4)
+    result = run_finetune(config, log=lambda text: None)
+    section = result.finetuning
+    assert section["teacher"] == str(stories260k) and section["perplexity_teacher"] < 7
+    assert section["perplexity_after"] < 0.7 * section["perplexity_before"]
+    tokenizer = AutoTokenizer.from_pretrained(str(result.output))
+    text = tinystories_text.read_text()
+    saved = evaluate_perplexity(_load(result.output), tokenizer, text, context_length=256, max_windows=10, progress=False)
+    assert saved.perplexity == pytest.approx(section["perplexity_after"], rel=1e-4)
