@@ -32,8 +32,8 @@ from .source_model import (
 @dataclass
 class CalibrationOptions:
     data: str | None = None  # text file, folder, or datasets spec; None: sample from the source model
-    num_samples: int = 16
-    seq_len: int = 512
+    num_samples: int = 32
+    seq_len: int = 256
     seed: int = 0
     text_column: str = "text"
     temperature: float = 1.0

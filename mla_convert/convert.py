@@ -70,7 +70,7 @@ class ConvertOptions:
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
     dtype: str = "auto"
     device: str = "cpu"
-    sequential: bool = False
+    sequential: bool = True
     rope_candidates_measured: int = 3
     kv_balance_search: bool = True
     refine_steps: int = 0

@@ -70,7 +70,7 @@ def run_demo(
     output = output or default_cache_dir() / "demo" / f"SmolLM2-135M-Instruct-mla-{compression:g}x"
     output.parent.mkdir(parents=True, exist_ok=True)
     options = options or ConvertOptions(compression=compression, overwrite=True,
-                                        calibration=CalibrationOptions(num_samples=16, seq_len=256))
+                                        calibration=CalibrationOptions())
     conversion = convert(source, output, options, progress)
     result = DemoResult(conversion)
     tokenizer = AutoTokenizer.from_pretrained(source)

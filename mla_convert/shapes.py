@@ -195,11 +195,22 @@ def _power_of_two_floor(value: float) -> int:
     return power
 
 
+def rope_share(budget: int, head_dim: int) -> float:
+    """Fraction of the cache budget to give the shared RoPE key, from measurements (one-shot perplexity).
+
+    The tighter the budget relative to head_dim, the larger the share that pays: SmolLM2 (head_dim 64)
+    was best at 144+48 for a 192 budget (0.25; 128+64 and 160+32 worse), 64+32 for 96 (0.33; 72+24
+    worse); stories260K (head_dim 8) at 24+8 for 32, 10+6 for 16 (0.375; 12+4 and 8+8 worse), 4+4 for 8
+    (0.5).  0.5 * (budget / head_dim)^-0.5 fits all of them; never more than half the budget.
+    """
+    return min(0.5, 0.5 * (budget / head_dim) ** -0.5)
+
+
 def shape_for_compression(source: SourceShape, compression: float) -> MLAShape:
     """Pick (kv_lora_rank, rope_dim) so the cache is `compression` times smaller than the source's.
 
-    About a third of the budget goes to the RoPE key, as a power of two capped at the source head_dim and
-    at DeepSeek's 64; measurements on SmolLM2 showed spending on RoPE up to head_dim pays at 2x.
+    rope_dim is `rope_share(...)` of the budget, rounded to a multiple of head_dim / 4 (at least 2),
+    capped at the source head_dim, DeepSeek's 64 and half the budget; the rest is the latent.
     """
     if not compression >= 1:  # also catches NaN
         # Below 1 the MLA cache would be larger than the source's; the rank cap makes it unreachable anyway.
@@ -213,8 +224,12 @@ def shape_for_compression(source: SourceShape, compression: float) -> MLAShape:
             f"the source caches {source.kv_values_per_token_layer}, so the ratio can be at most "
             f"{source.kv_values_per_token_layer / 3:.1f}"
         )
-    rope_dim = max(2, min(source.head_dim, DEEPSEEK_ROPE_DIM, _power_of_two_floor(budget / 3)))
-    rope_dim -= rope_dim % 2
+    unit = max(2, source.head_dim // 4 - (source.head_dim // 4) % 2)
+    ceiling = min(source.head_dim, DEEPSEEK_ROPE_DIM, budget // 2)
+    rope_dim = unit * max(1, round(rope_share(budget, source.head_dim) * budget / unit))
+    while rope_dim > ceiling and rope_dim > 2:
+        rope_dim -= unit if rope_dim - unit >= 2 else 2
+    rope_dim = max(2, rope_dim - rope_dim % 2)
     rank = min(budget - rope_dim, source.max_kv_lora_rank)
     return check_mla_shape(source, rank, rope_dim)
 

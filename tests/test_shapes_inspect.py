@@ -137,12 +137,12 @@ def test_inspect_report_rows_match_the_arithmetic():
 @pytest.mark.parametrize(
     "config, compression, rank, rope",
     [
-        (SMOLLM2, 2, 128, 64),
+        (SMOLLM2, 2, 144, 48),
         (SMOLLM2, 4, 64, 32),
         (SMOLLM2, 8, 32, 16),
         (STORIES260K, 2, 24, 8),
-        (STORIES260K, 4, 12, 4),
-        (STORIES260K, 8, 6, 2),
+        (STORIES260K, 4, 10, 6),
+        (STORIES260K, 8, 4, 4),
     ],
 )
 def test_shape_for_compression(config, compression, rank, rope):
@@ -155,11 +155,11 @@ def test_shape_for_compression(config, compression, rank, rope):
 
 def test_default_shape():
     assert default_shape(SourceShape.from_config(LLAMA7B_MHA)) == MLAShape(512, 64)
-    assert default_shape(SourceShape.from_config(SMOLLM2)) == MLAShape(128, 64)  # too small for 512+64: 2x
+    assert default_shape(SourceShape.from_config(SMOLLM2)) == MLAShape(144, 48)  # too small for 512+64: 2x
     assert default_shape(SourceShape.from_config(STORIES260K)) == MLAShape(24, 8)
     # Only one of rank / rope given: the other comes from the default.
-    assert inspect_shapes(SMOLLM2, kv_lora_rank=100).mla == MLAShape(100, 64)
-    assert inspect_shapes(SMOLLM2, rope_dim=32).mla == MLAShape(128, 32)
+    assert inspect_shapes(SMOLLM2, kv_lora_rank=100).mla == MLAShape(100, 48)
+    assert inspect_shapes(SMOLLM2, rope_dim=32).mla == MLAShape(144, 32)
 
 
 # --------------------------------------------------------------------------- impossible shapes
