@@ -32,7 +32,7 @@ from .source_model import (
 @dataclass
 class CalibrationOptions:
     data: str | None = None  # text file, folder, or datasets spec; None: sample from the source model
-    num_samples: int = 32
+    num_samples: int = 24
     seq_len: int = 256
     seed: int = 0
     text_column: str = "text"
@@ -76,14 +76,28 @@ def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:
     return torch.stack([ids[s : s + options.seq_len] for s in starts.tolist()])  # (count, seq_len)
 
 
-def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from (batch, vocab) logits with temperature and nucleus filtering."""
+NUCLEUS_CANDIDATES = 1024
+
+
+def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+                 candidates: int | None = None) -> torch.Tensor:
+    """One token per row from (batch, vocab) logits with temperature and nucleus filtering.
+
+    `candidates` limits the nucleus to that many most likely tokens: calibration sampling uses
+    `NUCLEUS_CANDIDATES`, because a full sort of a 50K vocabulary per step costs more than the
+    model's own step there; the tail it drops is less likely than every kept token.  None is exact.
+    """
     probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the top token
-    sorted_probs = sorted_probs * keep
-    choice = torch.multinomial(sorted_probs, 1, generator=generator)  # (batch, 1)
+    top_probs, order = probs.topk(min(candidates or probs.shape[-1], probs.shape[-1]), dim=-1)  # sorted, descending
+    keep = top_probs.cumsum(-1) - top_probs < top_p  # always keeps the top token
+    choice = torch.multinomial(top_probs * keep, 1, generator=generator)  # (batch, 1)
     return order.gather(-1, choice).squeeze(-1)
+
+
+# Largest bf16 KV cache sampling keeps at once; more sequences are sampled in several rounds, so the
+# default calibration of SmolLM2 (24 x 256 tokens, 142 MB of cache) runs in one round (rounds cost time: each
+# streams every layer again per step).
+SAMPLING_CACHE_BYTES = 192 * 2**20
 
 
 @torch.no_grad()
@@ -96,11 +110,14 @@ def sample_from_model(
     top_p: float = 0.95,
     start_id: int | None = None,
     progress: Callable | None = None,
+    max_cache_bytes: int = SAMPLING_CACHE_BYTES,
 ) -> torch.Tensor:
     """Batched, seeded ancestral sampling from the layer-streamed source model (no text needed).
 
     Each step streams the layers from the checkpoint (the OS page cache makes re-reads cheap) and keeps
-    a bf16 KV cache, so memory is the cache plus one layer, never the model.
+    a bf16 KV cache, so memory is the cache plus one layer, never the model.  Sequences are sampled in
+    rounds whose cache fits `max_cache_bytes`; one generator runs through all rounds (seeded, so the
+    same seed gives the same text).
     """
     shape = model.shape
     generator = torch.Generator().manual_seed(seed)
@@ -110,29 +127,39 @@ def sample_from_model(
             start_id = start_id[0]
         start_id = 0 if start_id is None else int(start_id)
     ids = torch.full((num, length), start_id, dtype=torch.long)
-    cache_k = [torch.empty(num, shape.num_kv_heads, length, shape.head_dim, dtype=torch.bfloat16) for _ in range(shape.num_layers)]
-    cache_v = [torch.empty_like(k) for k in cache_k]
-    for t in range(length - 1):
-        hidden = model.embed(ids[:, t : t + 1])  # (num, 1, d)
-        cos, sin = rotary_cos_sin(model.inv_freq, torch.tensor([t]), model.dtype)
-        for index in range(shape.num_layers):
-            layer = model.load_layer(index)
-            x = rms_norm(hidden, layer.weights["input_norm"], shape.rms_norm_eps)
-            q, k, v = project_qkv(x, layer, shape)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            cache_k[index][:, :, t : t + 1] = k.to(torch.bfloat16)
-            cache_v[index][:, :, t : t + 1] = v.to(torch.bfloat16)
-            keys = cache_k[index][:, :, : t + 1].to(model.dtype)
-            values = cache_v[index][:, :, : t + 1].to(model.dtype)
-            hidden = hidden + attention_from_qkv(q, keys, values, layer, shape)
-            hidden = hidden + mlp(rms_norm(hidden, layer.weights["post_attn_norm"], shape.rms_norm_eps), layer)
-            del layer
+    per_sequence = shape.num_layers * 2 * shape.num_kv_heads * length * shape.head_dim * 2  # bf16 bytes
+    batch = max(1, min(num, max_cache_bytes // per_sequence))
+    steps = (length - 1) * -(-num // batch)
+    done = 0
+    for first in range(0, num, batch):
+        rows = ids[first : first + batch]
+        # one allocation for every layer's keys and values: freed as a whole (back to the OS) after the round
+        cache = torch.empty(shape.num_layers, 2, rows.shape[0], shape.num_kv_heads, length, shape.head_dim,
+                            dtype=torch.bfloat16)
+        cache_k, cache_v = cache[:, 0], cache[:, 1]  # (layers, rows, G, length, h) each
+        for t in range(length - 1):
+            hidden = model.embed(rows[:, t : t + 1])  # (rows, 1, d)
+            cos, sin = rotary_cos_sin(model.inv_freq, torch.tensor([t]), model.dtype)
+            for index in range(shape.num_layers):
+                layer = model.load_layer(index)
+                x = rms_norm(hidden, layer.weights["input_norm"], shape.rms_norm_eps)
+                q, k, v = project_qkv(x, layer, shape)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                cache_k[index][:, :, t : t + 1] = k.to(torch.bfloat16)
+                cache_v[index][:, :, t : t + 1] = v.to(torch.bfloat16)
+                keys = cache_k[index][:, :, : t + 1].to(model.dtype)
+                values = cache_v[index][:, :, : t + 1].to(model.dtype)
+                hidden = hidden + attention_from_qkv(q, keys, values, layer, shape)
+                hidden = hidden + mlp(rms_norm(hidden, layer.weights["post_attn_norm"], shape.rms_norm_eps), layer)
+                del layer
+                model.release()
+            logits = model.logits(model.final_norm(hidden))[:, -1]  # (rows, vocab)
+            rows[:, t + 1] = top_p_sample(logits, temperature, top_p, generator, NUCLEUS_CANDIDATES)
             model.release()
-        logits = model.logits(model.final_norm(hidden))[:, -1]  # (num, vocab)
-        ids[:, t + 1] = top_p_sample(logits, temperature, top_p, generator)
-        model.release()
-        if progress:
-            progress(t + 1, length - 1)
+            done += 1
+            if progress:
+                progress(done, steps)
+        del cache, cache_k, cache_v
     return ids
 
 

@@ -175,7 +175,8 @@ class CheckpointReader:
         self._open_file: str | None = None
         self._open_handle = None
         self._infos: dict[str, TensorInfo] | None = None
-        self.files_opened = 0  # how many times a shard was opened; lets tests check read planning
+        self.files_opened = 0
+        self._validated_headers: set[tuple[str, int, int]] = set()  # how many times a shard was opened; lets tests check read planning
 
     # ----------------------------------------------------------------- discovery
     def _discover(self) -> tuple[str, dict[str, str]]:
@@ -334,7 +335,12 @@ class CheckpointReader:
         self.close()
         path = _inside(self.folder, file)
         if self.format == "safetensors":
-            read_safetensors_header(path)
+            # validate each shard's header once per (size, mtime): layer streaming re-opens shards often
+            stat = path.stat()
+            key = (file, stat.st_size, stat.st_mtime_ns)
+            if key not in self._validated_headers:
+                read_safetensors_header(path)
+                self._validated_headers.add(key)
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except Exception as error:

@@ -206,6 +206,22 @@ class CheckpointWriter:
         self.total_size += size
         self.total_parameters += tensor.numel()
 
+    def add_rows(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 read_rows: Callable[[int, int], torch.Tensor], rows_per_chunk: int = 8192) -> None:
+        """Like `add`, for a tensor supplied in row blocks (see `ShardSpool.append_rows`)."""
+        if name in self._written or name in self._spool:
+            raise ValueError(f"tensor {name!r} written twice")
+        numel = int(torch.Size(shape).numel())
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if size > self.max_shard_size:  # a shard of its own: materialise it (only tables above max_shard_size)
+            self.add(name, torch.cat([read_rows(s, min(s + rows_per_chunk, shape[0])) for s in range(0, shape[0], rows_per_chunk)]))
+            return
+        if self._spool.nbytes + size > self.max_shard_size:
+            self._flush()
+        self._spool.append_rows(name, tuple(shape), dtype, read_rows, rows_per_chunk)
+        self.total_size += size
+        self.total_parameters += numel
+
     def add_many(self, tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         items = tensors.items() if isinstance(tensors, dict) else tensors
         for name, tensor in items:

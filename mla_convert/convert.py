@@ -17,7 +17,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shlex
 import signal
 import sys
@@ -53,11 +52,14 @@ from .mla_forward import mla_attention
 from .mla_layer import LayerReport, convert_attention
 from .resolve import looks_like_hub_id, resolve_model_path
 from .rope import RopeGrid, SlotPlan, candidate_grids, deepseek_rope_parameters, grid_inv_freq, plan_layer
+from .memory import peak_rss_bytes, pin_mmap_threshold
 from .shapes import MLAShape, SourceShape, check_mla_shape, default_shape, parse_dtype, shape_for_compression
 from .source_model import StreamedSourceModel, apply_rotary, attention_from_qkv, project_qkv, rotary_cos_sin
 
 METHOD_ALIASES = {"activation-aware": "output", "output": "output", "input": "input", "svd": "weight", "weight": "weight"}
-KV_BALANCE_CANDIDATES = (0.25, 0.5, 1.0, 2.0, 4.0)
+# K/V balance: multiplies the equal-energy weighting of NoPE-key errors against value errors; measured
+# per layer.  SmolLM2 layers mostly chose the top of (0.25 .. 4), so the search now spans 1/8 .. 32.
+KV_BALANCE_COARSE = (0.25, 1.0, 4.0, 16.0)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class ConvertOptions:
     dtype: str = "auto"
     device: str = "cpu"
     sequential: bool = True
-    rope_candidates_measured: int = 3
+    rope_candidates_measured: int = 2
     kv_balance_search: bool = True
     refine_steps: int = 0
     nope_scaling: bool = True
@@ -161,21 +163,6 @@ def _check_statistics(stats: LayerInputStats, index: int, step: str) -> None:
 # ----- end robustness
 
 
-def _peak_rss_bytes() -> int:
-    """This process's peak resident memory.
-
-    Linux's VmHWM belongs to the process's own address space; `ru_maxrss` is inherited across fork and
-    exec, so a conversion launched from a big parent would report the parent's peak instead of its own.
-    """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # --------------------------------------------------------------------------- attention error
 def source_attention_output(layer, x: torch.Tensor, model: StreamedSourceModel) -> torch.Tensor:
     cos, sin = model.cos_sin(x.shape[1])
@@ -251,6 +238,7 @@ class Converter:
         self.options = options or ConvertOptions()
         self.progress = progress or Progress()
         self.source = source
+        pin_mmap_threshold()  # freed per-layer temporaries leave the process (see memory.py)
         self.source_path = resolve_model_path(source, self.options.revision, self.options.allow_pickle)
         self.config = load_config(self.source_path)
         problems = config_problems(self.config)
@@ -336,8 +324,7 @@ class Converter:
         with writer:
             before, after = global_names(shape, config)
             for src, dst in before.items():
-                writer.add(dst, reader.get(src).to(export_dtype))
-            model.release()
+                self._copy_table(writer, src, dst, export_dtype)
             layer_reports: list[LayerReport] = []
             progress.phase("converting layers", shape.num_layers)
             hidden = None
@@ -373,8 +360,7 @@ class Converter:
                 model.release()
                 progress.advance(index + 1, shape.num_layers)
             for src, dst in after.items():
-                writer.add(dst, reader.get(src).to(export_dtype))
-            model.release()
+                self._copy_table(writer, src, dst, export_dtype)
             target_config.save_pretrained(writer.partial)
             writer.copy_sidecars(self.source_path)
             report = _report(self.source, config, shape, mla, options, method, self.calibration_description, self.ids,
@@ -385,6 +371,17 @@ class Converter:
             _write_card(writer, report)
             result_path = writer.commit()
         return ConversionResult(result_path, report, layer_reports)
+
+    def _copy_table(self, writer: CheckpointWriter, source_name: str, target_name: str, dtype: torch.dtype) -> None:
+        """Copy a carried-over tensor (embeddings, head, final norm) in row blocks, releasing each block's mapping."""
+        info = self.reader.tensor_infos()[source_name]
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            block = self.reader.get_rows(source_name, start, stop).to(dtype)
+            self.reader.close()
+            return block
+
+        writer.add_rows(target_name, info.shape, dtype, rows)
 
     def close(self) -> None:
         if self._stats_lock is not None:  # robustness
@@ -522,15 +519,26 @@ def _convert_layer(layer, stats: LayerInputStats, shape: SourceShape, mla: MLASh
     whitening = None if method == "weight" else Whitening.of(moment)
     x = stats.samples.to(model.dtype)
     reference = source_attention_output(layer, x, model)
-    balances = KV_BALANCE_CANDIDATES if (method == "output" and options.kv_balance_search) else (1.0,)
     best = None
-    for balance in balances:
+
+    def attempt(balance: float):
+        nonlocal best
         weights, report = convert_attention(layer.weights, shape, mla, plan, stats.second_moment, stats.mean, method,
                                             balance, layer.index, use_q_lora, whitening, options.nope_scaling)
         out = converted_attention_output({k: v.float() for k, v in weights.items()}, x, shape, mla, plan.slot_inv_freq)
         report.attention_error = relative_error(out, reference)
         if best is None or report.attention_error < best[1].attention_error:
             best = (weights, report)
+
+    if method == "output" and options.kv_balance_search:
+        # coarse (x4 apart) then one x2 step either side of the best: 1/8 .. 32 in 6 conversions
+        for balance in KV_BALANCE_COARSE:
+            attempt(balance)
+        centre = best[1].kv_balance
+        for balance in (centre / 2, centre * 2):
+            attempt(balance)
+    else:
+        attempt(1.0)
     if options.refine_steps > 0 and x.shape[0] >= 2:
         from .mla_layer import latent_scale_for
         from .refine import refine_layer
@@ -596,7 +604,7 @@ def _report(source, config, shape, mla, options, method, calib_description, ids,
             "min_kept_energy": min(energies),
             "mean_attention_error": (sum(errors) / len(errors)) if errors else None,
             "seconds": round(seconds, 2),
-            "peak_rss_bytes": _peak_rss_bytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
         },
         "evaluation": None,
         "finetuning": None,

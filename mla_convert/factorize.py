@@ -26,6 +26,9 @@ import torch
 METHODS = ("output", "input", "weight")
 
 
+WHITENING_DAMPING = 1e-2  # fraction of the mean input variance added to every direction (see Whitening.of)
+
+
 def psd_root(matrix: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric square root and inverse square root of a PSD matrix, flooring tiny eigenvalues."""
     matrix = 0.5 * (matrix + matrix.T)
@@ -59,9 +62,20 @@ class Whitening:
     inv_root: torch.Tensor
 
     @classmethod
-    def of(cls, second_moment: torch.Tensor) -> "Whitening":
-        root, inv_root = psd_root(second_moment.double())
-        return cls(second_moment.double(), root, inv_root)
+    def of(cls, second_moment: torch.Tensor, damping: float | None = None) -> "Whitening":
+        """Ridge-damped whitening: E[x x^T] + damping * mean(diag) * I.
+
+        Why damp: with fewer calibration tokens than input dimensions (or inputs that never vary along
+        some direction) the moment is singular, and an undamped whitening sends directions the
+        calibration never saw through huge inverse roots; such a model explodes on real text. The
+        damping is ridge regression on the activations, so the least-squares `up` uses it too.
+        """
+        moment = second_moment.double()
+        damping = WHITENING_DAMPING if damping is None else damping
+        if damping > 0:
+            moment = moment + damping * moment.diagonal().mean() * torch.eye(moment.shape[0], dtype=moment.dtype)
+        root, inv_root = psd_root(moment)
+        return cls(moment, root, inv_root)
 
 
 def factorize(

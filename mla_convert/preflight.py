@@ -230,27 +230,44 @@ def tensor_problems(reader: CheckpointReader, shape: SourceShape, config: dict) 
 def source_finite_problems(reader: CheckpointReader, names: list[str], progress: Callable | None = None) -> list[str]:
     """One line per tensor holding NaN or Inf (reads the data, a tensor at a time, in chunks)."""
     problems = []
-    chunk = 1 << 24  # elements; the temporary mask is at most 16 MB
+    chunk = 1 << 20  # elements per block: the block, its mask and isfinite's temporaries stay a few MB
+    infos = reader.tensor_infos()
     for done, name in enumerate(sorted(names, key=lambda n: (reader.weight_map.get(n, ""), n)), start=1):
-        tensor = reader.get(name)
-        if tensor.is_floating_point():
-            flat = tensor.reshape(-1)  # (numel,)
-            bad = 0
-            for start in range(0, flat.numel(), chunk):
-                part = flat[start : start + chunk]
-                finite = torch.isfinite(part)
-                if not bool(finite.all()):
-                    bad += int((~finite).sum())
+        info = infos.get(name)
+        if info is None:
+            reader.get(name)  # raises the reader's "missing from the checkpoint" error
+        elif info.dtype.is_floating_point:
+            bad, numel = _non_finite_count(reader, name, info.shape, chunk)
             if bad:
                 problems.append(
                     f"{reader.folder / reader.weight_map[name]}: tensor {name!r} holds {bad} NaN/Inf values "
-                    f"(of {flat.numel()}); the checkpoint is damaged, nothing was written"
+                    f"(of {numel}); the checkpoint is damaged, nothing was written"
                 )
-        del tensor
         if progress:
             progress(done, len(names))
-    reader.close()
     return problems
+
+
+def _non_finite_count(reader: CheckpointReader, name: str, shape: tuple[int, ...], chunk: int) -> tuple[int, int]:
+    """(NaN/Inf count, element count) of one tensor, read in row blocks of about `chunk` elements.
+
+    Each block is read and the shard closed again: tensors are views of a memory mapping, and the pages
+    scanned would otherwise stay in this process's resident memory (the whole checkpoint, in the end).
+    """
+    numel = math.prod(shape)
+    rows = shape[0] if shape else 1
+    block = max(1, chunk // max(1, numel // max(rows, 1)))  # rows per block
+    if reader.format != "safetensors":
+        block = rows  # a pickle is loaded whole per open: one block
+    bad = 0
+    for start in range(0, rows, block):
+        part = reader.get_rows(name, start, min(rows, start + block)) if shape else reader.get(name)
+        finite = torch.isfinite(part)
+        if not bool(finite.all()):
+            bad += int((~finite).sum())
+        del part, finite
+        reader.close()
+    return bad, numel
 
 
 def check_source_finite(reader: CheckpointReader, shape: SourceShape, config: dict, progress: Callable | None = None) -> None:

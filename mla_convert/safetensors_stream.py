@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Callable
+
 import torch
 
 # safetensors' dtype names in the order `save_file` lays data out (its Rust `Dtype` enum, descending);
@@ -257,6 +259,41 @@ class ShardSpool:
             del data  # the last reference to the tensor's memory (or its file mapping) held here
         if written != entry.nbytes:  # pragma: no cover - would mean tensor_bytes disagrees with numel * element_size
             raise RuntimeError(f"tensor {name!r}: wrote {written} bytes, expected {entry.nbytes}")
+        self.entries.append(entry)
+        self._names.add(name)
+        self.nbytes += entry.nbytes
+
+    def append_rows(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    read_rows: Callable[[int, int], torch.Tensor], rows_per_chunk: int) -> None:
+        """Append one tensor given as row blocks `read_rows(start, stop)` (row-major bytes are contiguous).
+
+        For tensors read from a memory-mapped checkpoint: each block's mapping can be dropped before the
+        next one is read, so an embedding table never becomes resident as a whole.
+        """
+        self._check_usable()
+        probe = torch.empty((0, *shape[1:]), dtype=dtype)
+        entry = describe(name, probe, self.nbytes)
+        entry = SpooledTensor(entry.name, entry.dtype, tuple(shape), entry.offset,
+                              int(torch.Size(shape).numel()) * probe.element_size())
+        written = 0
+        try:
+            with naming_the_file(self.path):
+                if self._fd is None:
+                    self._fd = _create(self.path)
+                for start in range(0, shape[0], rows_per_chunk):
+                    block = read_rows(start, min(start + rows_per_chunk, shape[0]))
+                    if block.dtype != dtype or tuple(block.shape[1:]) != tuple(shape[1:]):
+                        raise ValueError(f"tensor {name!r}: row block {tuple(block.shape)} {block.dtype} does not match {shape} {dtype}")
+                    data = tensor_bytes(block)
+                    del block
+                    written += write_all(self._fd, data)
+                    del data
+        except BaseException as error:
+            self._failed = error
+            raise
+        if written != entry.nbytes:
+            self._failed = RuntimeError(f"tensor {name!r}: wrote {written} bytes, expected {entry.nbytes}")
+            raise self._failed
         self.entries.append(entry)
         self._names.add(name)
         self.nbytes += entry.nbytes

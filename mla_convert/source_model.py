@@ -157,6 +157,7 @@ class StreamedSourceModel:
             inside = (flat >= start) & (flat < stop)
             if inside.any():
                 out[inside] = rows(start, stop).to(self.dtype)[flat[inside] - start]
+                self.release()  # the rows are views of the mapping: drop them before the next chunk
         return out.view(*ids.shape, self.shape.hidden_size)
 
     def _row_slicer(self, name: str):
@@ -175,6 +176,7 @@ class StreamedSourceModel:
         for start in range(0, self.shape.vocab_size, EMBED_CHUNK_ROWS):
             stop = min(start + EMBED_CHUNK_ROWS, self.shape.vocab_size)
             parts.append(linear(hidden, rows(start, stop).to(self.dtype)))
+            self.release()  # keep one chunk of the (largest) matrix resident at a time
         return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------------ compute

@@ -45,6 +45,9 @@ REFERENCE = {
                 8: {"TransMLA": "666.9", "MHA2MLA-style SVD": "17697", "prototype": "1060 (10 windows)"}},
 }
 
+# time and peak RSS of the research converter on the same model, quoted from the issue (quiet machine)
+RESOURCE_REFERENCE = {"smollm2": {"name": "TransMLA", "what": "160+32", "seconds": 258.0, "peak_bytes": 8.0e9}}
+
 
 def source_path(model: str) -> Path:
     if model == "smollm2":
@@ -138,6 +141,14 @@ def markdown(results: list[dict], command: str) -> str:
                          f"{row['perplexity'] / result['source_perplexity']:.2f} | " + " | ".join(ref) +
                          f" | {row['seconds']:.0f} s | {row['peak_rss_bytes'] / 2**20:.0f} MiB |")
         lines += ["", f"Source weights on disk: {result['source_weight_bytes'] / 2**20:.0f} MiB.", ""]
+        budget = RESOURCE_REFERENCE.get(model)
+        default = next((r for r in result["rows"] if r["method"] == "activation-aware" and r["ratio"] == 2), None)
+        if budget and default:
+            seconds, peak = default["seconds"], default["peak_rss_bytes"]
+            lines += [f"Default 2x conversion against {budget['name']} on the same model ({budget['what']}, quoted from "
+                      f"the issue): {seconds:.0f} s vs {budget['seconds']:.0f} s ({seconds / budget['seconds']:.2f}x its "
+                      f"time; target <= 0.5x), peak RSS {peak / 1e9:.3f} GB vs {budget['peak_bytes'] / 1e9:.1f} GB "
+                      f"(1/{budget['peak_bytes'] / peak:.1f} of its memory; target <= 1/15).", ""]
     lines.append(SECTION_END)
     return "\n".join(lines) + "\n"
 

@@ -154,6 +154,35 @@ def test_latent_is_stored_at_a_scale_that_keeps_the_norm_linear(tmp_path):
     assert mean_square < 1e-5 * 1e-6  # far below the norm's eps: RMSNorm(alpha c) = alpha c / sqrt(eps)
 
 
+def test_whitening_damping_keeps_directions_calibration_never_saw_in_range():
+    """Calibration inputs spanning 6 of 32 dimensions (fewer tokens than hidden dims does this for real).
+
+    Undamped, the whitening sends the 26 unseen directions through inverse roots of floored eigenvalues:
+    real text then makes latents ~4000x larger than any calibration latent, far outside the range where
+    the stored latent scale keeps kv_a_layernorm linear (SmolLM2 converted on 2 x 64 tokens exploded).
+    """
+    from mla_convert.factorize import Whitening, factorize
+
+    torch.manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0]
+    seen, unseen = basis[:, :6], basis[:, 6:]  # (32, 6), (32, 26) orthonormal columns
+    calibration = torch.randn(500, 6, dtype=torch.float64) @ seen.T * 3  # (500, 32)
+    fresh = torch.randn(500, 26, dtype=torch.float64) @ unseen.T * 3  # same scale, unseen directions
+    weight = torch.randn(8, 32, dtype=torch.float64)
+    moment = calibration.T @ calibration / calibration.shape[0]
+
+    def latent_growth(damping: float) -> tuple[float, float]:
+        f = factorize(weight, 7, Whitening.of(moment, damping=damping))
+        fit = ((calibration @ (f.up @ f.down - weight).T).norm() / (calibration @ weight.T).norm()).item()
+        growth = ((fresh @ f.down.T).pow(2).mean() / (calibration @ f.down.T).pow(2).mean()).sqrt().item()
+        return fit, growth
+
+    exact_fit, undamped_growth = latent_growth(0.0)
+    damped_fit, damped_growth = latent_growth(1e-2)
+    assert exact_fit < 1e-12 and undamped_growth > 1000  # the failure the damping exists for
+    assert damped_fit < 1e-2 and damped_growth < 20
+
+
 # ----------------------------------------------------------------------------- options and errors
 def test_weight_only_svd_and_sequential_run_and_differ(tmp_path):
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)
