@@ -67,8 +67,11 @@ class Whitening:
 
         Why damp: with fewer calibration tokens than input dimensions (or inputs that never vary along
         some direction) the moment is singular, and an undamped whitening sends directions the
-        calibration never saw through huge inverse roots; such a model explodes on real text. The
-        damping is ridge regression on the activations, so the least-squares `up` uses it too.
+        calibration never saw through huge inverse roots: on real text those latents dwarf the
+        calibrated ones and fp32 cancellation makes the model chaotic (SmolLM2 on 2 x 64 calibration
+        tokens). 1% of the mean variance was measured neutral to slightly better at default calibration
+        (SmolLM2 2x 41.56 -> 41.47, stories260K 6.84 -> 6.80). The damping is ridge regression on the
+        activations, so the least-squares `up` uses it too.
         """
         moment = second_moment.double()
         damping = WHITENING_DAMPING if damping is None else damping

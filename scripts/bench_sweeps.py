@@ -11,7 +11,8 @@ Protocols (the project's; every setting can be overridden on the command line):
     stories260k  ../shared/assets/stories260k on tinystories-valid-excerpt.txt, 256-token windows x 60,
                  calibration text sampled from the model itself
     smollm2      SmolLM2-135M-Instruct (`mla-convert fetch-demo-model`) on wikitext-2-raw-test.txt,
-                 1024-token windows x 40, calibration on 16 x 512 tokens of sotu.txt
+                 1024-token windows x 40, calibration text sampled from the model itself
+                 (both: the converter's default calibration size and sequential calibration)
 
     python scripts/bench_sweeps.py --model stories260k                   # a few minutes on 1 CPU thread
     python scripts/bench_sweeps.py --model smollm2                       # ~1 h on 1 CPU thread
@@ -35,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
+
+from mla_convert.calibration import CalibrationOptions  # noqa: E402  (after the repo is importable)
 
 SECTION_BEGIN = "<!-- bench_sweeps:begin -->"
 SECTION_END = "<!-- bench_sweeps:end -->"
@@ -64,13 +67,15 @@ class Protocol:
         return str(SHARED / "assets" / "stories260k")
 
 
+# the product's defaults (text sampled from the model): a sweep shows what `mla-convert convert` gives
+DEFAULT_CALIBRATION = CalibrationOptions()
 PROTOCOLS = {
     "stories260k": Protocol("stories260k", "stories260K", str(SHARED / "data" / "tinystories-valid-excerpt.txt"),
-                            context=256, max_windows=60, ratios="2,4,8", calib_data=None, calib_samples=16,
-                            calib_seq_len=512),
+                            context=256, max_windows=60, ratios="2,4,8", calib_data=None,
+                            calib_samples=DEFAULT_CALIBRATION.num_samples, calib_seq_len=DEFAULT_CALIBRATION.seq_len),
     "smollm2": Protocol("smollm2", "SmolLM2-135M-Instruct", str(SHARED / "data" / "wikitext-2-raw-test.txt"),
-                        context=1024, max_windows=40, ratios="2,4,8", calib_data=str(SHARED / "data" / "sotu.txt"),
-                        calib_samples=16, calib_seq_len=512),
+                        context=1024, max_windows=40, ratios="2,4,8", calib_data=None,
+                        calib_samples=DEFAULT_CALIBRATION.num_samples, calib_seq_len=DEFAULT_CALIBRATION.seq_len),
 }
 
 
@@ -108,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calib-seq-len", type=int, help="tokens per calibration window (default: the protocol's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampled calibration text")
     parser.add_argument("--refine-steps", type=int, default=0, help="per-layer refinement steps of the conversion")
-    parser.add_argument("--sequential", action="store_true", help="calibrate each layer on the converted layers' outputs")
+    parser.add_argument("--no-sequential", dest="sequential", action="store_false",
+                        help="calibrate every layer on the source's activations (default: on the converted layers' outputs)")
     parser.add_argument("--dtype", default="auto", help="export (and so evaluation) dtype: auto, bf16 or fp32")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on the shared 2-core box)")
     parser.add_argument("--out-dir", type=Path, default=DOCS, help="where <model>/sweep.{md,csv,json,png} go")
@@ -157,7 +163,6 @@ def run_one(name: str, args: argparse.Namespace, command: str) -> str:
     import torch
     import transformers
 
-    from mla_convert.calibration import CalibrationOptions
     from mla_convert.convert import ConvertOptions
     from mla_convert.sweep import run_sweep
 
