@@ -65,12 +65,14 @@ def refine_layer(
     seed: int = 0,
     batch_windows: int = 2,
     check_every: int = 25,
+    patience: int | None = None,
 ) -> RefineResult:
     """Refine one layer; `inputs` (n, T, d) normalised attention inputs, `targets` (n, T, d) source outputs.
 
     The last window is held out: the weights with the lowest held-out error are returned (never worse
     than the closed form on that window).  `latent_scale_fn(down)` recomputes alpha for the refined
-    down-projection (the linearisation bound depends on it).
+    down-projection (the linearisation bound depends on it).  `patience`: stop after that many held-out
+    checks in a row without a new best (None: run all `steps`).
     """
     rank = weights["kv_b_proj.weight"].shape[1]
     plain, _ = _strip_latent_scale(weights, rank)
@@ -106,6 +108,8 @@ def refine_layer(
             if error < best_error:
                 best_error, best_step = error, step
                 best = {k: v.detach().clone() for k, v in params.items()}
+            elif patience is not None and step - best_step >= patience * check_every:
+                break
     refined = {k: v.double() for k, v in best.items()}
     for name in ("q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight"):
         if name in weights:  # untouched by the optimizer: keep the exported form bit for bit

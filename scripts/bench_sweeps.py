@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calib-samples", type=int, help="calibration windows (default: the protocol's)")
     parser.add_argument("--calib-seq-len", type=int, help="tokens per calibration window (default: the protocol's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampled calibration text")
-    parser.add_argument("--refine-steps", type=int, default=0, help="per-layer refinement steps of the conversion")
+    parser.add_argument("--refine-steps", type=int, default=None, help="per-layer refinement steps (default: the converter's auto)")
     parser.add_argument("--no-sequential", dest="sequential", action="store_false",
                         help="calibrate every layer on the source's activations (default: on the converted layers' outputs)")
     parser.add_argument("--dtype", default="auto", help="export (and so evaluation) dtype: auto, bf16 or fp32")

@@ -244,3 +244,26 @@ def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp
         scores[name] = evaluate_perplexity(model, tokenizer, text, context_length=256, max_windows=10, progress=False).perplexity
     assert math.isfinite(scores["converted"])
     assert scores["converted"] < 1.35 * scores["source"], scores
+    # small layers: refinement is on by default, and no layer leaves it worse on its held-out window
+    assert result.report["refinement"].startswith("auto: on")
+    for layer in result.report["layers"]:
+        before, after = layer["refine_held_out_error"]
+        assert after <= before
+
+
+def test_auto_refinement_follows_the_cost_of_a_layer():
+    """On for stories260K-sized layers, off (and saying how to turn it on) for SmolLM2-sized ones."""
+    from mla_convert.convert import AUTO_REFINE_STEPS, RefinePolicy
+    from mla_convert.shapes import SourceShape
+
+    def shape(hidden, heads, kv_heads):
+        return SourceShape.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+                                        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                        "num_hidden_layers": 2, "intermediate_size": 4 * hidden, "vocab_size": 512})
+
+    small = RefinePolicy.of(ConvertOptions(), shape(64, 8, 4))
+    assert small.steps == AUTO_REFINE_STEPS and small.patience and small.decision.startswith("auto: on")
+    large = RefinePolicy.of(ConvertOptions(), shape(576, 9, 3))
+    assert large.steps == 0 and f"--refine-steps {AUTO_REFINE_STEPS}" in large.decision
+    given = RefinePolicy.of(ConvertOptions(refine_steps=7), shape(576, 9, 3))
+    assert (given.steps, given.patience) == (7, None)
