@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -337,14 +338,25 @@ def _point_from_dict(data: dict) -> SweepPoint:
 
 
 def _json_safe(value):
-    """NaN/inf (a failed point's perplexity) as null: strict JSON readers refuse NaN."""
+    """NaN/inf (a failed point's perplexity) as null: strict JSON readers refuse NaN; this machine's paths
+    as `~/...` or `../...` (relative to the working directory's parent), so committed files hold no
+    absolute paths of the machine that ran the sweep."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, str):
+        return _portable_paths(value)
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
+
+
+def _portable_paths(text: str) -> str:
+    for prefix, alias in ((str(Path.cwd().parent), ".."), (str(Path.home()), "~")):
+        if len(prefix) > 1:
+            text = re.sub(re.escape(prefix) + r"(?=/)", alias, text)
+    return text
 
 
 def load_sweep(path: str | os.PathLike) -> SweepResult:
