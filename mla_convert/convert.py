@@ -539,6 +539,8 @@ class RefinePolicy:
     def of(cls, options: "ConvertOptions", shape: SourceShape) -> "RefinePolicy":
         if options.refine_steps is not None:
             return cls(options.refine_steps, None, f"{options.refine_steps} steps per layer (given)")
+        if METHOD_ALIASES.get(options.method) == "weight":  # the baseline stays free of calibration data
+            return cls(0, None, "auto: off (weight-only SVD uses no calibration data)")
         cost = refine_flops(shape, options.calibration.seq_len, AUTO_REFINE_STEPS)
         if cost <= AUTO_REFINE_FLOPS:
             return cls(AUTO_REFINE_STEPS, AUTO_REFINE_PATIENCE,

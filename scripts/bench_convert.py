@@ -9,6 +9,7 @@ excerpt, ctx 256, 60 windows for stories260K).  The source model is scored in th
     python scripts/bench_convert.py                      # both models, ratios 2 4 8, both methods
     python scripts/bench_convert.py --model stories260k  # one model
     python scripts/bench_convert.py --write-benchmarks BENCHMARKS.md
+    python scripts/bench_convert.py --from-json a.json b.json --write-benchmarks BENCHMARKS.md  # combine runs
 
 Reference figures in the written table come from issue "Conversion to stock DeepseekV3 MLA" (measured
 on this protocol before this tool existed); they are quoted, not re-measured.
@@ -132,6 +133,7 @@ def markdown(results: list[dict], command: str) -> str:
         ref_cols = sorted({col for by_ratio in refs.values() for col in by_ratio})
         lines += [f"### {model} ({protocol['data']}, ctx {protocol['context']}, {protocol['windows']} windows; "
                   f"source {result['source_perplexity']:.2f})", "",
+                  *([f"Rows measured by: `{result['command']}`", ""] if result.get("command") else []),
                   "| ratio | method | shape R+D | perplexity | x source | " + " | ".join(ref_cols) + " | time | peak RSS |",
                   "|---|---|---|---:|---:|" + "---|" * len(ref_cols) + "---:|---:|"]
         for row in result["rows"]:
@@ -172,13 +174,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP threads for every process (default: torch's)")
     parser.add_argument("--write-benchmarks", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="RESULTS.json",
+                        help="no conversions: render the section from --json files of earlier runs (each model's "
+                             "rows keep the command that measured them)")
     parser.add_argument("extra", nargs="*", help="extra arguments for `mla-convert convert` (after --)")
     args = parser.parse_args()
+    if args.from_json:
+        results = [result for path in args.from_json for result in json.loads(path.read_text())]
+        text = markdown(results, "python scripts/bench_convert.py " + shlex.join(sys.argv[1:]))
+        print(text)
+        if args.write_benchmarks:
+            write_section(args.write_benchmarks, text)
+        return
     models = ["stories260k", "smollm2"] if args.model == "both" else [args.model]
     ratios = [float(r) for r in args.ratios.split(",")]
     methods = args.methods.split(",")
     results = [bench_model(model, ratios, methods, args.threads, args.extra) for model in models]
     command = "python scripts/bench_convert.py " + shlex.join(sys.argv[1:])
+    for result in results:
+        result["command"] = command
     text = markdown(results, command)
     print(text)
     if args.json:

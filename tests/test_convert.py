@@ -265,5 +265,6 @@ def test_auto_refinement_follows_the_cost_of_a_layer():
     assert small.steps == AUTO_REFINE_STEPS and small.patience and small.decision.startswith("auto: on")
     large = RefinePolicy.of(ConvertOptions(), shape(576, 9, 3))
     assert large.steps == 0 and f"--refine-steps {AUTO_REFINE_STEPS}" in large.decision
+    assert RefinePolicy.of(ConvertOptions(method="svd"), shape(64, 8, 4)).steps == 0  # the baseline stays data-free
     given = RefinePolicy.of(ConvertOptions(refine_steps=7), shape(576, 9, 3))
     assert (given.steps, given.patience) == (7, None)
