@@ -206,14 +206,17 @@ def choose_rope_grid(
     shape = model.shape
     llama3 = shape.rope_parameters.get("rope_type") == "llama3"
     grids = candidate_grids(shape.head_dim // 2, mla.rope_dim // 2, llama3=llama3)
-    scored = []
+    scored = []  # (estimated error, grid, plans); plans kept only while a grid is among the best `keep`
+    keep = max(1, measured)
     progress.phase("ranking RoPE grids", len(grids))
     for number, grid in enumerate(grids):
         plans = [plan_layer(stats, grid, model.inv_freq, shape.num_kv_heads, max_fold=grid.step) for stats in rope_stats]
         scored.append((sum(p.estimated_error for p in plans), grid, plans))
+        scored.sort(key=lambda item: item[0])
+        # every grid's plans for every layer add up (8x on SmolLM2: +360 MiB); only finalists need theirs
+        scored[keep:] = [(est, other, None) for est, other, _ in scored[keep:]]
         progress.advance(number + 1, len(grids))
-    scored.sort(key=lambda item: item[0])
-    finalists = [item for item in scored[: max(1, measured)] if item[0] <= ROPE_MEASURE_WITHIN * scored[0][0]]
+    finalists = [item for item in scored[:keep] if item[0] <= ROPE_MEASURE_WITHIN * scored[0][0]]
     table = [{"grid": grid.describe(), "estimated_error": est} for est, grid, _ in scored[:10]]
     if len(finalists) == 1:
         return finalists[0][1], finalists[0][2], table

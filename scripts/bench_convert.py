@@ -133,7 +133,9 @@ def markdown(results: list[dict], command: str) -> str:
         ref_cols = sorted({col for by_ratio in refs.values() for col in by_ratio})
         lines += [f"### {model} ({protocol['data']}, ctx {protocol['context']}, {protocol['windows']} windows; "
                   f"source {result['source_perplexity']:.2f})", "",
-                  *([f"Rows measured by: `{result['command']}`", ""] if result.get("command") else []),
+                  *([f"Rows measured by: `{result['command']}`" + (" (the later run's rows replace the earlier's)"
+                                                                   if "`; `" in result["command"] else ""), ""]
+                    if result.get("command") else []),
                   "| ratio | method | shape R+D | perplexity | x source | " + " | ".join(ref_cols) + " | time | peak RSS |",
                   "|---|---|---|---:|---:|" + "---|" * len(ref_cols) + "---:|---:|"]
         for row in result["rows"]:
@@ -153,6 +155,28 @@ def markdown(results: list[dict], command: str) -> str:
                       f"(1/{budget['peak_bytes'] / peak:.1f} of its memory; target <= 1/15).", ""]
     lines.append(SECTION_END)
     return "\n".join(lines) + "\n"
+
+
+def merge_results(results: list[dict]) -> list[dict]:
+    """One result per model; a later run's row replaces an earlier one of the same ratio and method.
+
+    Each row keeps the command that measured it, so a table mixing runs says which row came from which.
+    """
+    merged: dict[str, dict] = {}
+    for result in results:
+        for row in result["rows"]:
+            row.setdefault("run_command", result.get("command"))
+        if result["model"] not in merged:
+            merged[result["model"]] = {**result, "rows": list(result["rows"])}
+            continue
+        target = merged[result["model"]]
+        replaced = {(row["ratio"], row["method"]) for row in result["rows"]}
+        target["rows"] = [row for row in target["rows"] if (row["ratio"], row["method"]) not in replaced] + result["rows"]
+        target["rows"].sort(key=lambda row: (row["method"] != "activation-aware", row["method"], row["ratio"]))
+    for result in merged.values():
+        commands = list(dict.fromkeys(row.get("run_command") for row in result["rows"] if row.get("run_command")))
+        result["command"] = "`; `".join(commands) if commands else result.get("command")
+    return list(merged.values())
 
 
 def write_section(path: Path, text: str) -> None:
@@ -180,7 +204,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="extra arguments for `mla-convert convert` (after --)")
     args = parser.parse_args()
     if args.from_json:
-        results = [result for path in args.from_json for result in json.loads(path.read_text())]
+        results = merge_results([result for path in args.from_json for result in json.loads(path.read_text())])
         text = markdown(results, "python scripts/bench_convert.py " + shlex.join(sys.argv[1:]))
         print(text)
         if args.write_benchmarks:
