@@ -8,9 +8,11 @@ by shard, so a layer whose q/k/v straddle two shards costs two opens, not six.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import signal
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -157,6 +159,29 @@ def read_safetensors_header(path: Path) -> dict:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+INTERRUPTING_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold Ctrl-C / kill until a safetensors read has returned.
+
+    safetensors builds tensors through Python callbacks; a KeyboardInterrupt raised inside one is swallowed
+    by its Rust side and resurfaces as an unrelated TypeError ("could not determine the shape of object
+    type 'torch.storage.UntypedStorage'"), which reads as a corrupt checkpoint instead of an interruption.
+    Blocked signals stay pending and are delivered (to the normal handlers) as soon as the read is over.
+    """
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTING_SIGNALS)
+    except (AttributeError, OSError, ValueError):  # no pthread_sigmask (Windows)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class CheckpointReader:
@@ -310,7 +335,8 @@ class CheckpointReader:
         handle = self._handle(file)
         try:
             if self.format == "safetensors":
-                return handle.get_slice(name)[start:stop]
+                with signals_deferred():
+                    return handle.get_slice(name)[start:stop]
             return handle[name][start:stop].clone()
         except Exception as error:
             raise CheckpointError(f"{self.folder / file}: cannot read rows of {name!r} ({error})") from error
@@ -324,7 +350,8 @@ class CheckpointReader:
     def _read(self, handle, file: str, name: str) -> torch.Tensor:
         try:
             if self.format == "safetensors":
-                return handle.get_tensor(name)
+                with signals_deferred():
+                    return handle.get_tensor(name)
             return handle[name].clone()
         except Exception as error:  # safetensors raises its own error types; name the file for the user
             raise CheckpointError(f"{self.folder / file}: cannot read tensor {name!r} ({error})") from error

@@ -216,7 +216,8 @@ def choose_rope_grid(
         # every grid's plans for every layer add up (8x on SmolLM2: +360 MiB); only finalists need theirs
         scored[keep:] = [(est, other, None) for est, other, _ in scored[keep:]]
         progress.advance(number + 1, len(grids))
-    finalists = [item for item in scored[:keep] if item[0] <= ROPE_MEASURE_WITHIN * scored[0][0]]
+    # the best always; the runners-up only when close (a NaN/inf estimate compares false: best alone)
+    finalists = scored[:1] + [item for item in scored[1:keep] if item[0] <= ROPE_MEASURE_WITHIN * scored[0][0]]
     table = [{"grid": grid.describe(), "estimated_error": est} for est, grid, _ in scored[:10]]
     if len(finalists) == 1:
         return finalists[0][1], finalists[0][2], table
@@ -240,7 +241,7 @@ def choose_rope_grid(
         for row in table:
             if row["grid"] == grid.describe():
                 row["measured_attention_error"] = math.sqrt(errors[rank])
-    best = min(range(len(finalists)), key=lambda r: errors[r])
+    best = min(range(len(finalists)), key=lambda r: (not math.isfinite(errors[r]), errors[r]))
     return finalists[best][1], finalists[best][2], table
 
 
@@ -592,6 +593,7 @@ def _convert_layer(layer, stats: LayerInputStats, shape: SourceShape, mla: MLASh
         attempt(centre / 2 if towards_below else centre * 2)
     else:
         attempt(1.0)
+    _check_finite(best[0], f"layer {layer.index}, step 'factorization'")  # robustness: before refinement hides it
     if refine.steps > 0 and x.shape[0] >= 2:
         from .mla_layer import latent_scale_for
         from .refine import refine_layer
