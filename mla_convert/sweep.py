@@ -353,7 +353,8 @@ def _json_safe(value):
 
 
 def _portable_paths(text: str) -> str:
-    for prefix, alias in ((str(Path.cwd().parent), ".."), (str(Path.home()), "~")):
+    aliases = ((tempfile.gettempdir(), "$TMPDIR"), (str(Path.cwd().parent), ".."), (str(Path.home()), "~"))
+    for prefix, alias in aliases:
         if len(prefix) > 1:
             text = re.sub(re.escape(prefix) + r"(?=/)", alias, text)
     return text
