@@ -35,7 +35,8 @@ def sampled_eval_ids(model, num: int, length: int, seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
     start = torch.full((num, 1), int(model.config.bos_token_id or 0), dtype=torch.long)
     with torch.no_grad():
-        out = model.generate(start, max_new_tokens=length - 1, min_new_tokens=length - 1, do_sample=True,
+        # no padding anywhere: an all-ones mask (pad == eos, so transformers cannot infer it and warns)
+        out = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=length - 1, min_new_tokens=length - 1, do_sample=True,
                              top_p=0.95, temperature=1.0, pad_token_id=model.config.eos_token_id)
     return out[:, :length]
 
