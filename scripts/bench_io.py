@@ -41,6 +41,7 @@ import resource
 import shlex
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -277,7 +278,8 @@ conversion *computes* cost their own size only until they are added.
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", default="/tmp/mla-convert-bench-io", help="where the data goes (deleted afterwards unless --keep)")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "mla-convert-bench-io"),
+                        help="where the data goes (deleted afterwards unless --keep)")
     parser.add_argument("--min-size-gib", type=float, default=4.0)
     parser.add_argument("--max-shard-size", default="1GB")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the copy")

@@ -7,7 +7,7 @@ out in shards exactly as `save_pretrained(max_shard_size=...)` lays them out (sh
 the installed `LlamaConfig`.  At most one shard's tensors exist in memory at once, and written shards are
 dropped from the page cache so that a later reader really reads from disk.
 
-    python scripts/make_synthetic_checkpoint.py /tmp/synthetic --min-size-gib 4
+    python scripts/make_synthetic_checkpoint.py outputs/synthetic --min-size-gib 4
 """
 
 from __future__ import annotations
