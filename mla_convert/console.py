@@ -6,8 +6,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichBar, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .convert import Progress
-from .shapes import human_bytes
+from .convert.pipeline import Progress
+from .source.shapes import human_bytes
 
 
 class RichProgress(Progress):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .assets import default_cache_dir, fetch_smollm2
-from .calibration import CalibrationOptions
-from .convert import ConversionResult, ConvertOptions, Progress, convert
+from .io.assets import default_cache_dir, fetch_smollm2
+from .convert.calibration import CalibrationOptions
+from .convert.pipeline import ConversionResult, ConvertOptions, Progress, convert
 
 DEMO_PROMPTS = ("The capital of France is", "Photosynthesis is the process by which")
 EVAL_SEED = 1234
@@ -43,7 +43,7 @@ def sampled_eval_ids(model, num: int, length: int, seed: int) -> torch.Tensor:
 
 def window_perplexity(model, ids: torch.Tensor) -> float:
     """Token-weighted perplexity of each row of `ids` as one window."""
-    from .perplexity import evaluate_perplexity
+    from .eval.perplexity import evaluate_perplexity
 
     total_nll, total_tokens = 0.0, 0
     for row in ids:
@@ -64,8 +64,8 @@ def run_demo(
 ) -> DemoResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .perplexity import evaluate_perplexity
-    from .textdata import load_text
+    from .eval.perplexity import evaluate_perplexity
+    from .eval.textdata import load_text
 
     source = fetch_smollm2()
     output = output or default_cache_dir() / "demo" / f"SmolLM2-135M-Instruct-mla-{compression:g}x"

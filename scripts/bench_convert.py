@@ -52,7 +52,7 @@ RESOURCE_REFERENCE = {"smollm2": {"name": "TransMLA", "what": "160+32", "seconds
 
 def source_path(model: str) -> Path:
     if model == "smollm2":
-        from mla_convert.assets import fetch_smollm2
+        from mla_convert.io.assets import fetch_smollm2
 
         return fetch_smollm2(quiet=True)
     return PROTOCOLS[model]["source"]()
@@ -81,7 +81,7 @@ def score(folder: Path, data: Path, context: int, windows: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mla_convert.perplexity import evaluate_perplexity
+    from mla_convert.eval.perplexity import evaluate_perplexity
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -4,7 +4,7 @@
 Why: the point of MLA is a smaller cache, which should make long-context decoding cheaper in memory
 and (where decoding is memory-bound) faster.  This times plain `model.generate` (greedy, `use_cache=True`,
 a fixed number of new tokens after a prompt of N tokens) for both models in the same run, on the same
-prompts, and counts the bytes of the cache `generate` hands back (`mla_convert.kv_cache_measure`).
+prompts, and counts the bytes of the cache `generate` hands back (`mla_convert.eval.kv_cache`).
 
 Prefill and decode are timed separately within one `generate` call: a logits processor stamps the
 clock each time the model has produced next-token logits, so the first stamp ends the prefill and the
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype):
-    from mla_convert.perplexity import load_model_for_eval
+    from mla_convert.eval.perplexity import load_model_for_eval
 
     loaded, path = load_model_for_eval(model, device=device, dtype=str(dtype).replace("torch.", ""))
     return loaded, path
@@ -98,8 +98,8 @@ def prompt_ids(args, tokenizer_folder: Path, length: int, vocab_size: int) -> to
     if args.data is None:
         generator = torch.Generator().manual_seed(length)
         return torch.randint(0, vocab_size, (1, length), generator=generator)
-    from mla_convert.perplexity import load_tokenizer_for_eval
-    from mla_convert.textdata import load_text, tokenize_text
+    from mla_convert.eval.perplexity import load_tokenizer_for_eval
+    from mla_convert.eval.textdata import load_text, tokenize_text
 
     tokenizer = load_tokenizer_for_eval(tokenizer_folder)
     chars = length * 8
@@ -117,7 +117,7 @@ def time_generate(model, ids: torch.Tensor, new_tokens: int, device: torch.devic
     """(prefill seconds, decode seconds, cache bytes) of one greedy `generate`."""
     from transformers import LogitsProcessorList
 
-    from mla_convert.kv_cache_measure import cache_bytes
+    from mla_convert.eval.kv_cache import cache_bytes
 
     clock = StepClock(device)
     ids = ids.to(device)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from mla_convert.shapes import parse_dtype
+    from mla_convert.source.shapes import parse_dtype
 
     dtype = parse_dtype(args.dtype, default=torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cpu":

@@ -42,7 +42,7 @@ def _stories_source() -> Path:
 
 
 def _smollm2_source() -> Path:
-    from mla_convert.assets import fetch_smollm2
+    from mla_convert.io.assets import fetch_smollm2
 
     return fetch_smollm2(quiet=True)
 
@@ -69,8 +69,8 @@ MODELS = {
 # --------------------------------------------------------------------------- steps
 def converted_folder(name: str, spec: dict, work: Path, log) -> tuple[Path, float | None]:
     """Convert (or reuse a conversion with the same options); returns (folder, seconds or None if reused)."""
-    from mla_convert.calibration import CalibrationOptions
-    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.convert.calibration import CalibrationOptions
+    from mla_convert.convert.pipeline import ConvertOptions, convert
 
     folder = work / f"{name}-mla-{spec['compression']}x"
     wanted = {"compression": float(spec["compression"]), **spec["calibration"]}
@@ -115,8 +115,8 @@ def saved_perplexity(folder: Path, config) -> float:
     """The saved folder, loaded by stock transformers, on the same windows as the run's evaluations."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mla_convert.perplexity import evaluate_perplexity
-    from mla_convert.textdata import load_text
+    from mla_convert.eval.perplexity import evaluate_perplexity
+    from mla_convert.eval.textdata import load_text
 
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

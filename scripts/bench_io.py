@@ -57,9 +57,9 @@ TARGET_RATIO = 0.25
 # --------------------------------------------------------------------------- the measured copy (child process)
 def copy_layer_by_layer(source: Path, output: Path, max_shard_size: str) -> dict:
     """Copy `source` to `output` the way a conversion streams it: globals, then one layer at a time."""
-    from mla_convert.architectures import architecture_for_config
-    from mla_convert.checkpoint_reader import CheckpointReader, load_config
-    from mla_convert.checkpoint_writer import SIDECAR_FILES, CheckpointWriter
+    from mla_convert.source.architectures import architecture_for_config
+    from mla_convert.io.reader import CheckpointReader, load_config
+    from mla_convert.io.writer import SIDECAR_FILES, CheckpointWriter
 
     baseline = read_status(os.getpid())
     started = time.perf_counter()
@@ -158,7 +158,7 @@ def verify_copy(source: Path, output: Path) -> dict:
     import torch
     from safetensors import safe_open
 
-    from mla_convert.checkpoint_reader import CheckpointReader
+    from mla_convert.io.reader import CheckpointReader
 
     index_name = "model.safetensors.index.json"
     problems = []

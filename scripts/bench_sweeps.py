@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: perplexity against KV-cache size for stories260K and SmolLM2 (`mla_convert.sweep.run_sweep`).
+"""Benchmark: perplexity against KV-cache size for stories260K and SmolLM2 (`mla_convert.eval.sweep.run_sweep`).
 
 For each model: one calibration, conversions at every ratio with the activation-aware method and with
 weight-only SVD, every model (the source included) scored on the project's protocol text; the table,
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 
-from mla_convert.calibration import CalibrationOptions  # noqa: E402  (after the repo is importable)
+from mla_convert.convert.calibration import CalibrationOptions  # noqa: E402  (after the repo is importable)
 
 SECTION_BEGIN = "<!-- bench_sweeps:begin -->"
 SECTION_END = "<!-- bench_sweeps:end -->"
@@ -61,7 +61,7 @@ class Protocol:
 
     def source(self) -> str:
         if self.name == "smollm2":
-            from mla_convert.assets import fetch_smollm2
+            from mla_convert.io.assets import fetch_smollm2
 
             return str(fetch_smollm2(quiet=True))
         return str(SHARED / "assets" / "stories260k")
@@ -163,8 +163,8 @@ def run_one(name: str, args: argparse.Namespace, command: str) -> str:
     import torch
     import transformers
 
-    from mla_convert.convert import ConvertOptions
-    from mla_convert.sweep import run_sweep
+    from mla_convert.convert.pipeline import ConvertOptions
+    from mla_convert.eval.sweep import run_sweep
 
     protocol = PROTOCOLS[name]
     used = settings_for(protocol, args)
@@ -194,7 +194,7 @@ def run_one(name: str, args: argparse.Namespace, command: str) -> str:
 
 def replot_one(name: str, args: argparse.Namespace) -> str:
     """Redraw the plot and tables of an earlier run from its sweep.json (no conversion, no evaluation)."""
-    from mla_convert.sweep import load_sweep
+    from mla_convert.eval.sweep import load_sweep
 
     out_dir = args.out_dir / name
     result = load_sweep(out_dir / "sweep.json")
@@ -242,7 +242,7 @@ def existing_blocks(text: str) -> dict[str, str]:
 def render_section(blocks: dict[str, str]) -> str:
     parts = [HEADING, "",
              "`scripts/bench_sweeps.py` converts each model at several KV-cache ratios with one calibration pass "
-             "(`mla_convert.sweep.run_sweep`), once with the activation-aware factorization and once with "
+             "(`mla_convert.eval.sweep.run_sweep`), once with the activation-aware factorization and once with "
              "weight-only SVD of the same shapes, and scores every model, the source included, on the same "
              "non-overlapping windows (token-weighted NLL). \"ratio\" is the exact source / MLA cache size from "
              "the shapes; \"attn. error\" is the conversion's mean relative attention-output error on its "

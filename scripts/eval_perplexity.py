@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Perplexity of a model (and optionally its source) on the project's protocol, as a markdown table.
 
-A thin wrapper around `mla_convert.perplexity.run_eval`, the same function `mla-convert eval` calls,
+A thin wrapper around `mla_convert.eval.perplexity.run_eval`, the same function `mla-convert eval` calls,
 so the script and the CLI can never disagree.  Defaults are the project protocol: non-overlapping
 windows, token-weighted NLL.
 
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from mla_convert.errors import MLAConvertError
-    from mla_convert.perplexity import run_eval
+    from mla_convert.eval.perplexity import run_eval
 
     if args.threads:
         import torch

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_convert.architectures import LLAMA  # noqa: E402
+from mla_convert.source.architectures import LLAMA  # noqa: E402
 
 DTYPE = torch.bfloat16
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_config
 
-from mla_convert.architectures import (
+from mla_convert.source.architectures import (
     LLAMA,
     MISTRAL,
     QWEN2,
@@ -19,7 +19,7 @@ from mla_convert.architectures import (
     architecture_for_config,
     supported_architecture_names,
 )
-from mla_convert.checkpoint_reader import CheckpointReader, load_config
+from mla_convert.io.reader import CheckpointReader, load_config
 from mla_convert.errors import MLAConvertError, UnsupportedArchitectureError
 
 

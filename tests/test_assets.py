@@ -1,7 +1,7 @@
 """The real models the project measures on load as plain Llamas and still talk sense.
 
 If these fail, every quality number downstream is meaningless: the SmolLM2 folder is rebuilt from a
-dequantized GGUF (mla_convert.assets) and stories260K was converted from llama2.c, and both steps can
+dequantized GGUF (mla_convert.io.assets) and stories260K was converted from llama2.c, and both steps can
 silently produce a model that loads but emits garbage.
 """
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from mla_convert.architectures import LLAMA, architecture_for_config
-from mla_convert.checkpoint_reader import CheckpointReader, load_config
-from mla_convert.shapes import SourceShape
+from mla_convert.source.architectures import LLAMA, architecture_for_config
+from mla_convert.io.reader import CheckpointReader, load_config
+from mla_convert.source.shapes import SourceShape
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from mla_convert.checkpoint_reader import CheckpointReader, load_config
-from mla_convert.checkpoint_writer import (
+from mla_convert.io.reader import CheckpointReader, load_config
+from mla_convert.io.writer import (
     OWNER_FILE,
     SIDECAR_FILES,
     CheckpointWriter,
@@ -34,7 +34,7 @@ from mla_convert.checkpoint_writer import (
     partial_path_for,
 )
 from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefusedError
-from mla_convert.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
+from mla_convert.io.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
 
 INDEX = "model.safetensors.index.json"
 VOCAB = 128
@@ -275,7 +275,7 @@ def test_exception_inside_writer_leaves_nothing(tmp_path):
 
 SLOW_WRITER = r"""
 import sys, time, torch
-from mla_convert.checkpoint_writer import CheckpointWriter
+from mla_convert.io.writer import CheckpointWriter
 writer = CheckpointWriter(sys.argv[1], max_shard_size=4096)
 for i in range(100_000):
     writer.add(f"t{i}", torch.full((512,), float(i)))  # 2 KiB each: a shard file every 2 tensors

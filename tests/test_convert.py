@@ -10,12 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
 
-from mla_convert.calibration import CalibrationOptions
-from mla_convert.convert import ConvertOptions, convert
+from mla_convert.convert.calibration import CalibrationOptions
+from mla_convert.convert.pipeline import ConvertOptions, convert
 from mla_convert.errors import MLAConvertError, PreflightError
-from mla_convert.kv_cache_measure import measure_kv_cache
-from mla_convert.rope import RopeGrid, deepseek_rope_parameters, grid_inv_freq
-from mla_convert.source_model import rope_inv_freq
+from mla_convert.eval.kv_cache import measure_kv_cache
+from mla_convert.convert.rope import RopeGrid, deepseek_rope_parameters, grid_inv_freq
+from mla_convert.source.model import rope_inv_freq
 from tiny_models import save_tiny_model
 
 TINY_CALIBRATION = CalibrationOptions(num_samples=4, seq_len=32, error_samples=2, profile_samples=2)
@@ -162,7 +162,7 @@ def test_whitening_damping_keeps_directions_calibration_never_saw_in_range():
     the calibrated part are lost to fp32 cancellation. SmolLM2 converted on 2 x 64 tokens that way grew
     its residual stream 30x and its cached and uncached generation disagreed by up to 18 logits.
     """
-    from mla_convert.factorize import Whitening, factorize
+    from mla_convert.convert.factorize import Whitening, factorize
 
     torch.manual_seed(0)
     basis = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0]
@@ -229,7 +229,7 @@ def test_existing_output_is_refused_without_overwrite(tmp_path):
 @pytest.mark.real_model
 def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp_path):
     """One-shot 2x conversion of a real model stays close to it (full protocol lives in the benchmark)."""
-    from mla_convert.perplexity import evaluate_perplexity
+    from mla_convert.eval.perplexity import evaluate_perplexity
     from transformers import AutoTokenizer
 
     out = tmp_path / "mla"
@@ -253,8 +253,8 @@ def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp
 
 def test_auto_refinement_follows_the_cost_of_a_layer():
     """On for stories260K-sized layers, off (and saying how to turn it on) for SmolLM2-sized ones."""
-    from mla_convert.convert import AUTO_REFINE_STEPS, RefinePolicy
-    from mla_convert.shapes import SourceShape
+    from mla_convert.convert.pipeline import AUTO_REFINE_STEPS, RefinePolicy
+    from mla_convert.source.shapes import SourceShape
 
     def shape(hidden, heads, kv_heads):
         return SourceShape.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,

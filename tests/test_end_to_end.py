@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mla_convert.checkpoint_reader import load_config
-from mla_convert.inspect_model import inspect_shapes
-from mla_convert.kv_cache_measure import measure_kv_cache
-from mla_convert.model_card import validate_card
+from mla_convert.io.reader import load_config
+from mla_convert.source.inspect import inspect_shapes
+from mla_convert.eval.kv_cache import measure_kv_cache
+from mla_convert.hub.card import validate_card
 
 pytestmark = pytest.mark.real_model
 

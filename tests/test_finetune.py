@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mla_convert.calibration import CalibrationOptions
-from mla_convert.convert import ConvertOptions, convert
+from mla_convert.convert.calibration import CalibrationOptions
+from mla_convert.convert.pipeline import ConvertOptions, convert
 from mla_convert.finetune.config import (
     FinetuneConfig,
     FinetuneConfigError,
@@ -40,8 +40,8 @@ from mla_convert.finetune.latent import (
 from mla_convert.finetune.loss import distillation_loss, kl_teacher_student, next_token_ce
 from mla_convert.finetune.schedule import CosineWithWarmup
 from mla_convert.finetune.trainer import ATTENTION_MARKER, run_finetune, trainable_names
-from mla_convert.mla_layer import LATENT_NORM_EPS, LINEARITY_MARGIN
-from mla_convert.perplexity import evaluate_perplexity, plan_windows
+from mla_convert.convert.layer import LATENT_NORM_EPS, LINEARITY_MARGIN
+from mla_convert.eval.perplexity import evaluate_perplexity, plan_windows
 from tiny_models import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

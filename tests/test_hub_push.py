@@ -22,7 +22,7 @@ from fake_hub import FakeHub
 from test_model_card import make_converted_folder
 
 from mla_convert.errors import MLAConvertError
-from mla_convert.hub import (
+from mla_convert.hub.push import (
     BACKUP_SUFFIX,
     OWNER_FILE,
     PARTIAL_SUFFIX,
@@ -32,7 +32,7 @@ from mla_convert.hub import (
     check_pushable,
     push_to_hub,
 )
-from mla_convert.model_card import CardValidationError, validate_card
+from mla_convert.hub.card import CardValidationError, validate_card
 
 TOKEN = "hf_testTOKENmlaConvertDoNotLeak0123456789XYZ"
 REPO = "alice/stories260k-mla"
@@ -150,7 +150,7 @@ def test_existing_readme_is_uploaded_as_is(single, hub):
 
 
 def test_the_card_convert_wrote_is_refreshed_with_the_repo_id(single, hub):
-    from mla_convert.model_card import build_model_card, load_report
+    from mla_convert.hub.card import build_model_card, load_report
 
     build_model_card(load_report(single)).save(single / "README.md")  # as `convert` leaves it
     assert 'from_pretrained("path/to/this/model"' in (single / "README.md").read_text()
@@ -220,7 +220,7 @@ def test_token_is_sent_but_never_printed_logged_or_written(single, tmp_path, hub
 
 PUSH_SCRIPT = (
     "import sys\n"
-    "from mla_convert.hub import push_to_hub\n"
+    "from mla_convert.hub.push import push_to_hub\n"
     "result = push_to_hub(sys.argv[1], sys.argv[2], private=True, revision='from-env')\n"
     "print(result.summary())\n"
 )
@@ -461,7 +461,7 @@ def test_invalid_or_bare_repo_id_is_refused(repo_id, single, hub):
 
 
 def test_unfinished_work_names_match_the_checkpoint_writer():
-    from mla_convert import checkpoint_writer
+    from mla_convert.io import writer as checkpoint_writer
 
     assert PARTIAL_SUFFIX == checkpoint_writer.PARTIAL_SUFFIX
     assert OWNER_FILE == checkpoint_writer.OWNER_FILE

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mla_convert.errors import MLAConvertError
-from mla_convert.kv_cache_measure import cache_bytes, max_context_for_budget, measure_kv_cache
+from mla_convert.eval.kv_cache import cache_bytes, max_context_for_budget, measure_kv_cache
 from tiny_models import tiny_model
 
 

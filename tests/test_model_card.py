@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from mla_convert.model_card import (
+from mla_convert.hub.card import (
     BASE_MODEL_RELATION,
     FAST_KERNEL_KV_LORA_RANK,
     FAST_KERNEL_ROPE_DIM,
@@ -351,6 +351,6 @@ def test_report_is_not_modified_by_building_a_card():
 
 
 def test_fast_kernel_shape_matches_the_shapes_module():
-    from mla_convert.shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
+    from mla_convert.source.shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
 
     assert (FAST_KERNEL_KV_LORA_RANK, FAST_KERNEL_ROPE_DIM) == (DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM)

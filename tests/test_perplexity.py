@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mla_convert.errors import MLAConvertError
-from mla_convert.perplexity import (
+from mla_convert.eval.perplexity import (
     PerplexityResult,
     compare_models,
     evaluate_perplexity,
@@ -18,7 +18,7 @@ from mla_convert.perplexity import (
     plan_windows,
     run_eval,
 )
-from mla_convert.textdata import tokenize_with_offsets
+from mla_convert.eval.textdata import tokenize_with_offsets
 from tiny_models import tiny_model
 
 

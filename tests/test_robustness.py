@@ -38,10 +38,10 @@ from test_checkpoint_io import save_tokenizer
 from tiny_models import tiny_config, tiny_model
 from typer.testing import CliRunner
 
-from mla_convert.calibration import CalibrationOptions
-from mla_convert.checkpoint_writer import OWNER_FILE, partial_path_for
+from mla_convert.convert.calibration import CalibrationOptions
+from mla_convert.io.writer import OWNER_FILE, partial_path_for
 from mla_convert.cli import app
-from mla_convert.convert import ConvertOptions, Progress, convert
+from mla_convert.convert.pipeline import ConvertOptions, Progress, convert
 from mla_convert.errors import MLAConvertError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -568,7 +568,7 @@ def _(ws):
       "fault injection: the project's `convert_attention` returns a NaN in kv_b_proj (convert() API)",
       "layer 0, step 'factorization'", "kv_b_proj.weight", "refusing to write", api=True)
 def _(ws):
-    import mla_convert.convert as convert_module
+    import mla_convert.convert.pipeline as convert_module
 
     real = convert_module.convert_attention
 

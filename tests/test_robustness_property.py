@@ -24,12 +24,12 @@ from safetensors.torch import save_file
 from tiny_models import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from mla_convert.calibration import CalibrationOptions
-from mla_convert.checkpoint_writer import partial_path_for
-from mla_convert.convert import ConvertOptions, Progress, convert
+from mla_convert.convert.calibration import CalibrationOptions
+from mla_convert.io.writer import partial_path_for
+from mla_convert.convert.pipeline import ConvertOptions, Progress, convert
 from mla_convert.errors import MLAConvertError, PreflightError
-from mla_convert.preflight import estimated_output_bytes
-from mla_convert.shapes import MLAShape, SourceShape
+from mla_convert.convert.preflight import estimated_output_bytes
+from mla_convert.source.shapes import MLAShape, SourceShape
 
 EXPLORE = int(os.environ.get("MLA_CONVERT_PROPERTY_EXAMPLES", "0"))
 SETTINGS = settings(

@@ -21,8 +21,8 @@ import shutil
 import pytest
 import torch
 
-from mla_convert.calibration import CalibrationOptions
-from mla_convert.convert import ConvertOptions, convert
+from mla_convert.convert.calibration import CalibrationOptions
+from mla_convert.convert.pipeline import ConvertOptions, convert
 from mla_convert.runtime import (
     AbsorbedMLAModel,
     GenerationSettingsError,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mla_convert.errors import CheckpointError, InvalidShapeError, MLAConvertError
-from mla_convert.inspect_model import inspect_shapes
-from mla_convert.shapes import (
+from mla_convert.source.inspect import inspect_shapes
+from mla_convert.source.shapes import (
     CacheCost,
     MLAShape,
     SourceShape,

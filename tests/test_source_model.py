@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from mla_convert.checkpoint_reader import CheckpointReader, load_config
-from mla_convert.shapes import SourceShape
-from mla_convert.source_model import StreamedSourceModel, rope_inv_freq
+from mla_convert.io.reader import CheckpointReader, load_config
+from mla_convert.source.shapes import SourceShape
+from mla_convert.source.model import StreamedSourceModel, rope_inv_freq
 from tiny_models import save_tiny_model
 
 

@@ -1,7 +1,7 @@
 """The streaming writer: shards byte-identical to `save_file`, memory bounded by one tensor, clean failures.
 
 `CheckpointWriter.add` writes each tensor's bytes to a spool file at once and lays a finished shard out
-from it (`mla_convert.safetensors_stream`).  The reference for every file is `safetensors.torch.save_file`
+from it (`mla_convert.io.safetensors_stream`).  The reference for every file is `safetensors.torch.save_file`
 run on the same tensors, so any difference in header layout, tensor order, offsets or padding fails.
 """
 
@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mla_convert import safetensors_stream
-from mla_convert.checkpoint_writer import SPOOL_FILE, CheckpointWriter, partial_path_for
+from mla_convert.io import safetensors_stream
+from mla_convert.io.writer import SPOOL_FILE, CheckpointWriter, partial_path_for
 
 INDEX = "model.safetensors.index.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def test_add_keeps_no_reference_to_the_tensor_or_its_mapping(tmp_path):
 
 MEMORY_PROBE = r"""
 import gc, json, sys, torch
-from mla_convert.checkpoint_writer import CheckpointWriter
+from mla_convert.io.writer import CheckpointWriter
 
 def status():
     with open("/proc/self/status") as handle:
@@ -318,7 +318,7 @@ def test_spool_file_never_reaches_the_output_and_an_exception_removes_it(tmp_pat
 
 FILE_SIZE_LIMITED_WRITER = r"""
 import resource, signal, sys, torch
-from mla_convert.checkpoint_writer import CheckpointWriter
+from mla_convert.io.writer import CheckpointWriter
 from mla_convert.errors import OutputWriteError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
@@ -345,7 +345,7 @@ def test_write_failure_while_spooling_removes_everything(tmp_path):
 
 FAILING_ASSEMBLY = r"""
 import errno, resource, signal, sys, torch
-from mla_convert.checkpoint_writer import CheckpointWriter
+from mla_convert.io.writer import CheckpointWriter
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (160_064, 160_064))  # the spool (160 000 bytes) fits, the shard does not
 with CheckpointWriter(sys.argv[1], max_shard_size="5GB") as writer:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mla_convert.calibration import CalibrationOptions
+from mla_convert.convert.calibration import CalibrationOptions
 from mla_convert.errors import MLAConvertError, PreflightError
-from mla_convert.perplexity import PerplexityResult, run_eval
-from mla_convert.sweep import (
+from mla_convert.eval.perplexity import PerplexityResult, run_eval
+from mla_convert.eval.sweep import (
     PLOT_DPI,
     PLOT_SIZE_INCHES,
     SweepError,

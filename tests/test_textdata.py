@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mla_convert.errors import MLAConvertError
-from mla_convert.textdata import (
+from mla_convert.eval.textdata import (
     load_text,
     pack_windows,
     parse_dataset_spec,
@@ -121,7 +121,7 @@ def test_local_datasets_folder_rows_join_like_the_raw_wikitext(tmp_path):
 def test_unknown_dataset_offline_is_one_clear_line():
     """Run in a subprocess with the hub switched off, as on an offline machine (no retries, fast)."""
     code = (
-        "from mla_convert.textdata import load_text\n"
+        "from mla_convert.eval.textdata import load_text\n"
         "from mla_convert.errors import MLAConvertError\n"
         "try:\n    load_text('no-such-dataset-for-mla-convert:cfg:test')\n"
         "except MLAConvertError as e:\n    print('ERROR:' + str(e))\n"

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..calibration import top_p_sample
+from ..convert.calibration import top_p_sample
 from ..errors import MLAConvertError
 
 
@@ -47,7 +47,7 @@ def tokenize_long_text(tokenizer, text: str, chunk_chars: int = CHUNK_CHARS, bat
     piece, without character offsets, so memory stays at one batch of pieces: merges never span a
     newline in practice, and training windows do not need the exactness evaluation does.
     """
-    from ..textdata import tokenize_text, tokenizer_adds_bos
+    from ..eval.textdata import tokenize_text, tokenizer_adds_bos
 
     if len(text) <= chunk_chars:
         return tokenize_text(tokenizer, text)
@@ -64,7 +64,7 @@ def tokenize_long_text(tokenizer, text: str, chunk_chars: int = CHUNK_CHARS, bat
 def text_windows(tokenizer, spec: str, seq_len: int, text_column: str = "text", split: str | None = None,
                  max_chars: int | None = None) -> torch.Tensor:
     """Non-overlapping `seq_len` windows of a tokenised text: (num_windows, seq_len) int64."""
-    from ..textdata import load_text, pack_windows
+    from ..eval.textdata import load_text, pack_windows
 
     text = load_text(spec, text_column=text_column, split=split, max_chars=max_chars)
     ids = tokenize_long_text(tokenizer, text)  # (num_tokens,)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..perplexity import plan_windows
+from ..eval.perplexity import plan_windows
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class EvalWindows:
 
     @classmethod
     def from_text(cls, tokenizer, spec: str, context: int, max_windows: int, text_column: str = "text") -> "EvalWindows":
-        from ..textdata import load_text, tokenize_text
+        from ..eval.textdata import load_text, tokenize_text
 
         ids = tokenize_text(tokenizer, load_text(spec, text_column=text_column))
         windows = plan_windows(int(ids.numel()), context, context, max_windows)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..mla_layer import LATENT_NORM_EPS, latent_scale_for
+from ..convert.layer import LATENT_NORM_EPS, latent_scale_for
 
 # A stock norm gain this large means the latent was stored at a tiny scale by the converter
 # (g = sqrt(1e-6) / alpha >= 10 <=> alpha <= 1e-4; the converter's alphas are ~1e-7 .. 1e-5).

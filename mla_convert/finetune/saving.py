@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint_writer import CheckpointWriter
+from ..io.writer import CheckpointWriter
 from ..errors import MLAConvertError
-from ..shapes import parse_dtype
+from ..source.shapes import parse_dtype
 from .latent import LatentSite, fold_latent_scales
 
 REPORT_FILE = "mla_convert.json"
@@ -114,7 +114,7 @@ def save_finetuned(
 
 def write_report(folder: Path, report: dict) -> None:
     """`mla_convert.json` (as `CheckpointWriter.write_json` writes it) and the model card built from it."""
-    from ..model_card import build_model_card
+    from ..hub.card import build_model_card
 
     (Path(folder) / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     build_model_card(report).save(str(Path(folder) / CARD_FILE))

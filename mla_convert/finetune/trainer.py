@@ -87,7 +87,7 @@ def resolve_mixed_precision(name: str) -> str:
 def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    from ..shapes import parse_dtype
+    from ..source.shapes import parse_dtype
 
     return parse_dtype(name)
 
@@ -115,7 +115,7 @@ def teacher_path(config: FinetuneConfig, report: dict) -> str:
 def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    from ..resolve import resolve_model_path
+    from ..io.resolve import resolve_model_path
 
     try:
         path = resolve_model_path(name)

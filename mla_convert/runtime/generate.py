@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import top_p_sample
+from ..convert.calibration import top_p_sample
 from .errors import GenerationSettingsError
 from .model import AbsorbedMLAModel
 from .paged_cache import PagedLatentCache

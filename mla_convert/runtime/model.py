@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..source_model import rms_norm
+from ..source.model import rms_norm
 from .decode_backends import DecodeAttention, decode_attention
 from .errors import GenerationSettingsError, RuntimeModelError
 from .loading import ExportedFolder, compute_dtype, read_exported_folder
@@ -106,7 +106,7 @@ class AbsorbedMLAModel:
         from transformers.activations import ACT2FN
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-        from ..rope import inv_freq_from_config
+        from ..convert.rope import inv_freq_from_config
 
         config = folder.config
         self.path = folder.path

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mla_forward import mla_attention
+from .reference import mla_attention
 
 TRAINABLE = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")
 
@@ -33,7 +33,7 @@ class RefineResult:
 
 def _strip_latent_scale(weights: dict[str, torch.Tensor], rank: int) -> tuple[dict[str, torch.Tensor], float]:
     """Export form -> norm-free form: divide the latent rows by alpha and drop kv_a_layernorm."""
-    from .mla_layer import LATENT_NORM_EPS
+    from .layer import LATENT_NORM_EPS
 
     alpha = math.sqrt(LATENT_NORM_EPS) / weights["kv_a_layernorm.weight"][0].item()
     plain = dict(weights)
@@ -119,7 +119,7 @@ def refine_layer(
     kv_a = refined["kv_a_proj_with_mqa.weight"].clone()
     kv_a[:rank] *= alpha
     refined["kv_a_proj_with_mqa.weight"] = kv_a
-    from .mla_layer import LATENT_NORM_EPS
+    from .layer import LATENT_NORM_EPS
 
     refined["kv_a_layernorm.weight"] = torch.full((rank,), math.sqrt(LATENT_NORM_EPS) / alpha, dtype=torch.float64)
     return RefineResult(refined, before, best_error, best_step)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from .architectures import ArchitectureSpec, architecture_for_config, tied_embeddings
-from .errors import CheckpointError, InvalidShapeError
+from ..errors import CheckpointError, InvalidShapeError
 
 DEEPSEEK_KV_LORA_RANK = 512
 DEEPSEEK_ROPE_DIM = 64

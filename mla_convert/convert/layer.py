@@ -21,7 +21,7 @@ import torch
 
 from .factorize import Whitening, factorize, psd_root
 from .rope import SlotPlan, complex_components, real_rows
-from .shapes import MLAShape, SourceShape
+from ..source.shapes import MLAShape, SourceShape
 
 # DeepseekV3Attention builds kv_a_layernorm / q_a_layernorm with RMSNorm's default eps.
 LATENT_NORM_EPS = 1e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # What a conversion needs from a hub repository; pickled weights only on request.
 HUB_PATTERNS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .shapes import MLAShape, SourceShape
+from ..source.shapes import MLAShape, SourceShape
 
 # Every engine must compute the same latent norm: transformers hard-codes eps 1e-6 for kv_a_layernorm,
 # vLLM and SGLang use config.rms_norm_eps, so the export sets rms_norm_eps to that same 1e-6.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checkpoint_reader import CheckpointReader
+from ..io.reader import CheckpointReader
 from .shapes import SourceShape
 
 EMBED_CHUNK_ROWS = 8192

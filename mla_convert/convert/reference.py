@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mla_layer import LATENT_NORM_EPS
-from .source_model import rms_norm
+from .layer import LATENT_NORM_EPS
+from ..source.model import rms_norm
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

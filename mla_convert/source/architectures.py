@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidShapeError
+from ..errors import InvalidShapeError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

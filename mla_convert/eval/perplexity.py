@@ -32,7 +32,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from .errors import MLAConvertError
+from ..errors import MLAConvertError
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
 LN2 = math.log(2.0)
@@ -377,8 +377,8 @@ def load_model_for_eval(model: str | os.PathLike, device: str | torch.device | N
     """Load any causal LM folder or hub id with stock transformers (no remote code), in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from .resolve import resolve_model_path
-    from .shapes import parse_dtype
+    from ..io.resolve import resolve_model_path
+    from ..source.shapes import parse_dtype
 
     path = resolve_model_path(model, revision)
     torch_dtype = "auto" if dtype in (None, "auto") else parse_dtype(dtype)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MLAConvertError
+from ..errors import MLAConvertError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)

@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from .architectures import architecture_for_config
-from .checkpoint_reader import CheckpointReader
-from .errors import MLAConvertError, NonFiniteError
+from ..source.architectures import architecture_for_config
+from ..io.reader import CheckpointReader
+from ..errors import MLAConvertError, NonFiniteError
 from .rope import rope_problems
-from .shapes import MLAShape, SourceShape, dtype_bytes, human_bytes, parse_dtype, shape_problems
+from ..source.shapes import MLAShape, SourceShape, dtype_bytes, human_bytes, parse_dtype, shape_problems
 
 REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 # What the RoPE types mla-convert reproduces need beyond rope_theta (transformers' own requirements).
@@ -133,8 +133,8 @@ def _token_id_problems(config: dict) -> list[str]:
 
 def _rope_config_problems(config: dict, head_dim: int) -> list[str]:
     """The RoPE parameters are of a supported type, complete, and give finite positive frequencies."""
-    from .shapes import source_rope_parameters
-    from .source_model import rope_inv_freq
+    from ..source.shapes import source_rope_parameters
+    from ..source.model import rope_inv_freq
 
     raw = config.get("rope_parameters") or config.get("rope_scaling")
     if raw is not None and not isinstance(raw, dict):
@@ -334,7 +334,7 @@ def tokenizer_code_problems(folder: Path) -> list[str]:
 
 def _local_text_problems(spec: str, text_column: str) -> list[str]:
     """Read the start of a local calibration file or folder (a dataset spec is checked when it is loaded)."""
-    from .textdata import _looks_like_path, load_text
+    from ..eval.textdata import _looks_like_path, load_text
 
     path = Path(str(spec)).expanduser()
     if not (path.exists() or (":" not in str(spec) and _looks_like_path(str(spec)))):
@@ -347,7 +347,7 @@ def _local_text_problems(spec: str, text_column: str) -> list[str]:
 
 
 def shard_size_problems(max_shard_size) -> list[str]:
-    from .checkpoint_writer import parse_shard_size
+    from ..io.writer import parse_shard_size
 
     try:
         size = parse_shard_size(max_shard_size)
@@ -395,7 +395,7 @@ def estimated_statistics_bytes(shape: SourceShape, calibration) -> int:
 
 
 def sidecar_bytes(source: Path) -> int:
-    from .checkpoint_writer import SIDECAR_FILES
+    from ..io.writer import SIDECAR_FILES
 
     return sum((Path(source) / name).stat().st_size for name in SIDECAR_FILES if (Path(source) / name).is_file())
 
@@ -468,7 +468,7 @@ def preflight(
 
 def output_path_problems(output: Path, overwrite: bool, source: Path | None = None) -> list[str]:
     """Output-path problems found without touching anything (reported even when the source is broken)."""
-    from .checkpoint_writer import prepare_output_path
+    from ..io.writer import prepare_output_path
 
     problems = []
     try:

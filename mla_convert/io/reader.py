@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError, PickleRefusedError
+from ..errors import CheckpointError, PickleRefusedError
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

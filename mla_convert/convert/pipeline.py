@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from . import __version__
+from .. import __version__
 from .calibration import (
     CalibrationOptions,
     LayerInputStats,
@@ -36,8 +36,8 @@ from .calibration import (
     layer_input_stats,
     rope_stats_for_layer,
 )
-from .checkpoint_reader import CheckpointReader, load_config
-from .checkpoint_writer import (
+from ..io.reader import CheckpointReader, load_config
+from ..io.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     CheckpointWriter,
     claim_scratch_folder,
@@ -45,16 +45,16 @@ from .checkpoint_writer import (
     clean_stale_scratch_folders,
     prepare_output_path,
 )
-from .errors import CheckpointError, ConversionError, MLAConvertError, NonFiniteError, PreflightError
-from .export import build_deepseek_config, carried_over_names, global_names
+from ..errors import CheckpointError, ConversionError, MLAConvertError, NonFiniteError, PreflightError
+from .target import build_deepseek_config, carried_over_names, global_names
 from .factorize import METHODS, Whitening
-from .mla_forward import mla_attention
-from .mla_layer import LayerReport, convert_attention
-from .resolve import looks_like_hub_id, resolve_model_path
+from .reference import mla_attention
+from .layer import LayerReport, convert_attention
+from ..io.resolve import looks_like_hub_id, resolve_model_path
 from .rope import RopeGrid, SlotPlan, candidate_grids, deepseek_rope_parameters, grid_inv_freq, plan_layer
 from .memory import peak_rss_bytes, pin_mmap_threshold
-from .shapes import MLAShape, SourceShape, check_mla_shape, default_shape, parse_dtype, shape_for_compression
-from .source_model import StreamedSourceModel, apply_rotary, attention_from_qkv, project_qkv, rotary_cos_sin
+from ..source.shapes import MLAShape, SourceShape, check_mla_shape, default_shape, parse_dtype, shape_for_compression
+from ..source.model import StreamedSourceModel, apply_rotary, attention_from_qkv, project_qkv, rotary_cos_sin
 
 METHOD_ALIASES = {"activation-aware": "output", "output": "output", "input": "input", "svd": "weight", "weight": "weight"}
 # K/V balance: multiplies the equal-energy weighting of NoPE-key errors against value errors; measured
@@ -148,7 +148,7 @@ def pick_shape(shape: SourceShape, options: ConvertOptions) -> MLAShape:
 
 def _default_shape(shape: SourceShape) -> MLAShape:
     """robustness: say where the "--compression 2.0" in default_shape's errors comes from (the user never typed it)."""
-    from .errors import InvalidShapeError
+    from ..errors import InvalidShapeError
 
     try:
         return default_shape(shape)
@@ -443,9 +443,9 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
 
 def _preflight(config: dict, reader: CheckpointReader, output: Path, options: ConvertOptions, progress: Progress):
     """Every problem at once (PreflightError), or the source shape, MLA shape and export dtype."""
-    from .errors import MLAConvertError
+    from ..errors import MLAConvertError
     from .preflight import config_problems, tensor_problems
-    from .shapes import shape_problems
+    from ..source.shapes import shape_problems
 
     problems: list[str] = []
     output_ok = True
@@ -509,7 +509,7 @@ def _role_of(shape: SourceShape, config: dict, index: int, name: str) -> str:
 
 def verify_exported_rope(rope_parameters: dict, rope_dim: int, expected: torch.Tensor, rtol: float = 2e-6) -> float:
     """The exported config's inverse frequencies (computed as transformers computes them) must equal the chosen ones."""
-    from .source_model import rope_inv_freq
+    from ..source.model import rope_inv_freq
 
     actual = rope_inv_freq(rope_parameters, rope_dim).double()
     error = ((actual - expected.double()).abs() / expected.double()).max().item()
@@ -521,7 +521,7 @@ def verify_exported_rope(rope_parameters: dict, rope_dim: int, expected: torch.T
 def advance_through_converted(model: StreamedSourceModel, layer, weights, hidden: torch.Tensor, shape: SourceShape,
                               mla: MLAShape, slot_inv_freq: torch.Tensor, chunk: int) -> None:
     """Push the calibration hidden states through the converted layer (MLA attention + source MLP), in place."""
-    from .source_model import mlp, rms_norm
+    from ..source.model import mlp, rms_norm
 
     attention_weights = {k: v.to(model.dtype) for k, v in weights.items()}
     for start in range(0, hidden.shape[0], chunk):
@@ -595,7 +595,7 @@ def _convert_layer(layer, stats: LayerInputStats, shape: SourceShape, mla: MLASh
         attempt(1.0)
     _check_finite(best[0], f"layer {layer.index}, step 'factorization'")  # robustness: before refinement hides it
     if refine.steps > 0 and x.shape[0] >= 2:
-        from .mla_layer import latent_scale_for
+        from .layer import latent_scale_for
         from .refine import refine_layer
 
         weights, report = best
@@ -677,7 +677,7 @@ def _report(source, config, shape, mla, options, method, calib_description, ids,
 
 def _write_card(writer: CheckpointWriter, report: dict) -> None:
     try:
-        from .model_card import build_model_card
+        from ..hub.card import build_model_card
     except ImportError:  # pragma: no cover - the card module ships with the package
         return
     build_model_card(report).save(str(writer.partial / "README.md"))
@@ -689,7 +689,7 @@ def command_line() -> str:
 
 def install_sigterm_handler() -> None:
     """Turn SIGTERM (and SIGHUP: the terminal closed) into KeyboardInterrupt so they clean up like Ctrl-C does."""
-    from .errors import TerminatedBySignal
+    from ..errors import TerminatedBySignal
 
     def handler(signum, frame):
         raise TerminatedBySignal(signum)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MLAConvertError
+from ..errors import MLAConvertError
 
 
 class KVCacheMeasureError(MLAConvertError):

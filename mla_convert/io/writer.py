@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import torch
 from huggingface_hub import constants as hub_constants
 
-from .errors import OutputExistsError, OutputWriteError
+from ..errors import OutputExistsError, OutputWriteError
 from .safetensors_stream import ShardSpool, write_single_tensor_file
 
 PARTIAL_SUFFIX = ".mla-convert-partial"

@@ -36,11 +36,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .calibration import CalibrationOptions
-from .convert import METHOD_ALIASES, Converter, ConvertOptions, Progress
-from .errors import MLAConvertError, PreflightError
+from ..convert.calibration import CalibrationOptions
+from ..convert.pipeline import METHOD_ALIASES, Converter, ConvertOptions, Progress
+from ..errors import MLAConvertError, PreflightError
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
-from .shapes import dtype_bytes, human_bytes, parse_dtype, shape_for_compression
+from ..source.shapes import dtype_bytes, human_bytes, parse_dtype, shape_for_compression
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
 DEFAULT_METHODS = ("activation-aware", "svd")

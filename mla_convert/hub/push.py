@@ -26,8 +26,8 @@ from typing import Callable
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
 
-from .errors import MLAConvertError
-from .model_card import CARD_FILE, REPORT_FILE, CardValidationError, build_model_card, load_report, validate_card
+from ..errors import MLAConvertError
+from .card import CARD_FILE, REPORT_FILE, CardValidationError, build_model_card, load_report, validate_card
 
 # Names the checkpoint writer uses for unfinished work (`checkpoint_writer.py`; a test keeps them in
 # sync).  Repeated here so that `push --dry-run` does not import torch.

@@ -8,7 +8,7 @@ any shape.
 
 from __future__ import annotations
 
-from .shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, MLAShape
+from ..source.shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, MLAShape
 
 SERVING_ENGINES = ("vllm", "sglang")
 

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import MLAConvertError
+from ..errors import MLAConvertError
 from .rope import RopeStats, rope_stats_from_moments
-from .source_model import (
+from ..source.model import (
     StreamedSourceModel,
     apply_rotary,
     attention_from_qkv,
@@ -59,7 +59,7 @@ def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:
     """Evenly spaced windows of a tokenised text (only as much text as the windows need is tokenised)."""
     from transformers import AutoTokenizer
 
-    from .textdata import load_text
+    from ..eval.textdata import load_text
 
     needed = options.num_samples * options.seq_len
     # ~4 characters per token for English BPE; take generously, tokenise once

@@ -26,7 +26,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import REGEX_YAML_BLOCK
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .errors import MLAConvertError
+from ..errors import MLAConvertError
 
 REPORT_FILE = "mla_convert.json"
 CARD_FILE = "README.md"

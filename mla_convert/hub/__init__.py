@@ -1,0 +1,1 @@
+"""The Hugging Face Hub: the model card (`card`) and the upload (`push`)."""
