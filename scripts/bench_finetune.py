@@ -69,8 +69,8 @@ MODELS = {
 # --------------------------------------------------------------------------- steps
 def converted_folder(name: str, spec: dict, work: Path, log) -> tuple[Path, float | None]:
     """Convert (or reuse a conversion with the same options); returns (folder, seconds or None if reused)."""
-    from mla_convert.convert.calibration import CalibrationOptions
-    from mla_convert.convert.pipeline import ConvertOptions, convert
+    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.options import CalibrationOptions
 
     folder = work / f"{name}-mla-{spec['compression']}x"
     wanted = {"compression": float(spec["compression"]), **spec["calibration"]}

@@ -41,8 +41,8 @@ import resource
 import shlex
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,15 +57,15 @@ TARGET_RATIO = 0.25
 # --------------------------------------------------------------------------- the measured copy (child process)
 def copy_layer_by_layer(source: Path, output: Path, max_shard_size: str) -> dict:
     """Copy `source` to `output` the way a conversion streams it: globals, then one layer at a time."""
-    from mla_convert.source.architectures import architecture_for_config
-    from mla_convert.io.reader import CheckpointReader, load_config
+    from mla_convert.io.reader import CheckpointReader
     from mla_convert.io.writer import SIDECAR_FILES, CheckpointWriter
+    from mla_convert.source.config import SourceConfig
 
     baseline = read_status(os.getpid())
     started = time.perf_counter()
-    config = load_config(source)
-    spec = architecture_for_config(config)
-    globals_ = spec.global_weight_names(config)
+    config = SourceConfig.from_folder(source)
+    spec = config.architecture
+    globals_ = {"embed": spec.embed, "final_norm": spec.final_norm} | ({} if config.tied_embeddings else {"lm_head": spec.lm_head})
     largest_read = [0]
     with CheckpointReader(source) as reader, CheckpointWriter(output, max_shard_size=max_shard_size) as writer:
 
@@ -78,8 +78,8 @@ def copy_layer_by_layer(source: Path, output: Path, max_shard_size: str) -> dict
             reader.close()
 
         copy([globals_["embed"]])
-        for layer in range(config["num_hidden_layers"]):
-            copy(list(spec.layer_weight_names(layer, config).values()))
+        for layer in range(config.num_layers):
+            copy(list(config.layer_weight_names(layer).values()))
         copy([name for role, name in globals_.items() if role != "embed"])
         writer.copy_sidecars(source, SIDECAR_FILES + ("config.json",))
         writer.commit()

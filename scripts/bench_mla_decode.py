@@ -254,9 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_mla_decode: needs a CUDA GPU with compiled Triton kernels ({reason}); "
               "use --dry-run for a CPU plumbing check", file=sys.stderr)
         return 2
-    import triton
-
     import mla_decode_triton as mla  # also loads mla.inputs (check_decode_inputs)
+    import triton
 
     device = torch.device("cuda" if on_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 
-from mla_convert.convert.calibration import CalibrationOptions  # noqa: E402  (after the repo is importable)
+from mla_convert.options import CalibrationOptions  # noqa: E402  (after the repo is importable)
 
 SECTION_BEGIN = "<!-- bench_sweeps:begin -->"
 SECTION_END = "<!-- bench_sweeps:end -->"
@@ -163,7 +163,7 @@ def run_one(name: str, args: argparse.Namespace, command: str) -> str:
     import torch
     import transformers
 
-    from mla_convert.convert.pipeline import ConvertOptions
+    from mla_convert.convert import ConvertOptions
     from mla_convert.eval.sweep import run_sweep
 
     protocol = PROTOCOLS[name]

@@ -49,7 +49,6 @@ def llama_config(hidden: int, heads: int, kv_heads: int, intermediate: int, laye
 
 def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every stored tensor, in `LlamaForCausalLM.state_dict()` order."""
-    c = config.to_dict()
     hidden, head_dim = config.hidden_size, config.head_dim
     q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     per_role = {
@@ -65,7 +64,9 @@ def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     }
     shapes = {LLAMA.embed: (config.vocab_size, hidden)}
     for layer in range(config.num_hidden_layers):
-        for role, name in LLAMA.layer_weight_names(layer, c).items():
+        names = {**LLAMA.attention_weight_names(layer, False, False), **LLAMA.mlp_weight_names(layer, False),
+                 **LLAMA.norm_weight_names(layer)}
+        for role, name in names.items():
             shapes[name] = per_role[role]
     shapes[LLAMA.final_norm] = (hidden,)
     shapes[LLAMA.lm_head] = (config.vocab_size, hidden)

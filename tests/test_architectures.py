@@ -11,6 +11,8 @@ import pytest
 import torch
 from tiny_models import FAMILIES, tiny_config
 
+from mla_convert.errors import MLAConvertError, UnsupportedArchitectureError
+from mla_convert.io.reader import CheckpointReader
 from mla_convert.source.architectures import (
     LLAMA,
     MISTRAL,
@@ -19,8 +21,7 @@ from mla_convert.source.architectures import (
     architecture_for_config,
     supported_architecture_names,
 )
-from mla_convert.io.reader import CheckpointReader, load_config
-from mla_convert.errors import MLAConvertError, UnsupportedArchitectureError
+from mla_convert.source.config import read_config_json
 
 
 def save_family(folder, family: str, tie: bool, **overrides) -> None:
@@ -32,10 +33,21 @@ def save_family(folder, family: str, tie: bool, **overrides) -> None:
     FAMILIES[family][1](config).save_pretrained(folder)
 
 
+def bias_flags(spec, config: dict) -> tuple[bool, bool, bool]:
+    """(qkv, o, mlp) bias by the spec's rule: a fixed fact of the family, or the config key it names."""
+    return tuple(rule if isinstance(rule, bool) else bool(config.get(rule, False)) for rule in (spec.qkv_bias, spec.o_bias, spec.mlp_bias))
+
+
+def spec_of(config: dict):
+    return architecture_for_config((config.get("architectures") or [None])[0], config.get("model_type"))
+
+
 def expected_names(spec, config: dict) -> set[str]:
-    names = set(spec.global_weight_names(config).values())
+    qkv, o, mlp = bias_flags(spec, config)
+    names = {spec.embed, spec.final_norm} | (set() if config.get("tie_word_embeddings") else {spec.lm_head})
     for layer in range(config["num_hidden_layers"]):
-        names |= set(spec.layer_weight_names(layer, config).values())
+        names |= set(spec.attention_weight_names(layer, qkv, o).values())
+        names |= set(spec.mlp_weight_names(layer, mlp).values()) | set(spec.norm_weight_names(layer).values())
     return names
 
 
@@ -56,8 +68,8 @@ CASES = {
 def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
     family, tie, overrides = CASES[case]
     save_family(tmp_path, family, tie, **overrides)
-    config = load_config(tmp_path)
-    spec = architecture_for_config(config)
+    config = read_config_json(tmp_path)
+    spec = spec_of(config)
     assert spec.family == family
     on_disk = set(CheckpointReader(tmp_path).keys())
     expected = expected_names(spec, config)
@@ -78,13 +90,13 @@ def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
 def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):
     family, tie, overrides = CASES[case]
     save_family(tmp_path, family, tie, **overrides)
-    config = load_config(tmp_path)
-    spec = architecture_for_config(config)
-    assert (spec.has_qkv_bias(config), spec.has_o_bias(config), spec.has_mlp_bias(config)) == (qkv_bias, o_bias, mlp_bias)
-    roles = spec.attention_weight_names(1, config)
+    config = read_config_json(tmp_path)
+    spec = spec_of(config)
+    assert bias_flags(spec, config) == (qkv_bias, o_bias, mlp_bias)
+    roles = spec.attention_weight_names(1, qkv_bias, o_bias)
     assert ("k_bias" in roles) == qkv_bias and ("o_bias" in roles) == o_bias
     assert roles["k_weight"] == "model.layers.1.self_attn.k_proj.weight"
-    assert ("down_bias" in spec.mlp_weight_names(1, config)) == mlp_bias
+    assert ("down_bias" in spec.mlp_weight_names(1, mlp_bias)) == mlp_bias
     # The role names are what the converter looks tensors up by; their shapes must be the projections'.
     infos = CheckpointReader(tmp_path).tensor_infos()
     assert infos[roles["q_weight"]].shape == (config["num_attention_heads"] * config["head_dim"], config["hidden_size"])
@@ -98,9 +110,9 @@ def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias
     [("LlamaForCausalLM", LLAMA), ("MistralForCausalLM", MISTRAL), ("Qwen2ForCausalLM", QWEN2)],
 )
 def test_each_supported_family_maps(architecture, spec):
-    assert architecture_for_config({"architectures": [architecture], "model_type": "whatever"}) is spec
+    assert architecture_for_config(architecture, "whatever") is spec
     # Configs written without `architectures` still say `model_type`.
-    assert architecture_for_config({"model_type": spec.model_types[0]}) is spec
+    assert architecture_for_config(None, spec.model_types[0]) is spec
     assert architecture in supported_architecture_names()
 
 
@@ -108,7 +120,7 @@ def test_real_configs_map_to_their_family(tmp_path):
     for family in FAMILIES:
         folder = tmp_path / family
         tiny_config(family=family).save_pretrained(folder)
-        assert architecture_for_config(load_config(folder)).family == family
+        assert spec_of(read_config_json(folder)).family == family
 
 
 @pytest.mark.parametrize(
@@ -123,7 +135,7 @@ def test_real_configs_map_to_their_family(tmp_path):
 )
 def test_unsupported_architecture_lists_the_supported_ones(config):
     with pytest.raises(UnsupportedArchitectureError) as caught:
-        architecture_for_config(config)
+        spec_of(config)
     message = str(caught.value)
     assert isinstance(caught.value, MLAConvertError) and "\n" not in message
     named = (config.get("architectures") or [config.get("model_type")])[0]

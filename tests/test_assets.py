@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from mla_convert.source.architectures import LLAMA, architecture_for_config
-from mla_convert.io.reader import CheckpointReader, load_config
-from mla_convert.source.shapes import SourceShape
+from mla_convert.io.reader import CheckpointReader
+from mla_convert.source.architectures import LLAMA
+from mla_convert.source.config import SourceConfig
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -36,9 +36,9 @@ def test_smollm2_folder_is_smollm2(smollm2):
     assert config.rope_parameters["rope_theta"] == 100000.0
     assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M
 
-    config_json = load_config(smollm2)
-    assert architecture_for_config(config_json) is LLAMA
-    assert SourceShape.from_config(config_json).kv_values_per_token_layer == 384
+    config = SourceConfig.from_folder(smollm2)
+    assert config.architecture is LLAMA
+    assert config.kv_values_per_token_layer == 384
     reader = CheckpointReader(smollm2)
     assert "lm_head.weight" not in reader and len(reader.keys()) == 2 + 9 * 30  # embed, norm, 9 per layer
     assert torch.equal(reader.get("model.norm.weight"), model.model.norm.weight.detach())

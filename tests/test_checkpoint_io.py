@@ -25,7 +25,9 @@ from safetensors.torch import load_file
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from mla_convert.io.reader import CheckpointReader, load_config
+from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefusedError
+from mla_convert.io.reader import CheckpointReader
+from mla_convert.io.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
 from mla_convert.io.writer import (
     OWNER_FILE,
     SIDECAR_FILES,
@@ -33,8 +35,7 @@ from mla_convert.io.writer import (
     parse_shard_size,
     partial_path_for,
 )
-from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefusedError
-from mla_convert.io.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
+from mla_convert.source.config import read_config_json
 
 INDEX = "model.safetensors.index.json"
 VOCAB = 128
@@ -520,13 +521,13 @@ def test_symlinks_into_the_hugging_face_cache_blobs_are_read(template_checkpoint
 
 def test_missing_or_broken_config(checkpoint):
     folder, _ = checkpoint
-    assert load_config(folder)["architectures"] == ["LlamaForCausalLM"]
+    assert read_config_json(folder)["architectures"] == ["LlamaForCausalLM"]
     (folder / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
-        load_config(folder)
+        read_config_json(folder)
     (folder / "config.json").unlink()
     with pytest.raises(CheckpointError, match=r"config\.json: missing"):
-        load_config(folder)
+        read_config_json(folder)
 
 
 def test_folder_without_weights(tmp_path):
@@ -648,7 +649,7 @@ def test_synthetic_checkpoint_is_laid_out_like_save_pretrained(tmp_path):
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "real", max_shard_size="20KB")
     assert (tmp_path / "synthetic" / INDEX).read_text() == (tmp_path / "real" / INDEX).read_text()
     assert shard_files(tmp_path / "synthetic") == shard_files(tmp_path / "real")
-    assert load_config(tmp_path / "synthetic") == load_config(tmp_path / "real")
+    assert read_config_json(tmp_path / "synthetic") == read_config_json(tmp_path / "real")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "synthetic")
     assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16
     stored = CheckpointReader(tmp_path / "synthetic").get("model.layers.2.mlp.down_proj.weight")

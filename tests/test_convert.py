@@ -7,16 +7,17 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
 
-from mla_convert.convert.calibration import CalibrationOptions
-from mla_convert.convert.pipeline import ConvertOptions, convert
+from mla_convert.convert import ConvertOptions, convert
+from mla_convert.convert.rope import RopeGrid, deepseek_rope_parameters, grid_inv_freq
 from mla_convert.errors import MLAConvertError, PreflightError
 from mla_convert.eval.kv_cache import measure_kv_cache
-from mla_convert.convert.rope import RopeGrid, deepseek_rope_parameters, grid_inv_freq
+from mla_convert.options import CalibrationOptions
 from mla_convert.source.model import rope_inv_freq
-from tiny_models import save_tiny_model
 
 TINY_CALIBRATION = CalibrationOptions(num_samples=4, seq_len=32, error_samples=2, profile_samples=2)
 
@@ -189,11 +190,25 @@ def test_weight_only_svd_and_sequential_run_and_differ(tmp_path):
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)
     svd = convert(source, tmp_path / "svd", fast_options(kv_lora_rank=12, rope_dim=8, method="svd"))
     aware = convert(source, tmp_path / "aware", fast_options(kv_lora_rank=12, rope_dim=8))
-    assert svd.report["options"]["method"] == "weight" and aware.report["options"]["method"] == "output"
+    assert svd.report["options"]["method"] == "svd" and aware.report["options"]["method"] == "activation-aware"
     # activation-aware is measured on the calibration inputs, where it must not be worse than plain SVD
     assert aware.report["summary"]["mean_attention_error"] <= svd.report["summary"]["mean_attention_error"] + 1e-9
-    sequential = convert(source, tmp_path / "seq", fast_options(kv_lora_rank=12, rope_dim=8, sequential=True))
-    assert sequential.report["options"]["sequential"] is True
+
+
+def test_sequential_and_source_calibration_differ_only_above_the_first_layer(tmp_path):
+    """Layer 0 sees the same inputs either way; later layers are fitted on what the converted layers below emit
+    (sequential, the default) or on the source's own activations (--no-sequential)."""
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, num_layers=3,
+                             weight_scale=3.0)
+    runs = {flag: convert(source, tmp_path / str(flag), fast_options(kv_lora_rank=12, rope_dim=8, sequential=flag))
+            for flag in (True, False)}
+    weights = {flag: load_file(str(run.output / "model.safetensors")) for flag, run in runs.items()}
+    for layer, same in ((0, True), (2, False)):
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        assert torch.allclose(weights[True][name], weights[False][name], atol=1e-6) is same, layer
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    for run in runs.values():
+        assert torch.isfinite(logits_of(run.output, ids)).all()
 
 
 @pytest.mark.parametrize(
@@ -229,8 +244,9 @@ def test_existing_output_is_refused_without_overwrite(tmp_path):
 @pytest.mark.real_model
 def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp_path):
     """One-shot 2x conversion of a real model stays close to it (full protocol lives in the benchmark)."""
-    from mla_convert.eval.perplexity import evaluate_perplexity
     from transformers import AutoTokenizer
+
+    from mla_convert.eval.perplexity import evaluate_perplexity
 
     out = tmp_path / "mla"
     result = convert(stories260k, out, ConvertOptions(compression=2, dtype="fp32",
@@ -253,11 +269,11 @@ def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp
 
 def test_auto_refinement_follows_the_cost_of_a_layer():
     """On for stories260K-sized layers, off (and saying how to turn it on) for SmolLM2-sized ones."""
-    from mla_convert.convert.pipeline import AUTO_REFINE_STEPS, RefinePolicy
-    from mla_convert.source.shapes import SourceShape
+    from mla_convert.convert.decisions import AUTO_REFINE_STEPS, RefinePolicy
+    from mla_convert.source.config import SourceConfig
 
     def shape(hidden, heads, kv_heads):
-        return SourceShape.from_config({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+        return SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
                                         "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                                         "num_hidden_layers": 2, "intermediate_size": 4 * hidden, "vocab_size": 512})
 

@@ -10,18 +10,37 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mla_convert.demo import sampled_eval_ids, window_perplexity
+from mla_convert.demo import self_sampled_perplexity
+from mla_convert.eval.sampling import sample_from_model
+
+
+class UniformModel(torch.nn.Module):
+    """A causal LM that predicts every token with equal probability: perplexity = vocabulary size."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def get_input_embeddings(self):
+        return torch.nn.Embedding(1, 1)
+
+    def forward(self, input_ids, **kwargs):
+        logits = torch.zeros(*input_ids.shape, self.vocab) + self.anchor
+        return type("Output", (), {"logits": logits})()
 
 
 @pytest.mark.real_model
-def test_sampled_windows_are_seeded_and_far_likelier_than_random_tokens(stories260k):
+def test_self_sampled_windows_are_seeded_and_the_models_kind_of_text(stories260k):
     model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32).eval()
-    first = sampled_eval_ids(model, 3, 48, seed=1)
+    first = sample_from_model(model, 3, 48, seed=1)
     assert first.shape == (3, 48)
     assert (first[:, 0] == model.config.bos_token_id).all()
-    assert torch.equal(first, sampled_eval_ids(model, 3, 48, seed=1))
-    assert not torch.equal(first, sampled_eval_ids(model, 3, 48, seed=2))
-    random_ids = torch.randint(0, model.config.vocab_size, (3, 48), generator=torch.Generator().manual_seed(0))
-    random_ids[:, 0] = model.config.bos_token_id
-    own, noise = window_perplexity(model, first), window_perplexity(model, random_ids)
-    assert own < 0.1 * noise, (own, noise)
+    assert torch.equal(first, sample_from_model(model, 3, 48, seed=1))
+    assert not torch.equal(first, sample_from_model(model, 3, 48, seed=2))
+    scores = self_sampled_perplexity({"model": model, "uniform": UniformModel(model.config.vocab_size)}, model,
+                                     num=3, length=48, seed=1)
+    assert scores["uniform"] == pytest.approx(model.config.vocab_size, rel=1e-4)
+    assert scores["model"] < 0.1 * scores["uniform"], scores
+    assert scores == self_sampled_perplexity({"model": model, "uniform": UniformModel(model.config.vocab_size)}, model,
+                                             num=3, length=48, seed=1)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mla_convert.io.reader import load_config
-from mla_convert.source.inspect import inspect_shapes
 from mla_convert.eval.kv_cache import measure_kv_cache
 from mla_convert.hub.card import validate_card
+from mla_convert.source.config import SourceConfig
+from mla_convert.source.inspect import inspect_shapes
 
 pytestmark = pytest.mark.real_model
 
@@ -52,13 +52,18 @@ def test_card_of_a_real_conversion_validates_offline_and_shows_its_numbers(conve
     # bytes per token before/after (fp32, 5 layers) and the ratio appear in the card
     assert str(cache["source_bytes_per_token"]) in card_text.replace(",", "")
     assert str(cache["mla_bytes_per_token"]) in card_text.replace(",", "")
-    assert "4.00" in card_text or "4x" in card_text or "4.0x" in card_text
+    # the measured ratio of this export, in the sentence and in the table row the card prints it in
+    ratio = f"{cache['ratio']:.3g}x"
+    assert cache["ratio"] == pytest.approx(64 / 16) and ratio == "4x"
+    assert f"Its KV cache is **{ratio} smaller**" in card_text
+    assert f"| compression ratio | 1x | {ratio} |" in card_text
     assert report["options"]["kv_lora_rank"] + report["options"]["rope_dim"] == 16
+    assert f"{report['options']['kv_lora_rank']}" in card_text and str(out) not in card_text
 
 
 def test_measured_cache_ratio_matches_inspect(converted, stories260k):
     out, _ = converted
-    predicted = inspect_shapes(load_config(stories260k), compression=4, dtype=torch.float32)
+    predicted = inspect_shapes(SourceConfig.from_folder(stories260k), compression=4, dtype=torch.float32)
     source = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32)
     mla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokens = 64

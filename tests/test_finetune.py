@@ -19,9 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import save_tiny_model, tiny_mla_config
 
-from mla_convert.convert.calibration import CalibrationOptions
-from mla_convert.convert.pipeline import ConvertOptions, convert
+from mla_convert.convert import ConvertOptions, convert
+from mla_convert.convert.target import LATENT_NORM_EPS, LINEARITY_MARGIN
+from mla_convert.eval.perplexity import evaluate_perplexity, plan_windows
+from mla_convert.eval.sampling import sample_from_model as sample_from_teacher
 from mla_convert.finetune.config import (
     FinetuneConfig,
     FinetuneConfigError,
@@ -29,7 +32,7 @@ from mla_convert.finetune.config import (
     load_yaml_config,
     parse_config,
 )
-from mla_convert.finetune.data import WindowCursor, process_slice, sample_from_teacher, text_chunks, tokenize_long_text
+from mla_convert.finetune.data import WindowCursor, process_slice, text_chunks, tokenize_long_text
 from mla_convert.finetune.evaluate import EvalWindows, evaluate_perplexity_distributed
 from mla_convert.finetune.latent import (
     LINEARISED_MIN_GAIN,
@@ -38,11 +41,8 @@ from mla_convert.finetune.latent import (
     unfold_latent_scales,
 )
 from mla_convert.finetune.loss import distillation_loss, kl_teacher_student, next_token_ce
-from mla_convert.finetune.schedule import CosineWithWarmup
-from mla_convert.finetune.trainer import ATTENTION_MARKER, run_finetune, trainable_names
-from mla_convert.convert.layer import LATENT_NORM_EPS, LINEARITY_MARGIN
-from mla_convert.eval.perplexity import evaluate_perplexity, plan_windows
-from tiny_models import save_tiny_model
+from mla_convert.finetune.trainer import ATTENTION_MARKER, Finetuner, run_finetune, trainable_names
+from mla_convert.options import CalibrationOptions
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune_mla.py"
@@ -239,12 +239,19 @@ def test_kl_loss_matches_its_definition_and_vanishes_for_equal_logits():
     assert parts.total.item() == pytest.approx(0.5 * parts.kd + 2.0 * parts.ce, rel=1e-6)
 
 
-def test_cosine_schedule_warms_up_then_decays_to_the_floor():
-    schedule = CosineWithWarmup(warmup_steps=4, total_steps=20, min_ratio=0.1)
-    values = [schedule(step) for step in range(20)]
-    assert values[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert values[4] == pytest.approx(1.0)
-    assert values[-1] == pytest.approx(0.1)
+def test_trainer_schedule_warms_up_then_decays_to_the_floor(tiny_llama, tmp_path):
+    """The trainer's own scheduler (transformers' cosine with a min-lr floor), stepped as training steps it."""
+    _, converted = tiny_llama
+    trainer = Finetuner(_tiny_run_config(converted, tmp_path, "schedule", warmup_steps=4, max_steps=20, min_lr_ratio=0.1, lr=1.0),
+                        log=lambda text: None)
+    trainer.setup()
+    values = []
+    for _ in range(21):
+        values.append(trainer.scheduler.get_last_lr()[0])
+        trainer.scheduler.optimizer.step()
+        trainer.scheduler.step()
+    assert values[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert values[20] == pytest.approx(0.1) and min(values[4:]) == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(values[4:], values[5:]))
 
 
@@ -416,7 +423,7 @@ def test_recipe_config_is_valid_and_its_launch_line_matches(path, monkeypatch):
 def test_fsdp_accelerate_config_builds_a_plugin_that_wraps_deepseek_layers(path, monkeypatch):
     from accelerate import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import StateDictType
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     env, args = _accelerate_env(path)
     assert args.num_processes == int(re.search(r"(\d+)gpu", path.stem).group(1))
@@ -428,11 +435,7 @@ def test_fsdp_accelerate_config_builds_a_plugin_that_wraps_deepseek_layers(path,
     plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
-    tiny = DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
-        v_head_dim=8, first_k_dense_replace=2, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
-        n_group=1, topk_group=1, moe_intermediate_size=48))
+    tiny = DeepseekV3ForCausalLM(tiny_mla_config())
     plugin.set_auto_wrap_policy(tiny)  # raises if the wrapped class name is not in the model
     assert plugin.transformer_cls_names_to_wrap == ["DeepseekV3DecoderLayer"]
 

@@ -22,6 +22,7 @@ from fake_hub import FakeHub
 from test_model_card import make_converted_folder
 
 from mla_convert.errors import MLAConvertError
+from mla_convert.hub.card import CardValidationError, validate_card
 from mla_convert.hub.push import (
     BACKUP_SUFFIX,
     OWNER_FILE,
@@ -32,7 +33,6 @@ from mla_convert.hub.push import (
     check_pushable,
     push_to_hub,
 )
-from mla_convert.hub.card import CardValidationError, validate_card
 
 TOKEN = "hf_testTOKENmlaConvertDoNotLeak0123456789XYZ"
 REPO = "alice/stories260k-mla"
@@ -364,7 +364,7 @@ SINGLE_CASES = {
     "no config": (_drop("config.json"), "config.json is missing"),
     "not deepseek": (_write("config.json", '{"model_type": "llama"}'), "describes a 'llama' model"),
     "no weights": (_drop("model.safetensors"), f"no weights: neither model.safetensors nor {INDEX}"),
-    "truncated": (_truncate("model.safetensors"), "cannot push: model.safetensors is "),
+    "truncated": (_truncate("model.safetensors"), "cannot push: model.safetensors: truncated or corrupt safetensors file"),
     "partial file inside": (_write("model.safetensors.mla-convert-partial", ""), f"{LEFTOVERS}: model.safetensors.mla"),
     "owner file": (_write(OWNER_FILE, "123"), f"{LEFTOVERS}: .mla-convert-owner"),
     "temp shard": (_write("shard-00000.tmp", "x"), f"{LEFTOVERS}: shard-00000.tmp"),
@@ -386,7 +386,7 @@ SHARDED_CASES = {
         f"1 tensors that {INDEX} places in {SHARD_3} are not in it (e.g. model.not_a_tensor)",
     ),
     "no index": (_drop(INDEX), f"{SHARD_1} is present but {INDEX} is missing"),
-    "truncated shard": (_truncate(SHARD_1), f"cannot push: {SHARD_1} is "),
+    "truncated shard": (_truncate(SHARD_1), f"cannot push: {SHARD_1}: truncated or corrupt safetensors file"),
     "stray shard": (_write("model-extra.safetensors", ""), f"model-extra.safetensors is not named in {INDEX}"),
     "partial dir inside": (_mkdir("out.mla-convert-partial"), f"{LEFTOVERS}: out.mla-convert-partial"),
 }
@@ -400,7 +400,7 @@ def test_refuses_incomplete_single_file_folders(case, single, hub):
     with pytest.raises(NotPushableError) as caught:
         check_pushable(single)
     assert message in str(caught.value)
-    assert case not in ("truncated",) or "bytes but its header describes" in str(caught.value)
+    assert case not in ("truncated",) or "the data section holds" in str(caught.value)
     with pytest.raises(NotPushableError):
         push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
     assert hub.requests == []
@@ -415,7 +415,7 @@ def test_refuses_incomplete_sharded_folders(case, sharded, hub):
     with pytest.raises(NotPushableError) as caught:
         check_pushable(sharded)
     assert message in str(caught.value)
-    assert case not in ("truncated shard",) or "bytes but its header describes" in str(caught.value)
+    assert case not in ("truncated shard",) or "the data section holds" in str(caught.value)
     with pytest.raises(NotPushableError):
         push_to_hub(sharded, REPO, token=TOKEN, endpoint=hub.url)
     assert hub.requests == []

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_model
 
-from mla_convert.convert.calibration import CalibrationOptions
-from mla_convert.io.writer import BACKUP_SUFFIX, OWNER_FILE, partial_path_for
-from mla_convert.convert.pipeline import ConvertOptions, convert
+from mla_convert.convert import ConvertOptions, convert
 from mla_convert.errors import PreflightError
+from mla_convert.io.writer import BACKUP_SUFFIX, OWNER_FILE, partial_path_for
+from mla_convert.options import CalibrationOptions
 
 ARGS = ["--calib-samples", "8", "--calib-seq-len", "40", "--refine-steps", "6", "--max-shard-size", "100KB", "--seed", "1"]
 STATS_PREFIX = "mla-convert-stats-"

@@ -5,39 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_mla_config, tiny_model
 
 from mla_convert.errors import MLAConvertError
 from mla_convert.eval.kv_cache import cache_bytes, max_context_for_budget, measure_kv_cache
-from tiny_models import tiny_model
 
 
 def tiny_deepseek_v3(kv_lora_rank: int, rope_dim: int, num_layers: int = 3, seed: int = 0):
     """Dense (no MoE layer), no query LoRA: the shape our exporter writes."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=num_layers,
-        first_k_dense_replace=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=rope_dim,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        rope_interleave=True,
-        max_position_embeddings=256,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-    )
     torch.manual_seed(seed)
-    return DeepseekV3ForCausalLM(config).eval()
+    return DeepseekV3ForCausalLM(tiny_mla_config(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, num_layers=num_layers)).eval()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

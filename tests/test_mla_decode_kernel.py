@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mla_decode_triton import (
     DecodeConfig,
     MLADecodeInputError,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
+from tiny_models import tiny_mla_config
 
 from mla_convert.hub.card import (
     BASE_MODEL_RELATION,
@@ -149,31 +150,10 @@ def make_converted_folder(folder: Path, report: dict | None = None, sharded: boo
     weights into several `model-0000i-of-0000N.safetensors` files with an index.
     """
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=172,
-        moe_intermediate_size=32,
-        num_hidden_layers=5,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=5,  # every layer dense, like a converted Llama
-        kv_lora_rank=12,
-        q_lora_rank=None,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = tiny_mla_config(vocab_size=512, num_heads=8, head_dim=8, num_layers=5, intermediate_size=172, kv_lora_rank=12,
+                             rope_dim=4, max_position_embeddings=512)
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(folder, max_shard_size="200KB" if sharded else "50MB")
@@ -321,7 +301,7 @@ GOOD = "library_name: transformers\npipeline_tag: text-generation\ntags:\n- mla\
     [
         ("# just a title\n", "no YAML metadata block"),
         (_with_metadata("library_name: [unclosed"), "not valid YAML"),
-        (_with_metadata("- a\n- list"), "must be a mapping"),
+        (_with_metadata("- a\n- list"), "rejected by huggingface_hub: repo card metadata block should be a dict"),
         (_with_metadata(GOOD.replace("transformers", "timm")), "library_name must be 'transformers'"),
         (_with_metadata(GOOD.replace("text-generation", "fill-mask")), "pipeline_tag"),
         (_with_metadata(GOOD.replace("- mla", "- other")), "tags must include 'mla'"),

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import tiny_mla_config, tiny_model
 
 from mla_convert.errors import MLAConvertError
 from mla_convert.eval.perplexity import (
@@ -19,7 +20,6 @@ from mla_convert.eval.perplexity import (
     run_eval,
 )
 from mla_convert.eval.textdata import tokenize_with_offsets
-from tiny_models import tiny_model
 
 
 def hf_guide_nll(model, ids: torch.Tensor, context: int, stride: int, max_windows: int | None = None):
@@ -169,16 +169,10 @@ def test_bytes_and_words_are_those_of_the_evaluated_span(stories260k):
 
 
 def tiny_deepseek_v3(seed: int = 0):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, max_position_embeddings=256,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-    )
     torch.manual_seed(seed)
-    return DeepseekV3ForCausalLM(config).eval()
+    return DeepseekV3ForCausalLM(tiny_mla_config()).eval()
 
 
 def test_deepseek_v3_model_is_evaluated_like_any_other():

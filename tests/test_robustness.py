@@ -27,9 +27,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -38,11 +38,11 @@ from test_checkpoint_io import save_tokenizer
 from tiny_models import tiny_config, tiny_model
 from typer.testing import CliRunner
 
-from mla_convert.convert.calibration import CalibrationOptions
-from mla_convert.io.writer import OWNER_FILE, partial_path_for
 from mla_convert.cli import app
-from mla_convert.convert.pipeline import ConvertOptions, Progress, convert
+from mla_convert.convert import ConvertOptions, Progress, convert
 from mla_convert.errors import MLAConvertError
+from mla_convert.io.writer import OWNER_FILE, partial_path_for
+from mla_convert.options import CalibrationOptions
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "robustness.md"
@@ -334,7 +334,7 @@ def _(ws):
     return []
 
 
-@case("rope-yarn", "unsupported rope_type yarn", "rope_parameters {rope_type: yarn, factor 4}", "'yarn' is not supported")
+@case("rope-yarn", "unsupported rope_type yarn", "rope_parameters {rope_type: yarn, factor 4}", "RoPE type 'yarn'", "is not supported")
 def _(ws):
     ws.edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 128})
@@ -342,14 +342,14 @@ def _(ws):
 
 
 @case("rope-dynamic", "unsupported rope_type dynamic (old `rope_scaling` key)", "rope_scaling {type: dynamic, factor 2}",
-      "'dynamic' is not supported")
+      "RoPE type 'dynamic'", "is not supported")
 def _(ws):
     ws.edit_config(rope_parameters=DELETE, rope_theta=10000.0, rope_scaling={"type": "dynamic", "factor": 2.0})
     return []
 
 
 @case("rope-llama3-incomplete", "llama3 RoPE parameters incomplete", "rope_parameters {rope_type: llama3, factor 8} only",
-      "lack 'low_freq_factor'")
+      "low_freq_factor", "high_freq_factor")
 def _(ws):
     ws.edit_config(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0})
     return []
@@ -568,7 +568,7 @@ def _(ws):
       "fault injection: the project's `convert_attention` returns a NaN in kv_b_proj (convert() API)",
       "layer 0, step 'factorization'", "kv_b_proj.weight", "refusing to write", api=True)
 def _(ws):
-    import mla_convert.convert.pipeline as convert_module
+    import mla_convert.convert.decisions as convert_module
 
     real = convert_module.convert_attention
 
@@ -580,7 +580,7 @@ def _(ws):
 
     ws.monkeypatch.setattr(convert_module, "convert_attention", poisoned)
     return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
-                                                          rope_candidates_measured=1, kv_balance_search=False))
+                                                          rope_finalists=1, kv_balance_search=False))
 
 
 def write_sparse_llama(folder: Path, layers: int, layers_per_shard: int) -> None:
@@ -829,7 +829,7 @@ def test_pickled_checkpoint_converts_only_when_allowed_and_like_safetensors(temp
     torch.save(state, pickled / "pytorch_model.bin")
     for name in ("config.json", "generation_config.json"):
         shutil.copyfile(template / name, pickled / name)
-    options = dict(calibration=CalibrationOptions(num_samples=2, seq_len=16), rope_candidates_measured=1,
+    options = dict(calibration=CalibrationOptions(num_samples=2, seq_len=16), rope_finalists=1,
                    kv_balance_search=False)
     convert(template, tmp_path / "from-safetensors", ConvertOptions(**options))
     convert(pickled, tmp_path / "from-pickle", ConvertOptions(**options, allow_pickle=True))

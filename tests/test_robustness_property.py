@@ -24,12 +24,13 @@ from safetensors.torch import save_file
 from tiny_models import tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from mla_convert.convert.calibration import CalibrationOptions
-from mla_convert.io.writer import partial_path_for
-from mla_convert.convert.pipeline import ConvertOptions, Progress, convert
-from mla_convert.errors import MLAConvertError, PreflightError
+from mla_convert.convert import ConvertOptions, Progress, convert
 from mla_convert.convert.preflight import estimated_output_bytes
-from mla_convert.source.shapes import MLAShape, SourceShape
+from mla_convert.errors import MLAConvertError, PreflightError
+from mla_convert.io.writer import partial_path_for
+from mla_convert.options import CalibrationOptions
+from mla_convert.source.config import SourceConfig
+from mla_convert.source.shapes import MLAShape
 
 EXPLORE = int(os.environ.get("MLA_CONVERT_PROPERTY_EXAMPLES", "0"))
 SETTINGS = settings(
@@ -39,7 +40,7 @@ SETTINGS = settings(
     derandomize=not EXPLORE,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-QUICK = dict(calibration=CalibrationOptions(num_samples=2, seq_len=16), rope_candidates_measured=1, kv_balance_search=False)
+QUICK = dict(calibration=CalibrationOptions(num_samples=2, seq_len=16), rope_finalists=1, kv_balance_search=False)
 VOCAB = 64
 
 
@@ -159,7 +160,7 @@ def test_conversion_loads_in_transformers_or_fails_preflight(case):
         event("converted, loaded and ran in transformers")
         check_loads_and_runs(output, VOCAB)
         config = json.loads((source / "config.json").read_text())
-        shape = SourceShape.from_config(config)
+        shape = SourceConfig.from_dict(config)
         opts = result.report["options"]
         estimate = estimated_output_bytes(shape, MLAShape(opts["kv_lora_rank"], opts["rope_dim"]), torch.float32)
         written = sum(p.stat().st_size for p in output.glob("*.safetensors"))

@@ -20,9 +20,10 @@ import shutil
 
 import pytest
 import torch
+from tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_mla_config
 
-from mla_convert.convert.calibration import CalibrationOptions
-from mla_convert.convert.pipeline import ConvertOptions, convert
+from mla_convert.convert import ConvertOptions, convert
+from mla_convert.options import CalibrationOptions
 from mla_convert.runtime import (
     AbsorbedMLAModel,
     GenerationSettingsError,
@@ -64,20 +65,15 @@ def single_thread():
 
 # ----------------------------------------------------------------------------------------- helpers
 def build_tiny_folder(path, tokenizer_dir, seed: int = 0, first_k_dense_replace: int = 2, **variant):
-    """Save a tiny random dense DeepseekV3 (+ the stories260K tokenizer, vocab 512) at `path`.
+    """Save a tiny random dense DeepseekV3 (+ a character-level tokenizer of 512 ids) at `path`.
 
     initializer_range 0.2 (not 0.02) makes the next-token distribution peaked enough that greedy
     decoding is decided by clear margins; biases are drawn non-zero so that they matter.
     """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=first_k_dense_replace, num_attention_heads=4, num_key_value_heads=4,
-        kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
-        max_position_embeddings=256, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1, n_group=1,
-        topk_group=1, num_mtp_layers=0, initializer_range=0.2, bos_token_id=1, eos_token_id=2, **variant,
-    )
+    config = tiny_mla_config(vocab_size=512, kv_lora_rank=24, first_k_dense_replace=first_k_dense_replace,
+                             initializer_range=0.2, **variant)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -116,9 +112,14 @@ def assert_same_tokens(runtime: list[list[int]], reference: list[list[int]]) -> 
 
 
 @pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory, stories260k):
+def tiny_tokenizer(tmp_path_factory):
+    return save_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory, tiny_tokenizer):
     root = tmp_path_factory.mktemp("tiny-mla")
-    return {name: build_tiny_folder(root / name, stories260k, seed=index, **variant)
+    return {name: build_tiny_folder(root / name, tiny_tokenizer, seed=index, **variant)
             for index, (name, variant) in enumerate(TINY_VARIANTS.items())}
 
 
@@ -258,7 +259,7 @@ def test_cache_rows_are_transformers_latent_and_rotated_key(tiny_folders):
     folder = tiny_folders["q_lora-bias-tied-linear-rope"]
     model = AbsorbedMLAModel.from_folder(folder, device="cpu")
     prompt = prompt_ids(folder)[1]
-    cache = model.new_cache(num_pages=16, page_size=4)
+    cache = model.new_cache(num_pages=64, page_size=4)
     other = cache.add_sequence()  # a neighbour, so that the sequence's pages are not simply 0, 1, 2...
     seq = cache.add_sequence()
     model.prefill(cache, [other, seq], [prompt[:3], prompt])
@@ -303,7 +304,7 @@ def test_triton_kernel_path_matches_reference_path(tiny_folder):
     reference = AbsorbedMLAModel.from_folder(tiny_folder, device=device, decode_backend="reference")
     assert kernel.decode_attention is mla_decode and reference.decode_attention is mla_decode_reference
     prompts = prompt_ids(tiny_folder)[:2]
-    caches = {name: m.new_cache(num_pages=16, page_size=4) for name, m in (("kernel", kernel), ("reference", reference))}
+    caches = {name: m.new_cache(num_pages=64, page_size=4) for name, m in (("kernel", kernel), ("reference", reference))}
     seqs = {name: [cache.add_sequence() for _ in prompts] for name, cache in caches.items()}
     logits_k = kernel.prefill(caches["kernel"], seqs["kernel"], prompts)
     logits_r = reference.prefill(caches["reference"], seqs["reference"], prompts)
@@ -349,12 +350,13 @@ def test_bad_settings_are_one_line_errors(tiny_folder, kwargs, message):
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the MoE block's empty shared expert
-def test_moe_and_non_deepseek_folders_are_refused(tmp_path, stories260k):
-    moe = build_tiny_folder(tmp_path / "moe", stories260k, first_k_dense_replace=1, q_lora_rank=None)
+def test_moe_and_non_deepseek_folders_are_refused(tmp_path, tiny_tokenizer):
+    moe = build_tiny_folder(tmp_path / "moe", tiny_tokenizer, first_k_dense_replace=1, q_lora_rank=None)
     with pytest.raises(RuntimeModelError, match="MoE"):
         AbsorbedMLAModel.from_folder(moe, device="cpu")
+    llama = save_tiny_model(tmp_path / "llama")
     with pytest.raises(RuntimeModelError, match="model_type 'llama'"):
-        AbsorbedMLAModel.from_folder(stories260k, device="cpu")
+        AbsorbedMLAModel.from_folder(llama, device="cpu")
 
 
 def test_pages_needed_counts_each_sequence_separately():

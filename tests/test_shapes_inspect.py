@@ -1,7 +1,7 @@
 """KV-cache arithmetic, MLA shape picking and validation, and the `mla-convert inspect` command.
 
 The configs are those of the two real models the project measures on (SmolLM2-135M and
-stories260K, see ../shared/DESIGN.md section 4), written out here so these checks need no weights.
+stories260K), written out here so these checks need no weights.
 """
 
 from __future__ import annotations
@@ -14,20 +14,18 @@ import sys
 import pytest
 import torch
 
-from mla_convert.errors import CheckpointError, InvalidShapeError, MLAConvertError
+from mla_convert.errors import InvalidShapeError, MLAConvertError, PreflightError
+from mla_convert.source.config import SourceConfig
 from mla_convert.source.inspect import inspect_shapes
 from mla_convert.source.shapes import (
     CacheCost,
     MLAShape,
-    SourceShape,
     cache_costs,
     check_mla_shape,
     default_shape,
-    human_bytes,
-    parse_dtype,
     shape_for_compression,
-    source_rope_parameters,
 )
+from mla_convert.units import human_bytes, parse_dtype
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"],
@@ -82,7 +80,7 @@ QWEN2_MQA = {
 
 # --------------------------------------------------------------------------- source shapes and cache arithmetic
 def test_smollm2_source_shape():
-    source = SourceShape.from_config(SMOLLM2)
+    source = SourceConfig.from_dict(SMOLLM2)
     assert source.attention_kind == "GQA"
     assert (source.num_heads, source.num_kv_heads, source.head_dim, source.num_layers) == (9, 3, 64, 30)
     assert source.kv_values_per_token_layer == 384  # 2 x 3 kv heads x 64
@@ -93,24 +91,24 @@ def test_smollm2_source_shape():
 
 
 def test_stories260k_source_shape():
-    source = SourceShape.from_config(STORIES260K)
+    source = SourceConfig.from_dict(STORIES260K)
     assert source.kv_values_per_token_layer == 64  # 2 x 4 x 8
     assert source.max_kv_lora_rank == 64  # min(64, hidden 64)
     assert source.max_rope_dim == 8
 
 
 def test_attention_kinds_and_derived_head_dim():
-    mha = SourceShape.from_config(LLAMA7B_MHA)
+    mha = SourceConfig.from_dict(LLAMA7B_MHA)
     assert mha.attention_kind == "MHA" and mha.head_dim == 128  # no head_dim key: hidden / heads
     assert mha.max_kv_lora_rank == 4096  # the hidden size caps it, not 2 x 4096
-    mqa = SourceShape.from_config(QWEN2_MQA)
+    mqa = SourceConfig.from_dict(QWEN2_MQA)
     assert mqa.attention_kind == "MQA" and mqa.qkv_bias
     assert mqa.max_kv_lora_rank == 32  # 2 x 1 x 16 < hidden + 1
     assert mqa.rope_parameters["rope_theta"] == 10000.0  # default when absent
 
 
 def test_cache_arithmetic_smollm2_128_plus_64_halves_the_cache():
-    source = SourceShape.from_config(SMOLLM2)
+    source = SourceConfig.from_dict(SMOLLM2)
     mla = MLAShape(kv_lora_rank=128, rope_dim=64)
     before, after = cache_costs(source, mla, torch.bfloat16)
     assert (before.values_per_token_layer, after.values_per_token_layer) == (384, 192)
@@ -120,13 +118,13 @@ def test_cache_arithmetic_smollm2_128_plus_64_halves_the_cache():
     assert after.bytes_for(4096, batch=8) == 384 * 30 * 4096 * 8
     assert before.max_context(2**30) == 2**30 // 23040 == 46603
     assert after.max_context(2**30, batch=2) == 2**30 // (11520 * 2)
-    report = inspect_shapes(SMOLLM2, kv_lora_rank=128, rope_dim=64)
+    report = inspect_shapes(SourceConfig.from_dict(SMOLLM2), kv_lora_rank=128, rope_dim=64)
     assert report.ratio == 2.0
     assert CacheCost(192, 30, torch.float32).bytes_per_token_layer == 768
 
 
 def test_inspect_report_rows_match_the_arithmetic():
-    report = inspect_shapes(SMOLLM2, compression=4, dtype=torch.float16, context=1000, batch=3)
+    report = inspect_shapes(SourceConfig.from_dict(SMOLLM2), compression=4, dtype=torch.float16, context=1000, batch=3)
     rows = {quantity: (source, mla) for quantity, source, mla in report.rows()}
     assert rows["cached values / token / layer"] == ("384", "96")
     assert rows["bytes / token / layer"] == ("768", "192")
@@ -146,25 +144,25 @@ def test_inspect_report_rows_match_the_arithmetic():
     ],
 )
 def test_shape_for_compression(config, compression, rank, rope):
-    source = SourceShape.from_config(config)
+    source = SourceConfig.from_dict(config)
     mla = shape_for_compression(source, compression)
     assert (mla.kv_lora_rank, mla.rope_dim) == (rank, rope)
     assert source.kv_values_per_token_layer / mla.kv_values_per_token_layer == compression
-    assert inspect_shapes(config, compression=compression).mla == mla
+    assert inspect_shapes(SourceConfig.from_dict(config), compression=compression).mla == mla
 
 
 def test_default_shape():
-    assert default_shape(SourceShape.from_config(LLAMA7B_MHA)) == MLAShape(512, 64)
-    assert default_shape(SourceShape.from_config(SMOLLM2)) == MLAShape(144, 48)  # too small for 512+64: 2x
-    assert default_shape(SourceShape.from_config(STORIES260K)) == MLAShape(24, 8)
+    assert default_shape(SourceConfig.from_dict(LLAMA7B_MHA)) == MLAShape(512, 64)
+    assert default_shape(SourceConfig.from_dict(SMOLLM2)) == MLAShape(144, 48)  # too small for 512+64: 2x
+    assert default_shape(SourceConfig.from_dict(STORIES260K)) == MLAShape(24, 8)
     # Only one of rank / rope given: the other comes from the default.
-    assert inspect_shapes(SMOLLM2, kv_lora_rank=100).mla == MLAShape(100, 48)
-    assert inspect_shapes(SMOLLM2, rope_dim=32).mla == MLAShape(144, 32)
+    assert inspect_shapes(SourceConfig.from_dict(SMOLLM2), kv_lora_rank=100).mla == MLAShape(100, 48)
+    assert inspect_shapes(SourceConfig.from_dict(SMOLLM2), rope_dim=32).mla == MLAShape(144, 32)
 
 
 # --------------------------------------------------------------------------- impossible shapes
 def test_every_problem_is_listed_at_once():
-    source = SourceShape.from_config(SMOLLM2)
+    source = SourceConfig.from_dict(SMOLLM2)
     with pytest.raises(InvalidShapeError) as caught:
         check_mla_shape(source, kv_lora_rank=1000, rope_dim=65, q_lora_rank=0)
     message = str(caught.value)
@@ -185,7 +183,7 @@ def test_every_problem_is_listed_at_once():
     ],
 )
 def test_impossible_shapes_are_rejected(rank, rope, expected):
-    source = SourceShape.from_config(SMOLLM2)
+    source = SourceConfig.from_dict(SMOLLM2)
     with pytest.raises(InvalidShapeError) as caught:
         check_mla_shape(source, rank, rope)
     for fragment in expected:
@@ -196,7 +194,7 @@ def test_impossible_shapes_are_rejected(rank, rope, expected):
 
 def test_rank_limit_needs_no_bias_column():
     """Biases leave the latent: NoPE-key biases cancel in the softmax, value biases move into o_proj."""
-    source = SourceShape.from_config({**SMOLLM2, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 9})
+    source = SourceConfig.from_dict({**SMOLLM2, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 9})
     assert source.max_kv_lora_rank == 576
     with pytest.raises(InvalidShapeError, match=r"at most 576 = .*hidden size 576\)\)"):
         check_mla_shape(source, 577, 64)
@@ -204,24 +202,24 @@ def test_rank_limit_needs_no_bias_column():
 
 @pytest.mark.parametrize("compression, fragment", [(30, "at most 21.3"), (0, "at least 1"), (-2, "at least 1"), (0.5, "at least 1")])
 def test_impossible_compressions(compression, fragment):
-    source = SourceShape.from_config(STORIES260K)
+    source = SourceConfig.from_dict(STORIES260K)
     with pytest.raises(InvalidShapeError, match=fragment):
         shape_for_compression(source, compression)
 
 
 def test_config_errors_are_user_errors():
     broken = {key: value for key, value in SMOLLM2.items() if key != "num_attention_heads"}
-    with pytest.raises(CheckpointError, match="config.json has no 'num_attention_heads'"):
-        SourceShape.from_config(broken)
-    with pytest.raises(CheckpointError, match="'hidden_size' is 'big', not an integer"):
-        SourceShape.from_config({**SMOLLM2, "hidden_size": "big"})
+    with pytest.raises(PreflightError, match=r"num_attention_heads must be a positive integer \(found None\)"):
+        SourceConfig.from_dict(broken)
+    with pytest.raises(PreflightError, match="hidden_size must be a positive integer \\(found 'big'\\)"):
+        SourceConfig.from_dict({**SMOLLM2, "hidden_size": "big"})
     with pytest.raises(InvalidShapeError, match="unknown dtype 'int4'"):
         parse_dtype("int4")
     assert parse_dtype("bf16") == torch.bfloat16 and parse_dtype("torch.float16") == torch.float16
 
 
 def test_rope_parameters_from_older_config_keys():
-    params = source_rope_parameters({"rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    params = SourceConfig.from_dict({**SMOLLM2, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}).rope_parameters
     assert params == {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}
 
 

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from mla_convert.io.reader import CheckpointReader, load_config
-from mla_convert.source.shapes import SourceShape
+from mla_convert.io.reader import CheckpointReader
+from mla_convert.source.config import SourceConfig
 from mla_convert.source.model import StreamedSourceModel, rope_inv_freq
-from tiny_models import save_tiny_model
 
 
 def streamed_logits(folder, ids):
-    config = load_config(folder)
-    shape = SourceShape.from_config(config)
+    shape = SourceConfig.from_folder(folder)
     with CheckpointReader(folder) as reader:
-        model = StreamedSourceModel(reader, config, shape)
+        model = StreamedSourceModel(reader, shape)
         hidden = model.embed(ids)
         cos, sin = model.cos_sin(ids.shape[1])
         for index in range(shape.num_layers):

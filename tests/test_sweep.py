@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from tiny_models import save_tiny_model
 
-from mla_convert.convert.calibration import CalibrationOptions
+from mla_convert.convert.decisions import Progress
 from mla_convert.errors import MLAConvertError, PreflightError
 from mla_convert.eval.perplexity import PerplexityResult, run_eval
 from mla_convert.eval.sweep import (
@@ -30,7 +31,7 @@ from mla_convert.eval.sweep import (
     parse_ratios,
     run_sweep,
 )
-from tiny_models import save_tiny_model
+from mla_convert.options import CalibrationOptions
 
 EXPECTED_PNG_SIZE = (round(PLOT_SIZE_INCHES[0] * PLOT_DPI), round(PLOT_SIZE_INCHES[1] * PLOT_DPI))
 TINY_CALIBRATION = CalibrationOptions(num_samples=2, seq_len=32, profile_samples=2, error_samples=2)
@@ -72,9 +73,21 @@ def tiny_text(tmp_path_factory) -> Path:
 def tiny_sweep(tiny_source, tiny_text, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep-out")
     scratch = tmp_path_factory.mktemp("sweep-scratch")
+    phases = PhaseRecorder()
     result = run_sweep(tiny_source, "4,2", tiny_text, out, context_length=64, max_windows=3,
-                       calibration=TINY_CALIBRATION, models_dir=scratch, model_name="tiny-llama")
+                       calibration=TINY_CALIBRATION, models_dir=scratch, model_name="tiny-llama", progress=phases)
+    result.recorded_phases = phases.names
     return result, out, scratch
+
+
+class PhaseRecorder(Progress):
+    """The phases the library announced, in order (what the CLI turns into progress bars)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        self.names.append(name)
 
 
 # --------------------------------------------------------------------------- settings
@@ -144,7 +157,11 @@ def test_calibration_runs_once_for_every_export(tiny_sweep):
     result, _, _ = tiny_sweep
     ids = {p.calibration_id for p in result.points}
     assert None not in ids and len(ids) == 1  # every export read the same statistics store
-    assert result.calibration_passes == 1
+    # the layer-streamed statistics pass ran once, while every (ratio, method) point converted its layers
+    conversions = len([p for p in result.points if not p.is_source])
+    assert conversions == 4
+    assert result.recorded_phases.count("calibration statistics") == 1
+    assert result.recorded_phases.count("converting layers") == conversions
     assert result.calibration["tokens"] == TINY_CALIBRATION.num_samples * TINY_CALIBRATION.seq_len
 
 

@@ -84,3 +84,50 @@ def save_tiny_model(path: Path, max_shard_size: str | int = "5GB", seed: int = 0
     model = tiny_model(seed=seed, weight_scale=weight_scale, **config_kwargs)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return Path(path)
+
+
+def tiny_mla_config(vocab_size: int = 128, hidden_size: int = 64, num_heads: int = 4, head_dim: int = 16,
+                    num_layers: int = 2, intermediate_size: int = 96, kv_lora_rank: int = 12, rope_dim: int = 8,
+                    q_lora_rank: int | None = None, max_position_embeddings: int = 256, tie_word_embeddings: bool = False,
+                    **overrides):
+    """A tiny DeepseekV3Config exactly as the exporter builds one (`convert.target.build_config`).
+
+    `overrides` replace config values before the config is built (e.g. `first_k_dense_replace=1` for an MoE
+    layer, `rope_parameters` of another type, `attention_bias=True`), so transformers validates them as usual.
+    """
+    from mla_convert.convert import target
+    from mla_convert.source.config import SourceConfig
+    from mla_convert.source.shapes import MLAShape
+
+    source = SourceConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_heads, "head_dim": head_dim,
+        "num_hidden_layers": num_layers, "intermediate_size": intermediate_size, "bos_token_id": 1, "eos_token_id": 2,
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
+    })
+    config = target.build_config(source, MLAShape(kv_lora_rank, rope_dim, q_lora_rank), {"rope_type": "default", "rope_theta": 10000.0},
+                                 torch.float32, q_lora_rank, attention_bias=False)
+    return type(config).from_dict({**config.to_dict(), **overrides})
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A character-level fast tokenizer (tokenizer.json + tokenizer_config.json) of `vocab_size` ids.
+
+    Ids 0-2 are <unk>, <s>, </s>; then printable ASCII; the rest are unused filler tokens, so a tiny
+    random model of that vocabulary can generate any id.  Built here so tests that need a tokenizer,
+    not real weights, run without ../shared.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [chr(code) for code in range(32, 127)]
+    vocab = {token: index for index, token in enumerate(specials + chars)}
+    for index in range(len(vocab), vocab_size):
+        vocab[f"<extra_{index}>"] = index
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+    return Path(folder)

@@ -76,7 +76,7 @@ def _pow2_at_most(value: int) -> int:
     return 1 << max(0, int(value).bit_length() - 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -8,15 +8,16 @@ the hidden states on; big per-layer statistics (input second moments) are spille
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import MLAConvertError
-from .rope import RopeStats, rope_stats_from_moments
+from ..eval.sampling import NUCLEUS_CANDIDATES, top_p_sample
+from ..options import CalibrationOptions
 from ..source.model import (
     StreamedSourceModel,
     apply_rotary,
@@ -25,22 +26,8 @@ from ..source.model import (
     mlp,
     project_qkv,
     rms_norm,
-    rotary_cos_sin,
 )
-
-
-@dataclass
-class CalibrationOptions:
-    data: str | None = None  # text file, folder, or datasets spec; None: sample from the source model
-    num_samples: int = 16
-    seq_len: int = 256
-    seed: int = 0
-    text_column: str = "text"
-    temperature: float = 1.0
-    top_p: float = 0.95
-    profile_samples: int = 8  # windows used for the attention-distance profile (attention weighting uses all)
-    error_samples: int = 4  # windows kept per layer to measure conversion error
-    chunk: int = 4  # windows pushed through a layer at once
+from .rope import RopeStats, rope_stats_from_moments
 
 
 # --------------------------------------------------------------------------- token windows
@@ -76,24 +63,6 @@ def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:
     return torch.stack([ids[s : s + options.seq_len] for s in starts.tolist()])  # (count, seq_len)
 
 
-NUCLEUS_CANDIDATES = 1024
-
-
-def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-                 candidates: int | None = None) -> torch.Tensor:
-    """One token per row from (batch, vocab) logits with temperature and nucleus filtering.
-
-    `candidates` limits the nucleus to that many most likely tokens: calibration sampling uses
-    `NUCLEUS_CANDIDATES`, because a full sort of a 50K vocabulary per step costs more than the
-    model's own step there; the tail it drops is less likely than every kept token.  None is exact.
-    """
-    probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-    top_probs, order = probs.topk(min(candidates or probs.shape[-1], probs.shape[-1]), dim=-1)  # sorted, descending
-    keep = top_probs.cumsum(-1) - top_probs < top_p  # always keeps the top token
-    choice = torch.multinomial(top_probs * keep, 1, generator=generator)  # (batch, 1)
-    return order.gather(-1, choice).squeeze(-1)
-
-
 # Largest bf16 KV cache sampling keeps at once; more sequences are sampled in several rounds, so the
 # default calibration of SmolLM2 (16 x 256 tokens, 94 MB of cache) runs in one round (rounds cost time: each
 # streams every layer again per step).
@@ -122,10 +91,7 @@ def sample_from_model(
     shape = model.shape
     generator = torch.Generator().manual_seed(seed)
     if start_id is None:
-        start_id = model.config.get("bos_token_id")
-        if isinstance(start_id, list):
-            start_id = start_id[0]
-        start_id = 0 if start_id is None else int(start_id)
+        start_id = model.shape.first_token_id
     ids = torch.full((num, length), start_id, dtype=torch.long)
     per_sequence = shape.num_layers * 2 * shape.num_kv_heads * length * shape.head_dim * 2  # bf16 bytes
     batch = max(1, min(num, max_cache_bytes // per_sequence))
@@ -135,11 +101,11 @@ def sample_from_model(
         rows = ids[first : first + batch]
         # one allocation for every layer's keys and values: freed as a whole (back to the OS) after the round
         cache = torch.empty(shape.num_layers, 2, rows.shape[0], shape.num_kv_heads, length, shape.head_dim,
-                            dtype=torch.bfloat16)
+                            dtype=torch.bfloat16, device=model.device)
         cache_k, cache_v = cache[:, 0], cache[:, 1]  # (layers, rows, G, length, h) each
         for t in range(length - 1):
             hidden = model.embed(rows[:, t : t + 1])  # (rows, 1, d)
-            cos, sin = rotary_cos_sin(model.inv_freq, torch.tensor([t]), model.dtype)
+            cos, sin = model.cos_sin(1, offset=t)
             for index in range(shape.num_layers):
                 layer = model.load_layer(index)
                 x = rms_norm(hidden, layer.weights["input_norm"], shape.rms_norm_eps)
@@ -153,7 +119,7 @@ def sample_from_model(
                 hidden = hidden + mlp(rms_norm(hidden, layer.weights["post_attn_norm"], shape.rms_norm_eps), layer)
                 del layer
                 model.release()
-            logits = model.logits(model.final_norm(hidden))[:, -1]  # (rows, vocab)
+            logits = model.logits(model.final_norm(hidden))[:, -1].cpu()  # (rows, vocab); sampled on the CPU: same RNG anywhere
             rows[:, t + 1] = top_p_sample(logits, temperature, top_p, generator, NUCLEUS_CANDIDATES)
             model.release()
             done += 1
@@ -172,10 +138,10 @@ class StatsStore:
         self.path = Path(self._dir.name)
 
     def save(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.path / f"layer-{layer:05d}.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(self.path / f"layer-{layer:05d}.safetensors"))
 
-    def load(self, layer: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / f"layer-{layer:05d}.safetensors"))
+    def load(self, layer: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / f"layer-{layer:05d}.safetensors"), device=str(device))
 
     def cleanup(self) -> None:
         self._dir.cleanup()
@@ -199,7 +165,7 @@ class LayerInputStats:
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "LayerInputStats":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> LayerInputStats:
         return cls(tensors["second_moment"], tensors["mean"], tensors["samples"], tensors["distance_profile"],
                    tensors.get("attention_moment"))
 
@@ -215,12 +181,13 @@ def layer_input_stats(
     """
     shape = model.shape
     d = shape.hidden_size
-    moment = torch.zeros(d, d, dtype=torch.float64)
-    total = torch.zeros(d, dtype=torch.float64)
+    device = hidden.device
+    moment = torch.zeros(d, d, dtype=torch.float64, device=device)
+    total = torch.zeros(d, dtype=torch.float64, device=device)
     count = 0
-    profile = torch.zeros(shape.num_heads, hidden.shape[1], dtype=torch.float64)
+    profile = torch.zeros(shape.num_heads, hidden.shape[1], dtype=torch.float64, device=device)
     profiled = 0
-    weighted = torch.zeros(d, d, dtype=torch.float64)
+    weighted = torch.zeros(d, d, dtype=torch.float64, device=device)
     total_mass = 0.0
     samples = []
     for start in range(0, hidden.shape[0], options.chunk):
@@ -248,8 +215,10 @@ def layer_input_stats(
 
 
 def rope_stats_for_layer(layer, stats: LayerInputStats, shape) -> RopeStats:
+    """Computed where the layer is; kept on the CPU (small), where the RoPE planning runs."""
     w = layer.weights
-    return rope_stats_from_moments(
+    stats = rope_stats_from_moments(
         w["q_weight"], w.get("q_bias"), w["k_weight"], w.get("k_bias"), stats.second_moment, stats.mean,
         shape.num_heads, shape.num_kv_heads, shape.head_dim, stats.distance_profile,
     )
+    return RopeStats(stats.key_cov.cpu(), stats.query_energy.cpu(), stats.distance_profile.cpu())

@@ -40,17 +40,24 @@ def psd_root(matrix: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tenso
     return root, inv_root
 
 
+def canonical_signs(rows: torch.Tensor) -> torch.Tensor:
+    """Each row times the sign (real) or phase (complex) that makes its largest-magnitude entry real and positive.
+
+    Singular and eigen vectors are defined up to that factor, and LAPACK picks it differently with other
+    thread counts or devices; fixing it makes the output bytes a function of the inputs alone.
+    """
+    peak = rows.abs().argmax(dim=-1, keepdim=True)  # (..., 1)
+    value = rows.gather(-1, peak)
+    factor = value / value.abs().clamp_min(torch.finfo(rows.abs().dtype).tiny)
+    return rows / factor
+
+
 @dataclass
 class Factorization:
     down: torch.Tensor  # (rank, d_in)
     up: torch.Tensor  # (rows, rank)
     kept_energy: float  # fraction of the (weighted) energy inside the kept subspace
     singular_values: torch.Tensor
-
-
-def block_diag_root(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Block-diagonal matrix of the PSD square roots of `blocks`."""
-    return torch.block_diag(*[psd_root(block)[0] for block in blocks])
 
 
 @dataclass
@@ -62,7 +69,7 @@ class Whitening:
     inv_root: torch.Tensor
 
     @classmethod
-    def of(cls, second_moment: torch.Tensor, damping: float | None = None) -> "Whitening":
+    def of(cls, second_moment: torch.Tensor, damping: float | None = None) -> Whitening:
         """Ridge-damped whitening: E[x x^T] + damping * mean(diag) * I.
 
         Why damp: with fewer calibration tokens than input dimensions (or inputs that never vary along
@@ -76,7 +83,7 @@ class Whitening:
         moment = second_moment.double()
         damping = WHITENING_DAMPING if damping is None else damping
         if damping > 0:
-            moment = moment + damping * moment.diagonal().mean() * torch.eye(moment.shape[0], dtype=moment.dtype)
+            moment = moment + damping * moment.diagonal().mean() * torch.eye(moment.shape[0], dtype=moment.dtype, device=moment.device)
         root, inv_root = psd_root(moment)
         return cls(moment, root, inv_root)
 
@@ -96,7 +103,7 @@ def factorize(
     if whitening is None:
         target = weight if row_weight_root is None else row_weight_root.double() @ weight
         _, singular, vh = torch.linalg.svd(target, full_matrices=False)
-        down = vh[:rank]
+        down = canonical_signs(vh[:rank])
         up = weight @ down.T  # rows of down are orthonormal: least squares in the weight metric
         energy = singular.pow(2)
         return Factorization(down, up, (energy[:rank].sum() / energy.sum().clamp_min(1e-300)).item(), singular)
@@ -104,7 +111,7 @@ def factorize(
     if row_weight_root is not None:
         target = row_weight_root.double() @ target
     _, singular, vh = torch.linalg.svd(target, full_matrices=False)
-    down = vh[:rank] @ whitening.inv_root  # (rank, d_in); the latent has unit second moment per dimension
+    down = canonical_signs(vh[:rank]) @ whitening.inv_root  # (rank, d_in); the latent has unit second moment per dimension
     moment = whitening.second_moment
     gram = down @ moment @ down.T  # (rank, rank)
     up = torch.linalg.solve(gram, (weight @ moment @ down.T).T).T  # (rows, rank): least squares on the activations

@@ -19,14 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..source.config import SourceConfig
+from ..source.shapes import MLAShape
+from . import target as T
 from .factorize import Whitening, factorize, psd_root
-from .rope import SlotPlan, complex_components, real_rows
-from ..source.shapes import MLAShape, SourceShape
-
-# DeepseekV3Attention builds kv_a_layernorm / q_a_layernorm with RMSNorm's default eps.
-LATENT_NORM_EPS = 1e-6
-# Worst-case mean(c^2) of the scaled latent, relative to eps: 1e-5 keeps the norm linear to ~5e-6.
-LINEARITY_MARGIN = 1e-5
+from .rope import SlotPlan, augmented_moment, complex_components, real_rows
 
 
 @dataclass
@@ -76,19 +73,20 @@ def slot_projections(plan: SlotPlan, q_c: torch.Tensor, k_c: torch.Tensor, num_k
     k_flat = k_c.reshape(num_kv_heads * half, n)  # (G*h/2, n)
     residual = k_flat.clone()
     slots = len(plan.members)
-    k_slot = torch.zeros(slots, n, dtype=k_flat.dtype)
-    q_slots = torch.zeros(num_heads, slots, n, dtype=q_c.dtype)
+    device = k_flat.device
+    k_slot = torch.zeros(slots, n, dtype=k_flat.dtype, device=device)
+    q_slots = torch.zeros(num_heads, slots, n, dtype=q_c.dtype, device=device)
     for slot, members in enumerate(plan.members):
         if not members:
             continue
-        index = torch.tensor(members)
-        read = plan.read[slot].to(k_flat.dtype)
-        write = plan.write[slot].to(k_flat.dtype)
+        index = torch.tensor(members, device=device)
+        read = plan.read[slot].to(device=device, dtype=k_flat.dtype)
+        write = plan.write[slot].to(device=device, dtype=k_flat.dtype)
         k_slot[slot] = (read.conj()[:, None] * k_flat[index]).sum(0)
         residual[index] -= write[:, None] * k_slot[slot][None, :]
         for position, member in enumerate(members):
             g, j = divmod(member, half)
-            heads = torch.arange(g * group, (g + 1) * group)
+            heads = torch.arange(g * group, (g + 1) * group, device=device)
             q_slots[heads, slot] += write[position].conj() * q_c[heads, j]
     return q_slots, k_slot, residual.reshape(num_kv_heads, half, n)
 
@@ -107,23 +105,9 @@ def query_second_moments(
     return moments
 
 
-def latent_scale_for(down: torch.Tensor, input_norm_weight: torch.Tensor, latent_shift_norm: float = 0.0) -> float:
-    """alpha such that mean((alpha * c)^2) <= margin * eps for EVERY normalised input x, c = down x + shift.
-
-    x = g * x_hat with ||x_hat||^2 <= d (RMSNorm output), so ||c|| <= sigma_max(down) max|g| sqrt(d)
-    + ||shift||.  A calibration maximum would leave unseen outlier tokens uncovered; this bound
-    covers all of them.
-    """
-    rank, d = down.shape
-    sigma = torch.linalg.matrix_norm(down.double(), ord=2).item()
-    worst_norm = sigma * input_norm_weight.double().abs().max().item() * math.sqrt(d) + latent_shift_norm
-    worst_mean_square = worst_norm**2 / rank
-    return math.sqrt(LINEARITY_MARGIN * LATENT_NORM_EPS / max(worst_mean_square, 1e-300))
-
-
 def convert_attention(
     weights: dict[str, torch.Tensor],
-    shape: SourceShape,
+    shape: SourceConfig,
     mla: MLAShape,
     plan: SlotPlan,
     second_moment: torch.Tensor,
@@ -148,7 +132,7 @@ def convert_attention(
 
     # --- RoPE slots: complex rows with a bias column appended (zero when there is no bias)
     def with_bias(w, b):
-        return torch.cat([w, (b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)).view(-1, 1)], dim=1)
+        return torch.cat([w, (b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)).view(-1, 1)], dim=1)
 
     q_c = complex_components(with_bias(w_q, b_q), H, h)  # (H, h/2, d+1)
     k_c = complex_components(with_bias(w_k, b_k), G, h)  # (G, h/2, d+1)
@@ -165,7 +149,7 @@ def convert_attention(
         q_moments = query_second_moments(w_q, b_q, second_moment, mean, H, h)  # (H, h, h)
         if nope_scaling and plan.nope_scale is not None:
             # the exported NoPE queries are scaled: weight the key errors by what the queries will really be
-            scale = plan.nope_scale.double().repeat(1, 2)  # (H, h)
+            scale = plan.nope_scale.double().to(w_q.device).repeat(1, 2)  # (H, h)
             q_moments = q_moments * scale[:, :, None] * scale[:, None, :]
         key_weight = q_moments.view(G, group, h, h).sum(1)  # (G, h, h)
         w_o_heads = w_o.view(d, H, h).permute(1, 2, 0)  # (H, h, d): head i's o_proj columns, transposed
@@ -185,7 +169,7 @@ def convert_attention(
     up_v = fact.up[G * h :].view(G, h, R)
 
     # --- latent scale that makes kv_a_layernorm linear
-    alpha = latent_scale_for(fact.down, weights["input_norm"])
+    alpha = T.latent_scale_for(fact.down, weights["input_norm"])
     kv_a = torch.cat([alpha * fact.down, k_rope[:, :d]], dim=0)  # (R + D, d)
     kv_b = torch.cat([up_k, up_v], dim=1).repeat_interleave(group, dim=0).reshape(H * 2 * h, R)  # (H*(h+h), R)
 
@@ -194,49 +178,53 @@ def convert_attention(
     q_nope = with_bias(w_q, b_q).view(H, h, d + 1)  # (H, h, d+1), rotate_half layout
     if nope_scaling and plan.nope_scale is not None:
         # pair j lives in rows j and j + h/2: scale both by E[cos(omega_j * distance)] of this head
-        scale = plan.nope_scale.double().repeat(1, 2)  # (H, h)
+        scale = plan.nope_scale.double().to(w_q.device).repeat(1, 2)  # (H, h)
         q_nope = q_nope * scale[:, :, None]
     q_full = torch.cat([q_nope, q_rope], dim=1) * gamma  # (H, h + D, d+1)
     q_full = q_full.reshape(H * (h + D), d + 1)
     q_weight, q_bias = q_full[:, :d], q_full[:, d]
 
     out: dict[str, torch.Tensor] = {
-        "kv_a_proj_with_mqa.weight": kv_a,
-        "kv_a_layernorm.weight": torch.full((R,), math.sqrt(LATENT_NORM_EPS) / alpha, dtype=torch.float64),
-        "kv_b_proj.weight": kv_b,
-        "o_proj.weight": w_o,
+        T.KV_A_PROJ: kv_a,
+        T.KV_A_NORM: T.latent_norm_weight(R, alpha).to(w_q.device),
+        T.KV_B_PROJ: kv_b,
+        T.O_PROJ: w_o,
     }
     report = LayerReport(layer_index, fact.kept_energy, alpha, plan.estimated_error, plan.nope_error, kv_balance=kv_balance)
     report.extra["kv_energy_ratio"] = balance
     has_bias = shape.qkv_bias or shape.o_bias
     if has_bias:
-        out["kv_a_proj_with_mqa.bias"] = torch.cat([torch.zeros(R, dtype=torch.float64), k_rope[:, d]])
-        o_bias = b_o.clone() if b_o is not None else torch.zeros(d, dtype=torch.float64)
+        out[T.KV_A_BIAS] = torch.cat([torch.zeros(R, dtype=torch.float64, device=w_q.device), k_rope[:, d]])
+        o_bias = b_o.clone() if b_o is not None else torch.zeros(d, dtype=torch.float64, device=w_q.device)
         if b_v is not None:
             o_bias = o_bias + w_o @ b_v.view(G, h).repeat_interleave(group, dim=0).reshape(H * h)
-        out["o_proj.bias"] = o_bias
+        out[T.O_BIAS] = o_bias
 
     needs_q_lora = use_q_lora or mla.q_lora_rank is not None or (b_q is not None and bool(b_q.abs().max() > 0))
     if not needs_q_lora:
-        out["q_proj.weight"] = q_weight
+        out[T.Q_PROJ] = q_weight
     else:
-        q_a_weight, q_a_bias, q_b_weight, residual, q_alpha = _query_lora(q_weight, q_bias, w_q, b_q, mla, second_moment, weights["input_norm"])
-        out["q_a_proj.weight"] = q_a_weight
+        q_a_weight, q_a_bias, q_b_weight, residual, q_alpha = _query_lora(
+            q_weight, q_bias, w_q, b_q, mla, second_moment, mean, weights["input_norm"])
+        out[T.Q_A_PROJ] = q_a_weight
         if has_bias:
-            out["q_a_proj.bias"] = q_a_bias
-        out["q_a_layernorm.weight"] = torch.full((q_a_weight.shape[0],), math.sqrt(LATENT_NORM_EPS) / q_alpha, dtype=torch.float64)
-        out["q_b_proj.weight"] = q_b_weight
+            out[T.Q_A_BIAS] = q_a_bias
+        out[T.Q_A_NORM] = T.latent_norm_weight(q_a_weight.shape[0], q_alpha).to(w_q.device)
+        out[T.Q_B_PROJ] = q_b_weight
         report.query_bias_residual = residual
         report.extra["query_latent_scale"] = q_alpha
     return out, report
 
 
-def _query_lora(q_weight, q_bias, w_q_source, b_q_source, mla: MLAShape, second_moment, input_norm_weight):
+def _query_lora(q_weight, q_bias, w_q_source, b_q_source, mla: MLAShape, second_moment, mean, input_norm_weight):
     """Queries through q_a_proj -> (linearised) q_a_layernorm -> q_b_proj.
 
     Full rank (the Qwen2 bias case): q_a = alpha * (x + v) with W_q v = b_q, so q_b_proj = the query rows
     reproduces W' x + T b_q exactly when b_q lies in W_q's column space; the residual is reported.
-    Low rank (`--q-lora-rank`): activation-aware SVD of [W' | b'] with the bias as a constant input.
+    Low rank (`--q-lora-rank`): activation-aware SVD of [W' | b'] with the bias as a constant input
+    (the augmented moment E[[x;1][x;1]^T], cross terms with the mean included); the residual reported is
+    the relative error of the rebuilt queries on the calibration statistics.
+    Returns (q_a weight, q_a bias, q_b weight, residual or None without a bias, alpha).
     """
     d = q_weight.shape[1]
     rank = mla.q_lora_rank or d
@@ -245,18 +233,18 @@ def _query_lora(q_weight, q_bias, w_q_source, b_q_source, mla: MLAShape, second_
             shift = torch.linalg.lstsq(w_q_source, b_q_source.view(-1, 1)).solution.view(-1)  # (d,)
             residual = (torch.linalg.norm(w_q_source @ shift - b_q_source) / torch.linalg.norm(b_q_source).clamp_min(1e-30)).item()
         else:
-            shift = torch.zeros(d, dtype=torch.float64)
-            residual = 0.0
-        eye = torch.eye(d, dtype=torch.float64)
-        alpha = latent_scale_for(eye, input_norm_weight, torch.linalg.norm(shift).item())
+            shift = torch.zeros(d, dtype=torch.float64, device=q_weight.device)
+            residual = None
+        eye = torch.eye(d, dtype=torch.float64, device=q_weight.device)
+        alpha = T.latent_scale_for(eye, input_norm_weight, torch.linalg.norm(shift).item())
         return alpha * eye, alpha * shift, q_weight, residual, alpha
     # low rank: inputs augmented with a constant 1 so that the bias becomes a column
-    moment = torch.zeros(d + 1, d + 1, dtype=torch.float64)
-    moment[:d, :d] = second_moment.double()
-    moment[d, d] = 1.0
+    moment = augmented_moment(second_moment, mean)  # (d+1, d+1)
     augmented = torch.cat([q_weight, q_bias.view(-1, 1)], dim=1)  # (rows, d+1)
     fact = factorize(augmented, rank, Whitening.of(moment))
     down_w, down_b = fact.down[:, :d], fact.down[:, d]
-    alpha = latent_scale_for(down_w, input_norm_weight, torch.linalg.norm(down_b).item())
-    residual = None if b_q_source is None else 0.0
+    alpha = T.latent_scale_for(down_w, input_norm_weight, torch.linalg.norm(down_b).item())
+    error = augmented - fact.up @ fact.down  # (rows, d+1)
+    residual = math.sqrt(torch.trace(error @ moment @ error.T).clamp_min(0).item()
+                         / max(torch.trace(augmented @ moment @ augmented.T).item(), 1e-300))
     return alpha * down_w, alpha * down_b, fact.up, residual, alpha

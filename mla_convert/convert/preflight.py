@@ -17,23 +17,20 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ..source.architectures import architecture_for_config
+from ..errors import MLAConvertError, NonFiniteError, PreflightError
 from ..io.reader import CheckpointReader
-from ..errors import MLAConvertError, NonFiniteError
-from .rope import rope_problems
-from ..source.shapes import MLAShape, SourceShape, dtype_bytes, human_bytes, parse_dtype, shape_problems
+from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
+from ..options import ConvertOptions, option_problems
+from ..source.config import SourceConfig
+from ..source.shapes import MLAShape, pick_shape, shape_problems
+from ..units import dtype_bytes, human_bytes, parse_dtype
+from . import target as T
 
-REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
-# What the RoPE types mla-convert reproduces need beyond rope_theta (transformers' own requirements).
-ROPE_REQUIRED_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
 # Tokenizer files `AutoTokenizer` can build a tokenizer from (needed only to tokenise --calib-data).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Bytes beyond the weights: config, generation config, model card, mla_convert.json.
@@ -44,140 +41,8 @@ MAX_TENSOR_LINES = 8
 FREE_SPACE_MARGIN = 1.05
 
 
-# --------------------------------------------------------------------------- config.json
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def config_problems(config: dict) -> list[str]:
-    """Missing or inconsistent attention facts in `config.json`."""
-    architectures = config.get("architectures")
-    if architectures is not None and not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
-        return [f"config.json: architectures must be a list of class names (found {architectures!r})"]
-    if not architectures and not config.get("model_type"):
-        return ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
-    try:
-        arch = architecture_for_config(config)
-    except MLAConvertError as error:
-        return [str(error)]
-    problems = []
-    for key in REQUIRED_CONFIG_KEYS:
-        value = config.get(key)
-        if not _positive_int(value):
-            problems.append(f"config.json: {key} must be a positive integer (found {value!r})")
-    if problems:
-        return problems
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else kv_heads
-    if not _positive_int(kv_heads):
-        problems.append(f"config.json: num_key_value_heads must be a positive integer (found {kv_heads!r})")
-    elif heads % kv_heads:
-        problems.append(f"config.json: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
-    head_dim = config.get("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            problems.append(f"config.json: num_attention_heads {heads} does not divide hidden_size {hidden} (and no head_dim is given)")
-        head_dim = hidden // heads
-    if not _positive_int(head_dim):
-        problems.append(f"config.json: head_dim must be a positive integer (found {head_dim!r})")
-        head_dim = None
-    elif head_dim % 2:
-        problems.append(f"config.json: head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
-    if config.get("hidden_act", "silu") not in ("silu", "swish"):
-        problems.append(f"config.json: hidden_act {config.get('hidden_act')!r} is not supported (DeepseekV3's MLP uses silu)")
-    for key, bad in arch.unsupported_config.items():
-        if config.get(key) == bad:
-            problems.append(f"config.json: {key}={bad!r} is not supported (DeepseekV3 has no such attention)")
-    if arch.has_mlp_bias(config):
-        problems.append("config.json: mlp_bias=true is not supported (DeepseekV3's MLP has no biases)")
-    for key in ("rms_norm_eps",):
-        if key in config and not _positive_number(config[key]):
-            problems.append(f"config.json: {key} must be a positive number (found {config[key]!r})")
-    if "max_position_embeddings" in config and not _positive_int(config["max_position_embeddings"]):
-        problems.append(f"config.json: max_position_embeddings must be a positive integer (found {config['max_position_embeddings']!r})")
-    problems += _token_id_problems(config)
-    if "initializer_range" in config and not _positive_number(config["initializer_range"]):
-        problems.append(f"config.json: initializer_range must be a positive number (found {config['initializer_range']!r})")
-    for key in ("dtype", "torch_dtype"):
-        if config.get(key) is not None:
-            try:
-                parse_dtype(config[key])
-            except (MLAConvertError, TypeError):
-                problems.append(f"config.json: {key} {config[key]!r} is not a dtype mla-convert reads (float32, float16, bfloat16)")
-            break  # `dtype` wins over the older `torch_dtype`, as in transformers
-    if head_dim is not None and head_dim % 2 == 0:
-        problems += [f"config.json: {p}" for p in _rope_config_problems(config, head_dim)]
-    return problems
-
-
-def _token_id_problems(config: dict) -> list[str]:
-    """Special token ids as DeepseekV3Config accepts them (it validates strictly, at export time)."""
-    vocab = config["vocab_size"]
-    problems = []
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = config.get(key)
-        ids = value if (key == "eos_token_id" and isinstance(value, list) and value) else [value]
-        if value is None:
-            continue
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            problems.append(f"config.json: {key} must be a token id (an integer{' or a list of them' if key == 'eos_token_id' else ''}); found {value!r}")
-        elif key == "bos_token_id" and not 0 <= value < vocab:
-            problems.append(f"config.json: bos_token_id {value} is outside the vocabulary (vocab_size {vocab})")
-    return problems
-
-
-def _rope_config_problems(config: dict, head_dim: int) -> list[str]:
-    """The RoPE parameters are of a supported type, complete, and give finite positive frequencies."""
-    from ..source.shapes import source_rope_parameters
-    from ..source.model import rope_inv_freq
-
-    raw = config.get("rope_parameters") or config.get("rope_scaling")
-    if raw is not None and not isinstance(raw, dict):
-        return [f"rope_parameters must be a JSON object (found {raw!r})"]
-    try:
-        params = source_rope_parameters(config)
-    except (TypeError, ValueError):
-        return [f"rope_theta must be a positive number (found {config.get('rope_theta')!r})"]
-    theta = params.get("rope_theta")
-    if not _positive_number(theta):
-        return [f"rope_theta must be a positive number (found {theta!r})"]
-    try:
-        problems = rope_problems(params, head_dim)
-    except (TypeError, ValueError) as error:
-        return [f"rope_parameters {params} cannot be read ({error})"]
-    if problems:
-        return problems
-    rope_type = params.get("rope_type", "default")
-    missing = [key for key in ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
-    if missing:
-        return [f"rope_parameters of type {rope_type!r} lack {', '.join(repr(k) for k in missing)}"]
-    if rope_type in ROPE_REQUIRED_KEYS:  # the ranges transformers' RoPE code assumes (it only warns)
-        factor = params["factor"]
-        if not (_positive_number(factor) and factor >= 1):
-            return [f"rope_parameters: factor must be a number >= 1 (found {factor!r})"]
-    if rope_type == "llama3":
-        low, high, original = params["low_freq_factor"], params["high_freq_factor"], params["original_max_position_embeddings"]
-        if not (_positive_number(low) and _positive_number(high) and low < high):
-            return [f"rope_parameters: llama3 needs 0 < low_freq_factor < high_freq_factor (found {low!r}, {high!r})"]
-        if not _positive_int(original):
-            return [f"rope_parameters: original_max_position_embeddings must be a positive integer (found {original!r})"]
-    try:
-        inv_freq = rope_inv_freq(params, head_dim)
-    except Exception as error:  # transformers' RoPE initialisers validate in their own ways
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return [f"rope_parameters {params} cannot be used ({first_line})"]
-    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
-        return [f"rope_parameters {params} give non-finite or non-positive frequencies"]
-    return []
-
-
 # --------------------------------------------------------------------------- tensors
-def expected_tensor_shapes(shape: SourceShape, config: dict) -> dict[str, tuple[int, ...]]:
+def expected_tensor_shapes(shape: SourceConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the converter will read, with the shape it must have."""
     arch = shape.architecture
     d, H, G, h, V, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.vocab_size, shape.intermediate_size
@@ -185,7 +50,7 @@ def expected_tensor_shapes(shape: SourceShape, config: dict) -> dict[str, tuple[
     if not shape.tied_embeddings:
         out[arch.lm_head] = (V, d)
     for layer in range(shape.num_layers):
-        names = arch.layer_weight_names(layer, config)
+        names = shape.layer_weight_names(layer)
         expected = {
             "q_weight": (H * h, d), "k_weight": (G * h, d), "v_weight": (G * h, d), "o_weight": (d, H * h),
             "q_bias": (H * h,), "k_bias": (G * h,), "v_bias": (G * h,), "o_bias": (d,),
@@ -201,7 +66,7 @@ def expected_tensor_shapes(shape: SourceShape, config: dict) -> dict[str, tuple[
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def tensor_problems(reader: CheckpointReader, shape: SourceShape, config: dict) -> list[str]:
+def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
     """Every expected tensor is stored, with the expected shape and a floating-point dtype (headers only)."""
     damaged = reader.header_problems()
     if damaged:
@@ -211,7 +76,7 @@ def tensor_problems(reader: CheckpointReader, shape: SourceShape, config: dict) 
     except MLAConvertError as error:
         return [str(error)]
     problems = []
-    for name, wanted in expected_tensor_shapes(shape, config).items():
+    for name, wanted in expected_tensor_shapes(shape).items():
         info = infos.get(name)
         if info is None:
             problems.append(f"{reader.folder}: tensor {name!r} is missing (expected shape {list(wanted)})")
@@ -270,28 +135,20 @@ def _non_finite_count(reader: CheckpointReader, name: str, shape: tuple[int, ...
     return bad, numel
 
 
-def check_source_finite(reader: CheckpointReader, shape: SourceShape, config: dict, progress: Callable | None = None) -> None:
+def check_source_finite(reader: CheckpointReader, shape: SourceConfig, progress: Callable | None = None) -> None:
     """Raise `NonFiniteError` naming every source tensor that holds NaN or Inf."""
-    problems = source_finite_problems(reader, list(expected_tensor_shapes(shape, config)), progress)
+    problems = source_finite_problems(reader, list(expected_tensor_shapes(shape)), progress)
     if problems:
         raise NonFiniteError("\n".join(problems))
 
 
 # --------------------------------------------------------------------------- options
-def calibration_problems(folder: Path, calibration, config: dict | None = None) -> list[str]:
-    """The calibration options make sense and a local calibration text exists, is readable and not empty."""
+def calibration_problems(folder: Path, calibration) -> list[str]:
+    """A local calibration text exists, is readable and not empty, and the tokenizer it needs is there.
+
+    (The option values themselves are checked against their declared ranges by `option_problems`.)
+    """
     problems = []
-    if calibration.num_samples < 1:
-        problems.append(f"--calib-samples {calibration.num_samples}: must be at least 1")
-    if calibration.seq_len < 2:
-        problems.append(f"--calib-seq-len {calibration.seq_len}: must be at least 2 (attention needs two positions)")
-    for key in ("chunk", "error_samples", "profile_samples"):
-        if getattr(calibration, key) < 1:
-            problems.append(f"calibration {key} {getattr(calibration, key)}: must be at least 1")
-    if not 0 < calibration.top_p <= 1:
-        problems.append(f"calibration top_p {calibration.top_p}: must be in (0, 1]")
-    if not calibration.temperature >= 0:
-        problems.append(f"calibration temperature {calibration.temperature}: must not be negative")
     if calibration.data is None:
         return problems
     if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
@@ -314,16 +171,16 @@ def tokenizer_code_problems(folder: Path) -> list[str]:
 
     path = folder / "tokenizer_config.json"
     try:
-        tokenizer_config = json.loads(path.read_text())
+        settings = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    auto_map = tokenizer_config.get("auto_map") if isinstance(tokenizer_config, dict) else None
+    auto_map = settings.get("auto_map") if isinstance(settings, dict) else None
     wants_code = (isinstance(auto_map, dict) and "AutoTokenizer" in auto_map) or isinstance(auto_map, list)
     if not wants_code:
         return []
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-    class_name = tokenizer_config.get("tokenizer_class")
+    class_name = settings.get("tokenizer_class")
     if isinstance(class_name, str) and tokenizer_class_from_name(class_name) is not None:
         return []  # transformers has the class itself and uses it; the custom code is not needed
     return [
@@ -347,8 +204,6 @@ def _local_text_problems(spec: str, text_column: str) -> list[str]:
 
 
 def shard_size_problems(max_shard_size) -> list[str]:
-    from ..io.writer import parse_shard_size
-
     try:
         size = parse_shard_size(max_shard_size)
     except ValueError as error:
@@ -356,13 +211,19 @@ def shard_size_problems(max_shard_size) -> list[str]:
     return [] if size > 0 else [f"--max-shard-size {max_shard_size!r}: must be positive"]
 
 
-def device_problems(device: str) -> list[str]:
+def device_problems(device: str, flag: str = "--device") -> list[str]:
+    """The device exists here and is one mla-convert computes on (cpu, cuda, cuda:N)."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
-        return [f"--device {device!r}: not a device (use cpu or cuda)"]
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        return [f"--device {device}: no CUDA device is available"]
+        return [f"{flag} {device!r}: not a device (use cpu, cuda or cuda:N)"]
+    if parsed.type not in ("cpu", "cuda"):
+        return [f"{flag} {device}: mla-convert computes on cpu or cuda"]
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            return [f"{flag} {device}: no CUDA device is available"]
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return [f"{flag} {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 .. cuda:{torch.cuda.device_count() - 1})"]
     return []
 
 
@@ -377,7 +238,7 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
     return []
 
 
-def estimated_output_bytes(shape: SourceShape, mla: MLAShape, dtype: torch.dtype) -> int:
+def estimated_output_bytes(shape: SourceConfig, mla: MLAShape, dtype: torch.dtype) -> int:
     d, H, h, D, R, inter = shape.hidden_size, shape.num_heads, shape.head_dim, mla.rope_dim, mla.kv_lora_rank, shape.intermediate_size
     q_rows = H * (h + D)
     query = q_rows * d if mla.q_lora_rank is None and not shape.qkv_bias else (mla.q_lora_rank or d) * (d + q_rows + 2)
@@ -386,7 +247,7 @@ def estimated_output_bytes(shape: SourceShape, mla: MLAShape, dtype: torch.dtype
     return total * dtype_bytes(dtype)
 
 
-def estimated_statistics_bytes(shape: SourceShape, calibration) -> int:
+def estimated_statistics_bytes(shape: SourceConfig, calibration) -> int:
     """Size of the per-layer calibration statistics spilled to the temp folder (calibration.StatsStore)."""
     d, T = shape.hidden_size, calibration.seq_len
     kept = min(calibration.error_samples, max(calibration.num_samples, 0))
@@ -395,8 +256,6 @@ def estimated_statistics_bytes(shape: SourceShape, calibration) -> int:
 
 
 def sidecar_bytes(source: Path) -> int:
-    from ..io.writer import SIDECAR_FILES
-
     return sum((Path(source) / name).stat().st_size for name in SIDECAR_FILES if (Path(source) / name).is_file())
 
 
@@ -431,7 +290,7 @@ def scratch_problems(needed: int) -> list[str]:
     return []
 
 
-def storage_problems(output: Path, shape: SourceShape, mla: MLAShape, dtype: torch.dtype, source: Path,
+def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, source: Path,
                      calibration) -> tuple[list[str], str]:
     """Free-space problems for the output and the temp folder, and a one-line estimate to show the user."""
     needed = estimated_output_bytes(shape, mla, dtype) + sidecar_bytes(source) + OUTPUT_OVERHEAD_BYTES
@@ -444,32 +303,8 @@ def storage_problems(output: Path, shape: SourceShape, mla: MLAShape, dtype: tor
     return problems, summary
 
 
-# --------------------------------------------------------------------------- all of it
-def preflight(
-    config: dict,
-    reader: CheckpointReader | None,
-    shape: SourceShape | None,
-    mla: MLAShape | None,
-    output: Path | None,
-    dtype: torch.dtype,
-) -> list[str]:
-    """All problems, one line each (empty: go)."""
-    problems = config_problems(config)
-    if problems or shape is None:
-        return problems
-    if mla is not None:
-        problems += shape_problems(shape, mla.kv_lora_rank, mla.rope_dim)
-    if reader is not None:
-        problems += tensor_problems(reader, shape, config)
-    if output is not None and mla is not None:
-        problems += disk_problems(output, estimated_output_bytes(shape, mla, dtype))
-    return problems
-
-
 def output_path_problems(output: Path, overwrite: bool, source: Path | None = None) -> list[str]:
     """Output-path problems found without touching anything (reported even when the source is broken)."""
-    from ..io.writer import prepare_output_path
-
     problems = []
     try:
         prepare_output_path(output, overwrite)
@@ -478,3 +313,68 @@ def output_path_problems(output: Path, overwrite: bool, source: Path | None = No
     if source is not None and Path(source).exists():
         problems += output_problems(output, Path(source), overwrite)
     return problems
+
+
+# --------------------------------------------------------------------------- the shape and dtype to export
+
+
+def export_dtype(name: str, source: SourceConfig) -> torch.dtype:
+    """`--dtype` -> the export dtype; `auto` is the source's, with fp16 exported as bf16."""
+    if name == "auto":
+        # fp16 cannot hold the tiny-scale latent: bf16 keeps fp32's exponent range
+        return torch.bfloat16 if source.torch_dtype == torch.float16 else source.torch_dtype
+    dtype = parse_dtype(name)
+    if dtype == torch.float16:
+        raise PreflightError([f"--dtype fp16: {T.FP16_REFUSED}"])
+    return dtype
+
+
+def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, options: ConvertOptions,
+                  message: Callable[[str], None]) -> tuple[MLAShape, torch.dtype]:
+    """Every problem at once (`PreflightError`), or the MLA shape and export dtype.
+
+    Reads only headers and the file system; `message` receives what was cleaned up and the disk estimate.
+    """
+    problems: list[str] = option_problems(options)
+    output_ok = True
+    if output.parent.exists():
+        try:  # a partial folder a live run is writing is one problem among the others
+            stale = clean_stale_partial(output)
+        except MLAConvertError as error:
+            problems.append(str(error))
+            stale, output_ok = None, False
+        if stale:
+            message(stale)
+    try:
+        prepare_output_path(output, options.overwrite)
+    except MLAConvertError as error:
+        problems.append(str(error))
+        output_ok = False
+    mla = None
+    dtype = source.torch_dtype
+    try:
+        dtype = export_dtype(options.dtype, source)
+    except PreflightError as error:
+        problems += error.problems
+    except MLAConvertError as error:
+        problems.append(str(error))
+    try:
+        mla = pick_shape(source, options.kv_lora_rank, options.rope_dim, options.compression, options.q_lora_rank)
+        problems += shape_problems(source, mla.kv_lora_rank, mla.rope_dim, mla.q_lora_rank)
+    except PreflightError as error:
+        problems += error.problems
+    except MLAConvertError as error:
+        problems.append(str(error))
+    problems += tensor_problems(reader, source)
+    problems += calibration_problems(reader.folder, options.calibration)
+    problems += shard_size_problems(options.max_shard_size) + device_problems(options.device)
+    problems += output_problems(output, reader.folder, options.overwrite)
+    storage_summary = None
+    if output_ok and mla is not None:
+        storage, storage_summary = storage_problems(output, source, mla, dtype, reader.folder, options.calibration)
+        problems += storage
+    if problems:
+        raise PreflightError(list(dict.fromkeys(problems)))
+    if storage_summary:
+        message(storage_summary)
+    return mla, dtype

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layer import LATENT_NORM_EPS
 from ..source.model import rms_norm
+from . import target as T
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,24 +36,24 @@ def mla_attention(
     """
     batch, length, _ = x.shape
     dtype = x.dtype
-    w = {name: tensor.to(dtype) for name, tensor in weights.items()}
-    if "q_proj.weight" in w:
-        q = F.linear(x, w["q_proj.weight"])
+    w = {name: tensor.to(device=x.device, dtype=dtype) for name, tensor in weights.items()}
+    if T.Q_PROJ in w:
+        q = F.linear(x, w[T.Q_PROJ])
     else:
-        q_latent = F.linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
+        q_latent = F.linear(x, w[T.Q_A_PROJ], w.get(T.Q_A_BIAS))
         if latent_norm:
-            q_latent = rms_norm(q_latent, w["q_a_layernorm.weight"], LATENT_NORM_EPS)
-        q = F.linear(q_latent, w["q_b_proj.weight"])
+            q_latent = rms_norm(q_latent, w[T.Q_A_NORM], T.LATENT_NORM_EPS)
+        q = F.linear(q_latent, w[T.Q_B_PROJ])
     q = q.view(batch, length, num_heads, nope_dim + rope_dim).transpose(1, 2)  # (b, H, T, nope + rope)
     q_nope, q_rope = q.split([nope_dim, rope_dim], dim=-1)
-    rank = w["kv_b_proj.weight"].shape[1]
-    compressed = F.linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+    rank = w[T.KV_B_PROJ].shape[1]
+    compressed = F.linear(x, w[T.KV_A_PROJ], w.get(T.KV_A_BIAS))
     latent, k_rope = compressed.split([rank, rope_dim], dim=-1)  # (b, T, R), (b, T, D)
     if latent_norm:
-        latent = rms_norm(latent, w["kv_a_layernorm.weight"], LATENT_NORM_EPS)
-    kv = F.linear(latent, w["kv_b_proj.weight"]).view(batch, length, num_heads, nope_dim + v_dim).transpose(1, 2)
+        latent = rms_norm(latent, w[T.KV_A_NORM], T.LATENT_NORM_EPS)
+    kv = F.linear(latent, w[T.KV_B_PROJ]).view(batch, length, num_heads, nope_dim + v_dim).transpose(1, 2)
     k_nope, value = kv.split([nope_dim, v_dim], dim=-1)  # (b, H, T, nope), (b, H, T, v)
-    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]  # (T, D/2)
+    freqs = torch.arange(length, dtype=torch.float32, device=x.device)[:, None] * inv_freq.to(x.device).float()[None, :]  # (T, D/2)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     q_rope = rotate_interleaved(q_rope, cos, sin)
     k_rope = rotate_interleaved(k_rope[:, None], cos, sin).expand(-1, num_heads, -1, -1)  # (b, H, T, D)
@@ -61,4 +61,4 @@ def mla_attention(
     key = torch.cat([k_nope, k_rope], dim=-1)
     out = F.scaled_dot_product_attention(query, key, value, is_causal=length > 1, scale=(nope_dim + rope_dim) ** -0.5)
     out = out.transpose(1, 2).reshape(batch, length, num_heads * v_dim)  # (b, T, H*v)
-    return F.linear(out, w["o_proj.weight"], w.get("o_proj.bias"))
+    return F.linear(out, w[T.O_PROJ], w.get(T.O_BIAS))

@@ -13,14 +13,14 @@ scale alpha and the linearised kv_a_layernorm are removed before and re-applied 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from . import target as T
 from .reference import mla_attention
 
-TRAINABLE = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")
+TRAINABLE = (T.Q_PROJ, T.Q_B_PROJ, T.KV_A_PROJ, T.KV_B_PROJ)
 
 
 @dataclass
@@ -33,20 +33,18 @@ class RefineResult:
 
 def _strip_latent_scale(weights: dict[str, torch.Tensor], rank: int) -> tuple[dict[str, torch.Tensor], float]:
     """Export form -> norm-free form: divide the latent rows by alpha and drop kv_a_layernorm."""
-    from .layer import LATENT_NORM_EPS
-
-    alpha = math.sqrt(LATENT_NORM_EPS) / weights["kv_a_layernorm.weight"][0].item()
+    alpha = T.latent_scale_of(weights[T.KV_A_NORM][0].item())
     plain = dict(weights)
-    kv_a = weights["kv_a_proj_with_mqa.weight"].clone()
+    kv_a = weights[T.KV_A_PROJ].clone()
     kv_a[:rank] /= alpha
-    plain["kv_a_proj_with_mqa.weight"] = kv_a
-    del plain["kv_a_layernorm.weight"]
-    if "q_a_layernorm.weight" in weights:  # the query latent is linearised the same way
-        q_alpha = math.sqrt(LATENT_NORM_EPS) / weights["q_a_layernorm.weight"][0].item()
-        plain["q_a_proj.weight"] = weights["q_a_proj.weight"] / q_alpha
-        if "q_a_proj.bias" in weights:
-            plain["q_a_proj.bias"] = weights["q_a_proj.bias"] / q_alpha
-        del plain["q_a_layernorm.weight"]
+    plain[T.KV_A_PROJ] = kv_a
+    del plain[T.KV_A_NORM]
+    if T.Q_A_NORM in weights:  # the query latent is linearised the same way
+        q_alpha = T.latent_scale_of(weights[T.Q_A_NORM][0].item())
+        plain[T.Q_A_PROJ] = weights[T.Q_A_PROJ] / q_alpha
+        if T.Q_A_BIAS in weights:
+            plain[T.Q_A_BIAS] = weights[T.Q_A_BIAS] / q_alpha
+        del plain[T.Q_A_NORM]
     return plain, alpha
 
 
@@ -74,7 +72,7 @@ def refine_layer(
     down-projection (the linearisation bound depends on it).  `patience`: stop after that many held-out
     checks in a row without a new best (None: run all `steps`).
     """
-    rank = weights["kv_b_proj.weight"].shape[1]
+    rank = weights[T.KV_B_PROJ].shape[1]
     plain, _ = _strip_latent_scale(weights, rank)
     generator = torch.Generator().manual_seed(seed)
     train_x, train_y = inputs[:-1].float(), targets[:-1].float()
@@ -97,7 +95,7 @@ def refine_layer(
     best_step = 0
     for step in range(1, steps + 1):
         # a few windows per step (seeded): cost per step stays small however many windows are kept
-        pick = torch.randperm(train_x.shape[0], generator=generator)[:batch_windows]
+        pick = torch.randperm(train_x.shape[0], generator=generator)[:batch_windows].to(train_x.device)
         optimizer.zero_grad(set_to_none=True)
         out = mla_attention(train_x[pick], params, num_heads, nope_dim, rope_dim, v_dim, slot_inv_freq, latent_norm=False)
         loss = (out - train_y[pick]).pow(2).mean() / norm_y
@@ -111,15 +109,13 @@ def refine_layer(
             elif patience is not None and step - best_step >= patience * check_every:
                 break
     refined = {k: v.double() for k, v in best.items()}
-    for name in ("q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight"):
+    for name in (T.Q_A_PROJ, T.Q_A_BIAS, T.Q_A_NORM):
         if name in weights:  # untouched by the optimizer: keep the exported form bit for bit
             refined[name] = weights[name]
-    down = refined["kv_a_proj_with_mqa.weight"][:rank]
+    down = refined[T.KV_A_PROJ][:rank]
     alpha = latent_scale_fn(down)
-    kv_a = refined["kv_a_proj_with_mqa.weight"].clone()
+    kv_a = refined[T.KV_A_PROJ].clone()
     kv_a[:rank] *= alpha
-    refined["kv_a_proj_with_mqa.weight"] = kv_a
-    from .layer import LATENT_NORM_EPS
-
-    refined["kv_a_layernorm.weight"] = torch.full((rank,), math.sqrt(LATENT_NORM_EPS) / alpha, dtype=torch.float64)
+    refined[T.KV_A_PROJ] = kv_a
+    refined[T.KV_A_NORM] = T.latent_norm_weight(rank, alpha).to(kv_a.device)
     return RefineResult(refined, before, best_error, best_step)

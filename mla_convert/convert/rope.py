@@ -6,8 +6,8 @@ grid `factor^-1 * theta'^(-2l / rope_dim)`.  Three choices decide how much posit
 
 1. The grid: slot l sits at fractional source-frequency index `p_l = offset + step * l`.  Such a grid is
    exactly a DeepSeek grid (theta' = theta^(step * rope_dim / head_dim), linear factor
-   theta^(2 * offset / head_dim)); `deepseek_rope_parameters` builds it and `verify_grid` checks the
-   exported config reproduces the intended inverse frequencies numerically.
+   theta^(2 * offset / head_dim)); `deepseek_rope_parameters` builds it and `target.verify_rope` checks
+   the exported config reproduces the intended inverse frequencies numerically.
 2. Membership: a source component (kv head g, frequency j) joins the slot nearest to it when rotating
    it at the slot's frequency hurts less than leaving it unrotated (it then goes to the NoPE part).
    Several members per slot generalise RoRoPE (all kv heads at one frequency) and FreqFold (adjacent
@@ -24,42 +24,12 @@ logit error.  See `estimate_layer_error`.
 
 from __future__ import annotations
 
-import importlib
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InvalidShapeError
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-# --------------------------------------------------------------------------- frequencies
-def _rotary_embedding_cls(module_path: str):
-    module_name, _, cls_name = module_path.rpartition(".")
-    return getattr(importlib.import_module(module_name), cls_name)
-
-
-def inv_freq_from_config(config, rotary_cls_path: str) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scaling exactly as the model's own rotary class computes them."""
-    rotary = _rotary_embedding_cls(rotary_cls_path)(config=config)
-    return rotary.inv_freq.detach().clone().float(), float(rotary.attention_scaling)
-
-
-def rope_problems(rope_parameters: dict, head_dim: int) -> list[str]:
-    """Reasons the source RoPE cannot be reproduced in DeepseekV3 (empty when it can)."""
-    problems = []
-    rope_type = rope_parameters.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        problems.append(
-            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    if float(rope_parameters.get("partial_rotary_factor", 1.0)) != 1.0:
-        problems.append("partial_rotary_factor != 1 is not supported")
-    if head_dim % 2:
-        problems.append(f"head_dim {head_dim} is odd; RoPE needs pairs of dimensions")
-    return problems
+from .factorize import canonical_signs
 
 
 @dataclass(frozen=True)
@@ -117,21 +87,6 @@ def deepseek_rope_parameters(source_params: dict, grid: RopeGrid, head_dim: int)
     if abs(factor - 1.0) < 1e-12:
         return {"rope_type": "default", "rope_theta": new_theta}
     return {"rope_type": "linear", "rope_theta": new_theta, "factor": factor}
-
-
-def verify_grid(target_config, expected_inv_freq: torch.Tensor, rtol: float = 2e-6) -> float:
-    """Build the exported model's rotary embedding and check its inverse frequencies; returns the max rel. error."""
-    actual, scaling = inv_freq_from_config(
-        target_config, "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding"
-    )
-    if scaling != 1.0:
-        raise InvalidShapeError(f"exported RoPE has attention scaling {scaling}, expected 1.0")
-    if actual.shape != expected_inv_freq.shape:
-        raise AssertionError(f"exported RoPE has {actual.numel()} slots, expected {expected_inv_freq.numel()}")
-    error = ((actual.double() - expected_inv_freq.double()).abs() / expected_inv_freq.double()).max().item()
-    if error > rtol:
-        raise AssertionError(f"exported RoPE frequencies differ from the chosen ones (max relative error {error:.2e})")
-    return error
 
 
 def candidate_grids(num_freqs: int, num_slots: int, llama3: bool = False) -> list[RopeGrid]:
@@ -256,7 +211,7 @@ def plan_layer(
         root = weight.sqrt().to(sub.dtype)
         weighted = root[:, None] * sub * root[None, :]
         eigvals, eigvecs = torch.linalg.eigh(weighted)
-        top = eigvecs[:, -1]
+        top = canonical_signs(eigvecs[:, -1])  # the phase of an eigenvector is arbitrary: fix it
         plan.members.append(members)
         plan.read.append(root * top)  # c = top^H (W^1/2 z)
         plan.write.append(top / root)  # z ~ W^-1/2 top c
@@ -311,7 +266,7 @@ def estimate_layer_error(
 def augmented_moment(second_moment: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """E[[x;1][x;1]^T] from E[x x^T] and E[x]: lets biases ride along as a constant input."""
     d = second_moment.shape[0]
-    out = torch.empty(d + 1, d + 1, dtype=torch.float64)
+    out = torch.empty(d + 1, d + 1, dtype=torch.float64, device=second_moment.device)
     out[:d, :d] = second_moment.double()
     out[:d, d] = out[d, :d] = mean.double()
     out[d, d] = 1.0
@@ -319,7 +274,7 @@ def augmented_moment(second_moment: torch.Tensor, mean: torch.Tensor) -> torch.T
 
 
 def rows_with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    column = bias if bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
+    column = bias if bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
     return torch.cat([weight.double(), column.double().view(-1, 1)], dim=1)
 
 

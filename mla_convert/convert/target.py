@@ -1,88 +1,190 @@
-"""The stock DeepseekV3 target: its config and the names of the weights that carry over unchanged."""
+"""Every fact about the stock DeepseekV3 format the export must match, in one place.
+
+- the config (built by transformers' own `DeepseekV3Config`, never by hand);
+- the names of the attention tensors (`self_attn.*`) and of the tensors that carry over unchanged;
+- the latent norms: transformers builds `kv_a_layernorm` / `q_a_layernorm` with its RMSNorm's default
+  eps 1e-6 (not `rms_norm_eps`); vLLM, SGLang and llama.cpp use `config.rms_norm_eps`.  The export sets
+  `rms_norm_eps` to that same 1e-6 so every engine computes the same function;
+- the latent-scale codec: the latent is stored at a tiny scale alpha (`kv_a_proj_with_mqa` latent rows
+  = alpha * W_down) so that mean(c^2) << eps and the stock RMSNorm is linear; its gain then encodes
+  alpha as `gain = sqrt(eps) / alpha` (`latent_norm_gain`, `latent_scale_of`).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..source.shapes import MLAShape, SourceShape
+if TYPE_CHECKING:
+    from ..source.config import SourceConfig
+    from ..source.shapes import MLAShape
 
-# Every engine must compute the same latent norm: transformers hard-codes eps 1e-6 for kv_a_layernorm,
-# vLLM and SGLang use config.rms_norm_eps, so the export sets rms_norm_eps to that same 1e-6.
-EXPORT_RMS_NORM_EPS = 1e-6
+MODEL_TYPE = "deepseek_v3"
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+# DeepSeek-V2/V3's own MLA shape, the one every serving kernel is built for.
+DEEPSEEK_KV_LORA_RANK = 512
+DEEPSEEK_ROPE_DIM = 64
 
-DEEPSEEK_ATTENTION_PREFIX = "model.layers.{i}.self_attn."
+# transformers' DeepseekV3RMSNorm default eps, which kv_a_layernorm / q_a_layernorm always use.
+LATENT_NORM_EPS = 1e-6
+EXPORT_RMS_NORM_EPS = LATENT_NORM_EPS
+# Worst-case mean(c^2) of the scaled latent, relative to eps: 1e-5 keeps the norm linear to ~5e-6.
+LINEARITY_MARGIN = 1e-5
+
+# Why no export, and no computation on an export, may use fp16 (one message wherever it is refused).
+FP16_REFUSED = ("fp16 cannot hold a converted MLA model: its latent is stored at a tiny scale (weights of "
+                "~1e-7 and below) that fp16 flushes to zero; use bf16 or fp32")
+
+# `self_attn.*` tensor names, as DeepseekV3Attention names its parameters.
+Q_PROJ = "q_proj.weight"
+Q_A_PROJ = "q_a_proj.weight"
+Q_A_BIAS = "q_a_proj.bias"
+Q_A_NORM = "q_a_layernorm.weight"
+Q_B_PROJ = "q_b_proj.weight"
+KV_A_PROJ = "kv_a_proj_with_mqa.weight"
+KV_A_BIAS = "kv_a_proj_with_mqa.bias"
+KV_A_NORM = "kv_a_layernorm.weight"
+# the two latents the export linearises: (down-projection module, its RMSNorm module)
+LATENT_MODULES = {"kv": ("kv_a_proj_with_mqa", "kv_a_layernorm"), "q": ("q_a_proj", "q_a_layernorm")}
+KV_B_PROJ = "kv_b_proj.weight"
+O_PROJ = "o_proj.weight"
+O_BIAS = "o_proj.bias"
 
 
-def build_deepseek_config(
-    source_config: dict,
-    shape: SourceShape,
-    mla: MLAShape,
-    rope_parameters: dict,
-    dtype: torch.dtype,
-    q_lora_rank: int | None,
-    attention_bias: bool,
-):
+def attention_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn."
+
+
+# --------------------------------------------------------------------------- latent-scale codec
+def latent_norm_gain(alpha: float, eps: float = LATENT_NORM_EPS) -> float:
+    """The RMSNorm gain that turns the stored latent alpha * c back into c (norm linear: x / sqrt(eps))."""
+    return math.sqrt(eps) / alpha
+
+
+def latent_scale_of(gain: torch.Tensor | float, eps: float = LATENT_NORM_EPS) -> float:
+    """The alpha a stored gain encodes (the rms over channels, so a trained, uneven gain still decodes)."""
+    if isinstance(gain, torch.Tensor):
+        gain = gain.double().pow(2).mean().sqrt().item()
+    return math.sqrt(eps) / gain
+
+
+def latent_norm_weight(rank: int, alpha: float) -> torch.Tensor:
+    return torch.full((rank,), latent_norm_gain(alpha), dtype=torch.float64)
+
+
+def latent_scale_for(down: torch.Tensor, input_norm_weight: torch.Tensor, latent_shift_norm: float = 0.0) -> float:
+    """alpha such that mean((alpha * c)^2) <= margin * eps for EVERY normalised input x, c = down x + shift.
+
+    x = g * x_hat with ||x_hat||^2 <= d (RMSNorm output), so ||c|| <= sigma_max(down) max|g| sqrt(d)
+    + ||shift||.  A calibration maximum would leave unseen outlier tokens uncovered; this bound
+    covers all of them.
+    """
+    rank, d = down.shape
+    sigma = torch.linalg.matrix_norm(down.double(), ord=2).item()
+    worst_norm = sigma * input_norm_weight.double().abs().max().item() * math.sqrt(d) + latent_shift_norm
+    worst_mean_square = worst_norm**2 / rank
+    return math.sqrt(LINEARITY_MARGIN * LATENT_NORM_EPS / max(worst_mean_square, 1e-300))
+
+
+# --------------------------------------------------------------------------- config
+def build_config(source: SourceConfig, mla: MLAShape, rope_parameters: dict, dtype: torch.dtype,
+                 q_lora_rank: int | None, attention_bias: bool):
     """A `DeepseekV3Config` for a dense MLA model equivalent to the source (built by transformers itself)."""
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
     config = DeepseekV3Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_heads,
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=source.num_layers,
+        num_attention_heads=source.num_heads,
+        num_key_value_heads=source.num_heads,
         kv_lora_rank=mla.kv_lora_rank,
         q_lora_rank=q_lora_rank,
         qk_rope_head_dim=mla.rope_dim,
-        qk_nope_head_dim=shape.head_dim,
-        v_head_dim=shape.head_dim,
+        qk_nope_head_dim=source.head_dim,
+        v_head_dim=source.head_dim,
         # dense model: every layer keeps the source MLP, so no MoE block is ever built
-        first_k_dense_replace=shape.num_layers,
+        first_k_dense_replace=source.num_layers,
         n_routed_experts=1,
         n_shared_experts=0,
         num_experts_per_tok=1,
         n_group=1,
         topk_group=1,
-        moe_intermediate_size=shape.intermediate_size,
+        moe_intermediate_size=source.intermediate_size,
         num_mtp_layers=0,
-        hidden_act=source_config.get("hidden_act", "silu"),
-        max_position_embeddings=shape.max_position_embeddings,
+        hidden_act=source.hidden_act,
+        max_position_embeddings=source.max_position_embeddings,
         rms_norm_eps=EXPORT_RMS_NORM_EPS,
         rope_parameters=dict(rope_parameters),
         rope_interleave=True,
         attention_bias=attention_bias,
         attention_dropout=0.0,
-        tie_word_embeddings=shape.tied_embeddings,
-        bos_token_id=source_config.get("bos_token_id"),
-        eos_token_id=source_config.get("eos_token_id"),
-        pad_token_id=source_config.get("pad_token_id"),
-        initializer_range=float(source_config.get("initializer_range", 0.02)),
+        tie_word_embeddings=source.tied_embeddings,
+        bos_token_id=source.bos_token_id,
+        eos_token_id=list(source.eos_token_id) if isinstance(source.eos_token_id, tuple) else source.eos_token_id,
+        pad_token_id=source.pad_token_id,
+        initializer_range=source.initializer_range,
     )
-    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.architectures = [ARCHITECTURE]
     config.dtype = dtype
     return config
 
 
-def carried_over_names(shape: SourceShape, config: dict, layer: int) -> dict[str, str]:
-    """Source tensor name -> target name for a layer's MLP and norms (identical math in DeepseekV3)."""
-    arch = shape.architecture
-    mlp = arch.mlp_weight_names(layer, config)
-    norms = arch.norm_weight_names(layer)
+def rope_inv_freq(rope_parameters: dict, rope_dim: int) -> torch.Tensor:
+    """Inverse frequencies of the exported shared RoPE key, computed as transformers computes them."""
+    from ..source.model import rope_inv_freq as inv_freq
+
+    return inv_freq(rope_parameters, rope_dim)
+
+
+def verify_rope(rope_parameters: dict, rope_dim: int, expected: torch.Tensor, rtol: float = 2e-6) -> float:
+    """The exported config's inverse frequencies must equal the chosen ones; returns the max relative error."""
+    actual = rope_inv_freq(rope_parameters, rope_dim).double()
+    error = ((actual - expected.double()).abs() / expected.double()).max().item()
+    if error > rtol:
+        raise AssertionError(f"exported RoPE frequencies differ from the chosen ones (max relative error {error:.2e})")
+    return error
+
+
+# --------------------------------------------------------------------------- names
+def carried_over_names(source: SourceConfig, layer: int) -> dict[str, str]:
+    """Source role -> target name for a layer's MLP and norms (identical math in DeepseekV3)."""
     prefix = f"model.layers.{layer}."
     return {
-        norms["input_norm"]: prefix + "input_layernorm.weight",
-        mlp["gate_weight"]: prefix + "mlp.gate_proj.weight",
-        mlp["up_weight"]: prefix + "mlp.up_proj.weight",
-        mlp["down_weight"]: prefix + "mlp.down_proj.weight",
-        norms["post_attn_norm"]: prefix + "post_attention_layernorm.weight",
+        "input_norm": prefix + "input_layernorm.weight",
+        "gate_weight": prefix + "mlp.gate_proj.weight",
+        "up_weight": prefix + "mlp.up_proj.weight",
+        "down_weight": prefix + "mlp.down_proj.weight",
+        "post_attn_norm": prefix + "post_attention_layernorm.weight",
     }
 
 
-def global_names(shape: SourceShape, config: dict) -> tuple[dict[str, str], dict[str, str]]:
+def global_names(source: SourceConfig) -> tuple[dict[str, str], dict[str, str]]:
     """(before the layers, after the layers): source name -> target name for embeddings, norm and head."""
-    arch = shape.architecture
+    arch = source.architecture
     head = {arch.final_norm: "model.norm.weight"}
-    if not shape.tied_embeddings:
+    if not source.tied_embeddings:
         head[arch.lm_head] = "lm_head.weight"
     return {arch.embed: "model.embed_tokens.weight"}, head
+
+
+# --------------------------------------------------------------------------- reading an export
+def export_config_problem(folder: str | os.PathLike) -> str | None:
+    """Why `folder/config.json` is not a DeepseekV3 export (None: it is one)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return "config.json is missing"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"config.json is not valid JSON ({' '.join(str(error).split())})"
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != MODEL_TYPE:
+        return f"config.json describes a {model_type!r} model, not the {MODEL_TYPE} that mla-convert writes"
+    return None

@@ -134,7 +134,7 @@ def measure_kv_cache(model, tokens: int = 128, batch_size: int = 1, input_ids: t
         if tokens < 1 or batch_size < 1:
             raise KVCacheMeasureError(f"tokens and batch size must be positive (got {tokens}, {batch_size})")
         generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch_size, tokens), generator=generator)
+        input_ids = torch.randint(0, model.get_output_embeddings().weight.shape[0], (batch_size, tokens), generator=generator)
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)  # (tokens,) -> (1, tokens)

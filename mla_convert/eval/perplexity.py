@@ -25,9 +25,9 @@ import inspect
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +172,7 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def _batches(windows: list[Window], batch_size: int):
+def window_batches(windows: list[Window], batch_size: int):
     """Consecutive windows of identical shape (length and number scored) in groups of `batch_size`."""
     group: list[Window] = []
     for window in windows:
@@ -184,9 +184,13 @@ def _batches(windows: list[Window], batch_size: int):
         yield group
 
 
-@torch.inference_mode()
-def _window_nll(model, ids: torch.Tensor, group: list[Window], device: torch.device, keep_logits: bool) -> float:
-    """Summed NLL (nats) of the scored targets of a group of same-shaped windows."""
+@torch.no_grad()
+def window_nll(model, ids: torch.Tensor, group: list[Window], device: torch.device, keep_logits: bool = False) -> torch.Tensor:
+    """Summed NLL (nats, a float64 scalar on `device`) of the scored targets of a group of same-shaped windows.
+
+    The one scoring loop of the project: `evaluate_perplexity` sums it over the windows of one process,
+    fine-tuning's evaluation over the windows of every process (then reduces the sums).
+    """
     length, num_scored = group[0].length, group[0].num_scored
     batch = torch.stack([ids[w.begin : w.end] for w in group]).to(device)  # (B, length)
     kwargs = {"use_cache": False}
@@ -196,9 +200,9 @@ def _window_nll(model, ids: torch.Tensor, group: list[Window], device: torch.dev
     logits = model(input_ids=batch, **kwargs).logits  # (B, kept or length, vocab)
     predicting = logits[:, -(num_scored + 1) : -1]  # (B, num_scored, vocab): row j predicts target j
     targets = batch[:, length - num_scored :]  # (B, num_scored)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for row in range(batch.shape[0]):  # one row at a time bounds the fp32 upcast to (num_scored, vocab)
-        total += F.cross_entropy(predicting[row].float(), targets[row], reduction="sum").item()
+        total += F.cross_entropy(predicting[row].float(), targets[row], reduction="sum").double()
     return total
 
 
@@ -246,8 +250,8 @@ def evaluate_perplexity(
 
         bar = tqdm(total=len(windows), desc=desc, unit="win", leave=False)
     try:
-        for group in _batches(windows, batch_size):
-            nll_sum += _window_nll(model, ids, group, device, keep_logits)
+        for group in window_batches(windows, batch_size):
+            nll_sum += window_nll(model, ids, group, device, keep_logits).item()
             if bar is not None:
                 bar.update(len(group))
                 scored = sum(w.num_scored for w in windows[: bar.n])
@@ -378,7 +382,7 @@ def load_model_for_eval(model: str | os.PathLike, device: str | torch.device | N
     from transformers import AutoModelForCausalLM
 
     from ..io.resolve import resolve_model_path
-    from ..source.shapes import parse_dtype
+    from ..units import parse_dtype
 
     path = resolve_model_path(model, revision)
     torch_dtype = "auto" if dtype in (None, "auto") else parse_dtype(dtype)

@@ -30,17 +30,19 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
-from ..convert.calibration import CalibrationOptions
-from ..convert.pipeline import METHOD_ALIASES, Converter, ConvertOptions, Progress
+from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, Progress
+from ..convert.pipeline import Converter
 from ..errors import MLAConvertError, PreflightError
+from ..options import CalibrationOptions, ConvertOptions
+from ..source.shapes import shape_for_compression
+from ..units import dtype_bytes, human_bytes, parse_dtype
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
-from ..source.shapes import dtype_bytes, human_bytes, parse_dtype, shape_for_compression
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
 DEFAULT_METHODS = ("activation-aware", "svd")
@@ -159,7 +161,7 @@ class SweepResult:
     points: list[SweepPoint] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
-    files: "SweepFiles | None" = None  # where `save` last wrote the table, CSV, JSON and plot
+    files: SweepFiles | None = None  # where `save` last wrote the table, CSV, JSON and plot
 
     # ---- cache arithmetic
     @property
@@ -295,7 +297,7 @@ class SweepResult:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SweepResult":
+    def from_dict(cls, data: dict) -> SweepResult:
         """Rebuild a result from `to_dict` output (e.g. to redraw the plot without rerunning the sweep)."""
         points = [_point_from_dict(p) for p in data["points"]]
         source = next(p for p in points if p.is_source)
@@ -307,7 +309,7 @@ class SweepResult:
     def plot(self, path: str | os.PathLike, title: str | None = None) -> Path:
         return plot_sweep(self, path, title)
 
-    def save(self, out_dir: str | os.PathLike, stem: str = "sweep", title: str | None = None) -> "SweepFiles":
+    def save(self, out_dir: str | os.PathLike, stem: str = "sweep", title: str | None = None) -> SweepFiles:
         """Write `<stem>.md`, `.csv`, `.json` and `.png` into `out_dir` (created if needed)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -405,7 +407,7 @@ def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]
 
     Points of different methods share an x (the same ratio), so labels placed the same way collide.
     """
-    same_size = sorted((p.perplexity for p in result.points if p.ok and p.requested_ratio == point.requested_ratio))
+    same_size = sorted(p.perplexity for p in result.points if p.ok and p.requested_ratio == point.requested_ratio)
     if len(same_size) < 2:
         return (8, 0)
     if point.perplexity == same_size[-1]:
@@ -614,7 +616,7 @@ def run_sweep(
             tokenizer = load_tokenizer_for_eval(converter.source_path)
             tokenized = tokenize_with_offsets(tokenizer, load_text(data, text_column=text_column))
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
-            max_positions = converter.shape.max_position_embeddings
+            max_positions = converter.config.max_position_embeddings
             if context_length > max_positions:
                 raise SweepError(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
@@ -623,7 +625,7 @@ def run_sweep(
             source_result, source_seconds = _evaluate(converter.source_path, tokenized, context_length, max_windows,
                                                       eval_device, eval_dtype, batch_size, progress, SOURCE)
             progress.message(f"source: perplexity {source_result.perplexity:.4f}")
-            shape = converter.shape
+            shape = converter.config
             result = SweepResult(
                 model_name=model_name or _model_name(source),
                 source=str(source),
@@ -708,7 +710,7 @@ def _collect_preflight_problems(converter: Converter, base: ConvertOptions, rati
             if folder.exists() and (folder / "mla_convert.json").is_file():
                 continue  # an earlier sweep's kept model: replaced when its turn comes
             try:
-                converter.preflight(folder, dataclasses.replace(base, compression=ratio, method=method))
+                converter.preflight(folder, dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method]))
             except PreflightError as error:
                 problems += error.problems
             except MLAConvertError as error:
@@ -718,18 +720,18 @@ def _collect_preflight_problems(converter: Converter, base: ConvertOptions, rati
 def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
                        tokenized: TokenizedText, context_length: int, max_windows: int | None, eval_device: str | None,
                        eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool) -> SweepPoint:
-    mla = shape_for_compression(converter.shape, ratio)
+    mla = shape_for_compression(converter.config, ratio)
     common = dict(method=method, requested_ratio=ratio, kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.rope_dim,
                   values_per_token_layer=mla.kv_values_per_token_layer)
-    options = dataclasses.replace(base, compression=ratio, method=method,
-                                  command=f"mla-convert sweep (ratio {ratio:g}, method {METHOD_LABELS[method]})")
+    options = dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method])
+    command = f"mla-convert sweep (ratio {ratio:g}, method {METHOD_LABELS[method]})"
     if folder.exists():
         if not (folder / "mla_convert.json").is_file():
             return SweepPoint(result=None, error=f"{folder}: exists and is not a converted model; not replacing it", **common)
         shutil.rmtree(folder)  # an earlier sweep's kept model
     started = time.time()
     try:
-        conversion = converter.export(folder, options)
+        conversion = converter.export(folder, options, command=command)
     except MLAConvertError as error:
         return SweepPoint(result=None, error=str(error).splitlines()[0], **common)
     convert_seconds = time.time() - started

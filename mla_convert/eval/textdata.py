@@ -145,7 +145,7 @@ def parse_dataset_spec(spec: str, split: str | None = None) -> tuple[str, str | 
     """`name:config:split` -> (name, config or None, split or None); an explicit `split` fills a missing one."""
     parts = spec.split(":")
     if len(parts) > 3 or not parts[0]:
-        raise TextDataError(f"{spec!r}: expected a file, a folder or a dataset spec name[:config[:split]]")
+        raise TextDataError(f"{spec!r}: expected a file, a folder or a dataset spec name[:subset[:split]]")
     name, config, spec_split = (parts + [None, None])[:3]
     if split and spec_split and split != spec_split:
         raise TextDataError(f"{spec!r}: names split {spec_split!r} but split={split!r} was also given")

@@ -5,7 +5,6 @@ Modules, one job each:
 - `config`: `FinetuneConfig`, read from YAML and overridden by flags;
 - `data`: packed text windows, text sampled from the teacher, the resumable data cursor;
 - `loss`: KL(teacher || student) with temperature, plus optional next-token cross-entropy;
-- `schedule`: linear warmup + cosine decay;
 - `evaluate`: perplexity on the project protocol, across processes;
 - `saving`: the stock DeepseekV3 folder, with the updated report and model card;
 - `trainer`: the accelerate loop with exact checkpoint/resume.
@@ -13,7 +12,7 @@ Modules, one job each:
 
 from .config import FinetuneConfig, FinetuneConfigError, parse_config
 from .latent import LinearLatentNorm, fold_latent_scales, unfold_latent_scales
-from .trainer import FinetuneResult, Finetuner, run_finetune
+from .trainer import Finetuner, FinetuneResult, run_finetune
 
 __all__ = [
     "FinetuneConfig",

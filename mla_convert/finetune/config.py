@@ -13,10 +13,12 @@ import argparse
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import yaml
+from transformers import HfArgumentParser
 
 from ..errors import MLAConvertError
 
@@ -29,63 +31,68 @@ class FinetuneConfigError(MLAConvertError):
     """A recipe config or flag is missing, unknown or out of range."""
 
 
+def setting(default, help: str):
+    """A config field and its documentation: the flag's help comes from here (HfArgumentParser reads it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class FinetuneConfig:
     # --- models and folders
-    model: str | None = None  # converted folder (stock DeepseekV3 + mla_convert.json)
-    output: str | None = None  # where the fine-tuned folder is written (same layout as `convert`)
-    teacher: str | None = None  # source model; None: `source.name_or_path` of mla_convert.json
-    checkpoint_dir: str | None = None  # checkpoints, teacher samples, train_log.jsonl; None: <output>.checkpoints
-    overwrite: bool = False  # replace an existing `output`
+    model: Optional[str] = setting(None, "converted folder (stock DeepseekV3 + mla_convert.json)")
+    output: Optional[str] = setting(None, "where the fine-tuned folder is written (same layout as `convert`)")
+    teacher: Optional[str] = setting(None, "source model; None: `source.name_or_path` of mla_convert.json")
+    checkpoint_dir: Optional[str] = setting(None, "checkpoints, teacher samples, train_log.jsonl; None: <output>.checkpoints")
+    overwrite: bool = setting(False, "replace an existing `output`")
     # --- training text
-    data: str | None = None  # file, folder or datasets spec; None: sample text from the teacher
-    text_column: str = "text"  # text field of a jsonl file or datasets dataset
-    split: str | None = None  # datasets split when `data` names none
-    max_chars: int | None = None  # read only this much of `data`
-    teacher_samples: int = 512  # sequences sampled from the teacher when `data` is None
-    sample_temperature: float = 1.0  # sampling temperature of the teacher text
-    sample_top_p: float = 0.95  # nucleus of the teacher text
-    sample_batch_size: int = 64  # sequences sampled at once (the samples depend on it)
-    seq_len: int = 256  # tokens per packed training window
+    data: Optional[str] = setting(None, "file, folder or datasets spec; None: sample text from the teacher")
+    text_column: str = setting("text", "text field of a jsonl file or datasets dataset")
+    split: Optional[str] = setting(None, "datasets split when `data` names none")
+    max_chars: Optional[int] = setting(None, "read only this much of `data`")
+    teacher_samples: int = setting(512, "sequences sampled from the teacher when `data` is None")
+    sample_temperature: float = setting(1.0, "sampling temperature of the teacher text")
+    sample_top_p: float = setting(0.95, "nucleus of the teacher text")
+    sample_batch_size: int = setting(64, "sequences sampled at once (the samples depend on it)")
+    seq_len: int = setting(256, "tokens per packed training window")
     # --- optimisation
-    train: str = "attention"  # attention: only self_attn.* parameters; all: every parameter
-    max_steps: int = 100  # optimizer steps; the cosine schedule spans exactly these
-    micro_batch_size: int = 8  # windows per process per forward
-    grad_accum: int = 1  # forwards per optimizer step
-    lr: float = 1e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    max_grad_norm: float = 1.0  # 0 disables clipping
+    train: str = setting("attention", "attention: only self_attn.* parameters; all: every parameter")
+    max_steps: int = setting(100, "optimizer steps; the cosine schedule spans exactly these")
+    micro_batch_size: int = setting(8, "windows per process per forward")
+    grad_accum: int = setting(1, "forwards per optimizer step")
+    lr: float = setting(1e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = setting(0.1, "the cosine ends at lr * min_lr_ratio")
+    warmup_steps: int = setting(10, "optimizer steps of linear warmup before the cosine decay")
+    weight_decay: float = setting(0.0, "AdamW weight decay (matrices only; norms and biases never decay)")
+    adam_beta1: float = setting(0.9, "AdamW beta1")
+    adam_beta2: float = setting(0.95, "AdamW beta2")
+    max_grad_norm: float = setting(1.0, "gradient-norm clipping threshold (0 disables clipping)")
     # --- loss: kd_weight * T^2 * KL(teacher_T || student_T) + ce_weight * next-token CE
-    kd_weight: float = 1.0
-    temperature: float = 1.0
-    ce_weight: float = 0.0
+    kd_weight: float = setting(1.0, "weight of the distillation term T^2 * KL(teacher_T || student_T)")
+    temperature: float = setting(1.0, "distillation temperature T")
+    ce_weight: float = setting(0.0, "weight of the next-token cross-entropy term")
     # --- precision, memory, speed
-    mixed_precision: str = "auto"  # auto: bf16 autocast on a bf16-capable GPU, none on CPU
-    gradient_checkpointing: bool = False
-    teacher_dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    save_dtype: str = "auto"  # auto: the converted folder's dtype
-    num_threads: int | None = None  # CPU threads for torch (None: torch's default)
+    mixed_precision: str = setting("auto", "auto (bf16 autocast on a bf16-capable GPU, none on CPU), no, bf16 or fp16")
+    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory, ~30% more time)")
+    teacher_dtype: str = setting("auto", "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16")
+    save_dtype: str = setting("auto", "auto (the converted folder's dtype), fp32 or bf16")
+    num_threads: Optional[int] = setting(None, "CPU threads for torch (None: torch's default)")
     # --- evaluation: perplexity on non-overlapping windows, token-weighted NLL
-    eval_data: str | None = None
-    eval_context: int = 256
-    eval_windows: int = 60
-    eval_every: int = 0  # steps between evaluations (0: only before and after training)
-    eval_batch_size: int = 1
-    eval_teacher: bool = True  # also report the teacher's perplexity once
+    eval_data: Optional[str] = setting(None, "text to report perplexity on (file, folder or datasets spec); None: no evaluation")
+    eval_context: int = setting(256, "tokens per evaluation window")
+    eval_windows: int = setting(60, "evaluation windows (non-overlapping, from the start of the text)")
+    eval_every: int = setting(0, "steps between evaluations (0: only before and after training)")
+    eval_batch_size: int = setting(1, "evaluation windows per forward")
+    eval_teacher: bool = setting(True, "also report the teacher's perplexity once")
     # --- checkpoints (accelerate save_state + data cursor + history)
-    checkpoint_every: int = 0  # steps between checkpoints (0: none)
-    keep_checkpoints: int = 2
-    resume: str | None = None  # "auto" (latest in checkpoint_dir) or a checkpoint folder
-    stop_after: int | None = None  # stop after this many steps with a checkpoint, as if interrupted
+    checkpoint_every: int = setting(0, "steps between checkpoints (0: none)")
+    keep_checkpoints: int = setting(2, "checkpoints kept in checkpoint_dir (older ones are removed)")
+    resume: Optional[str] = setting(None, "\"auto\" (latest in checkpoint_dir) or a checkpoint folder")
+    stop_after: Optional[int] = setting(None, "stop after this many steps with a checkpoint, as if interrupted")
     # --- misc
-    seed: int = 0
-    log_every: int = 10
-    verify_save: bool = True  # reload the saved folder and compare logits with the trained model
-    max_shard_size: str = "5GB"
+    seed: int = setting(0, "seed of the data order, the teacher samples and the initialisation of anything random")
+    log_every: int = setting(10, "steps between log lines")
+    verify_save: bool = setting(True, "reload the saved folder and compare logits with the trained model")
+    max_shard_size: str = setting("5GB", "largest output shard, e.g. 5GB")
 
     # ----------------------------------------------------------------- derived
     @property
@@ -155,20 +162,6 @@ class FinetuneConfig:
 def _field_types() -> dict[str, object]:
     hints = typing.get_type_hints(FinetuneConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(FinetuneConfig)}
-
-
-def _field_comments() -> dict[str, str]:
-    """Each field's trailing `# comment` in the class source: the flags' help (one place documents a key)."""
-    import inspect
-    import re
-
-    pattern = re.compile(r"^\s+(\w+): [^=]+=.*?#\s*(.+)$")
-    found = {}
-    for line in inspect.getsource(FinetuneConfig).splitlines():
-        match = pattern.match(line)
-        if match:
-            found[match.group(1)] = match.group(2).strip()
-    return found
 
 
 def _unwrap_optional(kind) -> tuple[object, bool]:
@@ -244,32 +237,38 @@ def load_yaml_config(path: str | Path) -> dict:
     return loaded
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`--config FILE` plus one flag per field; flags default to 'not given' so YAML values survive."""
-    parser = argparse.ArgumentParser(
+def build_parser() -> HfArgumentParser:
+    """`--config FILE` plus one flag per field (`--max-steps` and `--max_steps`), help from each field's metadata.
+
+    Flag defaults are SUPPRESS, so only the flags actually given reach the namespace and YAML
+    values survive the ones not given.
+    """
+    parser = HfArgumentParser(
+        FinetuneConfig,
         description="Fine-tune a converted MLA model (distillation from its source model) and save a stock DeepseekV3 folder.",
-        argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file of settings; flags override its keys")
-    comments = _field_comments()
-    defaults = FinetuneConfig()
-    for name, kind in _field_types().items():
-        flag = "--" + name.replace("_", "-")
-        base, _ = _unwrap_optional(kind)
-        text = f"{comments.get(name, '')} (default: {getattr(defaults, name)})".strip()
-        if base is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=text)
-        else:
-            parser.add_argument(flag, dest=name, metavar=getattr(base, "__name__", "VALUE").upper(), help=text)
+    fields = {spec.name for spec in dataclasses.fields(FinetuneConfig)}
+    for action in parser._actions:  # a flag not given must not reach the namespace (argparse's own mechanism)
+        if action.dest in fields:
+            action.default = argparse.SUPPRESS
     return parser
+
+
+NONE_WORDS = ("null", "none", "~", "")
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     """YAML (if `--config`) then flags, then validation."""
-    args = vars(build_parser().parse_args(argv))
-    config_file = args.pop("config", None)
-    values = load_yaml_config(config_file) if config_file else {}
-    config = config_from_mapping(values)
-    config = config_from_mapping(args, base=config)
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    config_file = given.pop("config", None)
+    config = config_from_mapping(load_yaml_config(config_file) if config_file else {})
+    types_by_name = _field_types()
+    for name, value in given.items():
+        optional = _unwrap_optional(types_by_name[name])[1]
+        if optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
+            given[name] = None  # `--data none` clears what the YAML set
+    config = dataclasses.replace(config, **given)
     config.validate()
     return config

@@ -8,13 +8,12 @@ number of processes (each process takes its own slice of every global batch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..convert.calibration import top_p_sample
 from ..errors import MLAConvertError
 
 
@@ -75,60 +74,6 @@ def text_windows(tokenizer, spec: str, seq_len: int, text_column: str = "text", 
 
 
 # --------------------------------------------------------------------------- teacher samples
-def start_token(model) -> int:
-    """The token every sampled sequence starts from: BOS, else EOS (GPT-style), else 0."""
-    config = model.config
-    for candidate in (getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None)):
-        if isinstance(candidate, (list, tuple)):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-@torch.no_grad()
-def sample_from_teacher(
-    teacher,
-    num: int,
-    seq_len: int,
-    seed: int,
-    temperature: float = 1.0,
-    top_p: float = 0.95,
-    batch_size: int = 64,
-    device: torch.device | str | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> torch.Tensor:
-    """`num` sequences of `seq_len` tokens sampled from the teacher (KV-cached, seeded): (num, seq_len).
-
-    Sampling does not stop at end-of-sequence: the teacher goes on with whatever it predicts next
-    (for TinyStories-style models: the next story), so every row is a full window of the teacher's
-    own distribution.  The seeded generator makes the samples independent of the global RNG; they
-    depend on (seed, batch_size), which is why both are part of the cached samples' description.
-    """
-    device = torch.device(device) if device is not None else next(teacher.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    begin = start_token(teacher)
-    was_training = teacher.training
-    teacher.eval()
-    rows = []
-    try:
-        for first in range(0, num, batch_size):
-            count = min(batch_size, num - first)
-            ids = torch.full((count, seq_len), begin, dtype=torch.long)
-            out = teacher(input_ids=ids[:, :1].to(device), use_cache=True)
-            for position in range(1, seq_len):
-                logits = out.logits[:, -1].float().cpu()  # (count, vocab)
-                ids[:, position] = top_p_sample(logits, temperature, top_p, generator)
-                if position < seq_len - 1:
-                    out = teacher(input_ids=ids[:, position : position + 1].to(device), cache=out.cache, use_cache=True)
-            rows.append(ids)
-            if progress:
-                progress(first + count, num)
-    finally:
-        teacher.train(was_training)
-    return torch.cat(rows)  # (num, seq_len)
-
-
 def cached_teacher_samples(path: Path, make: Callable[[], torch.Tensor], description: dict) -> torch.Tensor:
     """Load samples from `path` if they were made with the same settings, else make and store them.
 

@@ -1,6 +1,6 @@
 """Bring the linearised latents of a converted model to a trainable scale, and back at save time.
 
-Why: the export stores each latent at a tiny scale alpha (DESIGN.md 2.3).  `kv_a_proj_with_mqa`'s
+Why: the export stores each latent at a tiny scale alpha (see `convert.target`).  `kv_a_proj_with_mqa`'s
 latent rows are alpha * W (alpha ~ 1e-7) and `kv_a_layernorm.weight` = g = sqrt(eps) / alpha (~1e4), so
 the stock RMSNorm g * x / sqrt(mean(x^2) + eps) sees mean(x^2) <= 1e-5 eps and returns the unscaled
 latent W x.  The same holds for `q_a_proj` / `q_a_layernorm` with a query bias or q_lora.  Adam moves
@@ -33,13 +33,13 @@ gain's size (`LINEARISED_MIN_GAIN`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..convert.layer import LATENT_NORM_EPS, latent_scale_for
+from ..convert import target as T
+from ..convert.target import LATENT_NORM_EPS, latent_scale_for
 
 # A stock norm gain this large means the latent was stored at a tiny scale by the converter
 # (g = sqrt(1e-6) / alpha >= 10 <=> alpha <= 1e-4; the converter's alphas are ~1e-7 .. 1e-5).
@@ -81,21 +81,15 @@ class LatentSite:
 
     @property
     def prefix(self) -> str:
-        return f"model.layers.{self.layer}.self_attn."
+        return T.attention_prefix(self.layer)
 
     @property
     def proj(self) -> str:
-        return "kv_a_proj_with_mqa" if self.kind == "kv" else "q_a_proj"
+        return T.LATENT_MODULES[self.kind][0]
 
     @property
     def norm(self) -> str:
-        return "kv_a_layernorm" if self.kind == "kv" else "q_a_layernorm"
-
-
-def scale_from_gain(gain: torch.Tensor, eps: float = LATENT_NORM_EPS) -> float:
-    """The alpha a stock gain encodes: g = sqrt(eps) / alpha (per channel after training; rms used)."""
-    rms = gain.double().pow(2).mean().sqrt().item()
-    return math.sqrt(eps) / rms
+        return T.LATENT_MODULES[self.kind][1]
 
 
 def _attention_modules(model: nn.Module):
@@ -111,7 +105,7 @@ def unfold_latent_scales(model: nn.Module) -> list[LatentSite]:
     """
     sites: list[LatentSite] = []
     for index, attention in _attention_modules(model):
-        for kind, proj_name, norm_name in (("kv", "kv_a_proj_with_mqa", "kv_a_layernorm"), ("q", "q_a_proj", "q_a_layernorm")):
+        for kind, (proj_name, norm_name) in T.LATENT_MODULES.items():
             norm = getattr(attention, norm_name, None)
             if norm is None:
                 continue
@@ -124,12 +118,12 @@ def unfold_latent_scales(model: nn.Module) -> list[LatentSite]:
             gain = norm.weight.detach()
             if gain.double().abs().mean().item() < LINEARISED_MIN_GAIN:
                 continue  # a real learned norm, not a linearised latent
-            alpha = scale_from_gain(gain, eps)
+            alpha = T.latent_scale_of(gain, eps)
             with torch.no_grad():
                 proj.weight[:rank].div_(alpha)
                 if proj.bias is not None:
                     proj.bias[:rank].div_(alpha)
-                gain_tilde = (gain.double() * alpha / math.sqrt(eps)).to(gain.dtype)
+                gain_tilde = (gain.double() / T.latent_norm_gain(alpha, eps)).to(gain.dtype)
             replacement = LinearLatentNorm(gain_tilde, alpha, eps).to(device=gain.device)
             replacement.weight.requires_grad_(norm.weight.requires_grad)
             setattr(attention, norm_name, replacement)
@@ -169,6 +163,6 @@ def fold_latent_scales(state_dict: dict[str, torch.Tensor], sites: list[LatentSi
             folded_bias[: site.rank] *= alpha
             out[bias_key] = folded_bias.to(bias.dtype)
         gain = state_dict[gain_key]
-        out[gain_key] = (gain.double() * math.sqrt(site.eps) / alpha).to(gain.dtype)
+        out[gain_key] = (gain.double() * T.latent_norm_gain(alpha, site.eps)).to(gain.dtype)
         scales.append(alpha)
     return out, scales

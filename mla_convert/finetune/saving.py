@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ..io.writer import CheckpointWriter
+from ..convert.report import REPORT_FILE
+from ..convert.target import FP16_REFUSED
 from ..errors import MLAConvertError
-from ..source.shapes import parse_dtype
+from ..hub.card import CARD_FILE
+from ..io.reader import CheckpointReader
+from ..io.writer import CheckpointWriter
+from ..units import parse_dtype
 from .latent import LatentSite, fold_latent_scales
-
-REPORT_FILE = "mla_convert.json"
-CARD_FILE = "README.md"
 
 
 class FinetuneSaveError(MLAConvertError):
@@ -29,17 +30,12 @@ class FinetuneSaveError(MLAConvertError):
 
 
 def stored_tensor_names(folder: Path) -> list[str]:
-    """Tensor names of a safetensors model folder, in the order its files list them."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise FinetuneSaveError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(str(single), "pt") as handle:
-        return list(handle.keys())
+    """Tensor names of a safetensors model folder, in the order its index (or single file) lists them."""
+    try:
+        with CheckpointReader(folder) as reader:
+            return reader.keys()
+    except MLAConvertError as error:
+        raise FinetuneSaveError(str(error)) from error
 
 
 def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
@@ -49,7 +45,7 @@ def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
     else:
         dtype = parse_dtype(name)
     if dtype == torch.float16:
-        raise FinetuneSaveError("save_dtype fp16: the linearised latent norm stores weights of ~1e-7 scale, which fp16 flushes to zero; use bf16 or fp32")
+        raise FinetuneSaveError(f"save_dtype fp16: {FP16_REFUSED}")
     return dtype
 
 

@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from ..errors import MLAConvertError
+from ..eval.sampling import sample_from_model
 from .config import FinetuneConfig, FinetuneConfigError
-from .data import WindowCursor, cached_teacher_samples, process_slice, sample_from_teacher, text_windows
+from .data import WindowCursor, cached_teacher_samples, process_slice, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
 from .latent import LatentSite, unfold_latent_scales
 from .loss import distillation_loss
 from .saving import REPORT_FILE, save_finetuned, write_report
-from .schedule import CosineWithWarmup
 
 CHECKPOINT_PREFIX = "step-"
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -87,7 +88,7 @@ def resolve_mixed_precision(name: str) -> str:
 def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    from ..source.shapes import parse_dtype
+    from ..units import parse_dtype
 
     return parse_dtype(name)
 
@@ -103,13 +104,16 @@ def load_converted_report(folder: Path) -> dict:
 
 
 def teacher_path(config: FinetuneConfig, report: dict) -> str:
-    """--teacher, else the conversion report's source (as recorded: a path or a hub id)."""
+    """--teacher, else the conversion report's source: its hub id, or its path relative to the converted folder."""
     if config.teacher:
         return config.teacher
-    source = (report.get("source") or {}).get("name_or_path")
-    if not source:
+    source = report.get("source") or {}
+    if source.get("hub_id"):
+        return str(source["hub_id"])
+    recorded = source.get("name_or_path")
+    if not recorded:
         raise FinetuneConfigError(f"{config.model}: {REPORT_FILE} names no source model; pass --teacher")
-    return str(source)
+    return str((Path(config.model) / recorded).resolve())
 
 
 def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
@@ -256,7 +260,7 @@ class Finetuner:
 
         # --- optimizer, schedule
         decay, no_decay = [], []
-        for name, parameter in student.named_parameters():
+        for parameter in student.parameters():
             if parameter.requires_grad:
                 (decay if parameter.dim() >= 2 else no_decay).append(parameter)
         if not decay and not no_decay:
@@ -264,8 +268,8 @@ class Finetuner:
         groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
                                       betas=(config.adam_beta1, config.adam_beta2))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, CosineWithWarmup(config.warmup_steps, config.max_steps, config.min_lr_ratio))
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, config.warmup_steps, config.max_steps, min_lr_rate=config.min_lr_ratio)
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
         self.state = TrainerState(settings={key: getattr(config, key) for key in DATA_SETTINGS}
                                   | {"num_processes": accelerator.num_processes})
@@ -286,7 +290,7 @@ class Finetuner:
         def make() -> torch.Tensor:
             self.log(f"sampling {config.teacher_samples} x {config.seq_len} tokens from the teacher ...")
             began = time.time()
-            ids = sample_from_teacher(self.teacher, config.teacher_samples, config.seq_len, config.seed,
+            ids = sample_from_model(self.teacher, config.teacher_samples, config.seq_len, config.seed,
                                       config.sample_temperature, config.sample_top_p, config.sample_batch_size, self.device)
             self.log(f"sampled in {time.time() - began:.1f} s")
             return ids

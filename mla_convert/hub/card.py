@@ -8,8 +8,9 @@ re-measured here, and any field the report lacks is left out instead of guessed.
 
 `validate_card` checks a card without the network.  `ModelCard.validate` in huggingface_hub posts the
 card to `{HF_ENDPOINT}/api/validate-yaml`, which would make `--dry-run` contact the Hub and make tests
-depend on it; instead we re-parse the YAML block exactly as the client does (same regex, `yaml.safe_load`,
-strict `ModelCardData`) and check the fields this project relies on.  The Hub still validates the
+depend on it; instead the card is parsed by the client's own `ModelCard` (its YAML block, strict
+`ModelCardData`) and the fields this project relies on are checked.  The body is laid out by the
+packaged template `model_card_template.md` (`ModelCard.from_template`); the sections come from the report.  The Hub still validates the
 card server-side during the real push: `upload_folder` posts README.md to `/api/validate-yaml` before
 uploading anything.
 """
@@ -18,18 +19,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
-from huggingface_hub.repocard import REGEX_YAML_BLOCK
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from ..convert.report import REPORT_FILE
 from ..errors import MLAConvertError
+from ..units import human_bytes
 
-REPORT_FILE = "mla_convert.json"
 CARD_FILE = "README.md"
+# The card's layout: one placeholder per section, filled from the report (packaged with the module).
+CARD_TEMPLATE = Path(__file__).with_name("model_card_template.md")
 
 # The Hub accepts exactly these four values for `base_model_relation` (hub docs, "Specifying a base
 # model"); anything else is rejected by its validator.
@@ -102,14 +106,6 @@ def _text(value: Any) -> str:
 def _cell(value: Any) -> str:
     """A report value for a Markdown table cell: as `_text`, with pipes escaped."""
     return _text(value).replace("|", "\\|")
-
-
-def _bytes(count: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:,.0f} {unit}" if unit == "bytes" else f"{count:,.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
 
 
 def _number(value: Any) -> float | None:
@@ -275,8 +271,8 @@ def _section_cache(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"| {label} | {numbers['source_bytes']:,.0f} | {numbers['mla_bytes']:,.0f} |")
         context = 4096
         lines.append(
-            f"| one sequence of {context:,} tokens | {_bytes(numbers['source_bytes'] * context)} | "
-            f"{_bytes(numbers['mla_bytes'] * context)} |"
+            f"| one sequence of {context:,} tokens | {human_bytes(numbers['source_bytes'] * context, digits=1)} | "
+            f"{human_bytes(numbers['mla_bytes'] * context, digits=1)} |"
         )
     if numbers["ratio"]:
         lines.append(f"| compression ratio | 1x | {numbers['ratio']:.3g}x |")
@@ -535,27 +531,29 @@ def build_model_card(report: dict, repo_id: str | None = None) -> ModelCard:
         source_name, source_label = "the source model", "a Hugging Face causal language model"
     title = repo_id.split("/")[-1] if repo_id else f"{source_name.split('/')[-1]} (MLA)"
 
-    body: list[str] = []
-    body += _section_summary(report, _scrub(title), source_label)
-    body += _section_what_was_done(report)
-    body += _section_cache(report)
-    body += _section_quality(report)
-    body += _section_usage(report, repo_id)
-    body += _section_serving(report, repo_id)
-    body += _section_caveats(report)
-    body += _section_reproduce(report)
-    body += _section_layers(report)
-    body += _section_versions(report)
-    if not _get(report, "source", "license"):
-        body += [
-            "## License",
-            "",
-            "The source model's license was not recorded during conversion. This model is a derivative of the "
-            "source model: its license applies here too.",
-            "",
-        ]
-    data = _card_data(report)
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+    license_section = [] if _get(report, "source", "license") else [
+        "## License",
+        "",
+        "The source model's license was not recorded during conversion. This model is a derivative of the "
+        "source model: its license applies here too.",
+    ]
+    sections = {
+        "summary": _section_summary(report, _scrub(title), source_label),
+        "what_was_done": _section_what_was_done(report),
+        "cache": _section_cache(report),
+        "quality": _section_quality(report),
+        "usage": _section_usage(report, repo_id),
+        "serving": _section_serving(report, repo_id),
+        "caveats": _section_caveats(report),
+        "reproduce": _section_reproduce(report),
+        "layers": _section_layers(report),
+        "versions": _section_versions(report),
+        "license": license_section,
+    }
+    rendered = {name: "\n".join(lines).strip() for name, lines in sections.items()}
+    card = ModelCard.from_template(_card_data(report), template_path=str(CARD_TEMPLATE), **rendered)
+    # an empty section leaves its template line blank: keep at most one blank line between sections
+    return ModelCard(re.sub(r"\n{3,}", "\n\n", str(card)).rstrip() + "\n")
 
 
 # -------------------------------------------------------------------------------------------- validate
@@ -569,19 +567,15 @@ def validate_card(card: ModelCard | str) -> dict:
     that only appears together with `base_model`, and a license id.
     """
     content = str(card)
-    match = REGEX_YAML_BLOCK.search(content)
-    if match is None:
-        raise CardValidationError("model card has no YAML metadata block (--- ... ---) at the top")
     try:
-        metadata = yaml.safe_load(match.group(2))
+        parsed = ModelCard(content, ignore_metadata_errors=False)  # the client's own parser (yaml + strict ModelCardData)
     except yaml.YAMLError as error:
         raise CardValidationError(f"model card metadata is not valid YAML: {' '.join(str(error).split())}") from error
-    if not isinstance(metadata, dict):
-        raise CardValidationError("model card metadata must be a mapping of keys to values")
-    try:
-        ModelCardData(**metadata)
     except (TypeError, ValueError) as error:
-        raise CardValidationError(f"model card metadata rejected by huggingface_hub: {error}") from error
+        raise CardValidationError(f"model card metadata rejected by huggingface_hub: {' '.join(str(error).split())}") from error
+    if parsed.text == content:
+        raise CardValidationError("model card has no YAML metadata block (--- ... ---) at the top")
+    metadata = parsed.data.to_dict()
 
     problems = []
     if metadata.get("library_name") != "transformers":
@@ -612,7 +606,7 @@ def validate_card(card: ModelCard | str) -> dict:
             problems.append(f"license must be a Hub license id such as 'apache-2.0', got {license_id!r}")
         elif license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
             problems.append("license 'other' needs license_name and license_link")
-    if not content[match.end() :].strip():
+    if not parsed.text.strip():
         problems.append("model card has metadata but no text")
     if problems:
         raise CardValidationError("invalid model card: " + "; ".join(problems))

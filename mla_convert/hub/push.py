@@ -19,21 +19,22 @@ import glob
 import importlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
 
-from ..errors import MLAConvertError
+from ..convert.target import export_config_problem
+from ..errors import CheckpointError, MLAConvertError
+from ..io.reader import read_safetensors_header
+from ..io.writer import BACKUP_SUFFIX, OWNER_FILE, PARTIAL_SUFFIX
+from ..units import human_bytes
 from .card import CARD_FILE, REPORT_FILE, CardValidationError, build_model_card, load_report, validate_card
 
 # Names the checkpoint writer uses for unfinished work (`checkpoint_writer.py`; a test keeps them in
 # sync).  Repeated here so that `push --dry-run` does not import torch.
-PARTIAL_SUFFIX = ".mla-convert-partial"
-OWNER_FILE = ".mla-convert-owner"
-BACKUP_SUFFIX = ".mla-convert-old"
 _TEMP_SHARD = re.compile(r"^shard-\d+\.tmp$")
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<total>\d{5})\.safetensors$")
 
@@ -83,7 +84,7 @@ class PushResult:
         verb = "Would upload" if self.dry_run else "Uploaded"
         where = f"{self.repo_id}" + (f" (branch {self.revision})" if self.revision else "")
         visibility = "private" if self.private else "default visibility"
-        size = f"{_human(self.total_bytes)} ({self.total_bytes:,} bytes)"
+        size = f"{human_bytes(self.total_bytes, digits=1)} ({self.total_bytes:,} bytes)"
         lines = [f"{verb} {len(self.files)} files, {size} to {where}, {visibility}:"]
         width = max((len(f"{f.size:,}") for f in self.files), default=1)
         for item in self.files:
@@ -93,14 +94,6 @@ class PushResult:
         if self.commit_url:
             lines.append(f"commit: {self.commit_url}")
         return "\n".join(lines)
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------- folder checks
@@ -118,34 +111,12 @@ def _read_json(path: Path) -> tuple[object | None, str | None]:
 
 
 def _safetensors_header(path: Path) -> tuple[set[str], str | None]:
-    """Tensor names in a safetensors file, and a problem if the file is truncated or corrupt.
-
-    Reads only the header: the 8-byte length, the JSON table, and compares the size the table
-    describes with the size on disk, which catches a copy or download that stopped early.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            return set(), f"{path.name} is truncated ({size} bytes)"
-        header_len = int.from_bytes(head, "little")
-        if 8 + header_len > size:
-            return set(), f"{path.name} is truncated (header needs {8 + header_len:,} bytes, file has {size:,})"
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return set(), f"{path.name} has a corrupt safetensors header"
-    if not isinstance(header, dict):
-        return set(), f"{path.name} has a corrupt safetensors header"
-    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    """Tensor names in a safetensors file, and a problem if the file is truncated or corrupt (header only)."""
     try:
-        data_end = max((int(info["data_offsets"][1]) for info in tensors.values()), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        return set(), f"{path.name} has a corrupt safetensors header"
-    expected = 8 + header_len + data_end
-    if size != expected:
-        return set(tensors), f"{path.name} is {size:,} bytes but its header describes {expected:,} (truncated or corrupt)"
-    return set(tensors), None
+        header = read_safetensors_header(path)
+    except CheckpointError as error:
+        return set(), str(error).replace(str(path), path.name)
+    return {name for name in header if name != "__metadata__"}, None
 
 
 def _weight_problems(folder: Path, files: list[str]) -> list[str]:
@@ -239,16 +210,9 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
             load_report(folder)
         except CardValidationError as error:
             problems.append(str(error).replace(str(folder / REPORT_FILE), REPORT_FILE))
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        problems.append("config.json is missing")
-    else:
-        config, problem = _read_json(config_path)
-        if problem:
-            problems.append(problem)
-        elif not isinstance(config, dict) or config.get("model_type") != "deepseek_v3":
-            model_type = config.get("model_type") if isinstance(config, dict) else None
-            problems.append(f"config.json describes a {model_type!r} model, not the deepseek_v3 that mla-convert writes")
+    config_problem = export_config_problem(folder)
+    if config_problem:
+        problems.append(config_problem)
     problems += _weight_problems(folder, files)
     if problems:
         raise NotPushableError(f"{folder}: cannot push: " + "; ".join(problems))

@@ -8,43 +8,26 @@ by shard, so a layer whose q/k/v straddle two shards costs two opens, not six.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-import signal
 import struct
 import zipfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, PickleRefusedError
+from .safetensors_stream import TORCH_DTYPES
+from .signals import signals_deferred
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
-
-# safetensors dtype strings -> torch dtypes (the header speaks its own names).
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
-    "F8_E5M2": getattr(torch, "float8_e5m2", None),
-}
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -140,48 +123,29 @@ def read_safetensors_header(path: Path) -> dict:
                 f"{path}: truncated or corrupt safetensors file (tensor {name!r} ends at byte {end}, "
                 f"the data section holds {data_size}); re-download or re-export it"
             )
-        if dtype not in _SAFETENSORS_DTYPES or _SAFETENSORS_DTYPES[dtype] is None:
+        if dtype not in TORCH_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         if not isinstance(shape, list) or any((not isinstance(s, int)) or s < 0 for s in shape):
             raise CheckpointError(f"{path}: corrupt safetensors file (bad shape for {name!r})")
         # A byte range that disagrees with shape x dtype would only fail when the tensor is finally read
         # (possibly hours into a conversion); catching it here makes it a pre-flight problem.
-        expected = _element_size(_SAFETENSORS_DTYPES[dtype])
-        for size in shape:
-            expected *= size
+        expected = _element_size(TORCH_DTYPES[dtype])
+        for extent in shape:
+            expected *= extent
         if end - begin != expected:
             raise CheckpointError(
                 f"{path}: corrupt safetensors file (tensor {name!r} of shape {shape} and dtype {dtype} needs "
                 f"{expected} bytes, its header gives it {end - begin})"
             )
+    data_end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+    if data_end != data_size:  # bytes beyond the last tensor: a file of another (longer) copy, or garbage
+        raise CheckpointError(f"{path}: corrupt safetensors file ({size:,} bytes on disk, its header describes "
+                              f"{8 + header_len + data_end:,})")
     return header
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-INTERRUPTING_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Hold Ctrl-C / kill until a safetensors read has returned.
-
-    safetensors builds tensors through Python callbacks; a KeyboardInterrupt raised inside one is swallowed
-    by its Rust side and resurfaces as an unrelated TypeError ("could not determine the shape of object
-    type 'torch.storage.UntypedStorage'"), which reads as a corrupt checkpoint instead of an interruption.
-    Blocked signals stay pending and are delivered (to the normal handlers) as soon as the read is over.
-    """
-    try:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTING_SIGNALS)
-    except (AttributeError, OSError, ValueError):  # no pthread_sigmask (Windows)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class CheckpointReader:
@@ -269,7 +233,7 @@ class CheckpointReader:
                     for name, entry in header.items():
                         if name == "__metadata__" or self.weight_map.get(name) != file:
                             continue
-                        infos[name] = TensorInfo(name, file, tuple(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]])
+                        infos[name] = TensorInfo(name, file, tuple(entry["shape"]), TORCH_DTYPES[entry["dtype"]])
                 else:
                     state = self._load_pickle(file)
                     for name, tensor in state.items():
@@ -412,22 +376,8 @@ class CheckpointReader:
     def close(self) -> None:
         self._open_file, self._open_handle = None, None
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def load_config(folder: str | os.PathLike) -> dict:
-    """The parsed `config.json` of a model folder, with a clear error when absent or broken."""
-    path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise CheckpointError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return config

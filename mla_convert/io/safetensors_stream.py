@@ -25,10 +25,9 @@ import json
 import os
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from typing import Callable
 
 import torch
 
@@ -59,6 +58,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
     getattr(torch, attr): name for attr, name in SAFETENSORS_DTYPES if isinstance(getattr(torch, attr, None), torch.dtype)
 }
 _DTYPE_RANK: dict[str, int] = {name: rank for rank, (_, name) in enumerate(SAFETENSORS_DTYPES)}
+# header name -> torch dtype, for every dtype this torch build has (the reader's table)
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 METADATA = {"format": "pt"}  # what save_pretrained / save_file(metadata={"format": "pt"}) record
 COPY_CHUNK = 64 * 2**20  # bytes per write/copy call: bounds the buffer of the user-space copy fallback

@@ -14,22 +14,21 @@ such as the calibration statistics in the temp dir (owner holds an flock; see `c
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import re
 import shutil
-import signal
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 from huggingface_hub import constants as hub_constants
 
 from ..errors import OutputExistsError, OutputWriteError
 from .safetensors_stream import ShardSpool, write_single_tensor_file
+from .signals import signals_deferred
 
 PARTIAL_SUFFIX = ".mla-convert-partial"
 BACKUP_SUFFIX = ".mla-convert-old"
@@ -302,7 +301,7 @@ class CheckpointWriter:
             if self.partial.exists():
                 shutil.rmtree(self.partial, ignore_errors=True)
 
-    def __enter__(self) -> "CheckpointWriter":
+    def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -331,20 +330,6 @@ def write_failure_errno(error: BaseException | None) -> int | None:
         if match and int(match.group(1)) in _WRITE_FAILURES:
             return int(match.group(1))
     return None
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Hold SIGINT/SIGTERM/SIGHUP until the block ends (used while removing a partial output)."""
-    signals = {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)}
-    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - Windows
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # --------------------------------------------------------------------------- scratch folders

@@ -9,7 +9,7 @@ triton was imported) - slow, but it checks the runtime/kernel contract on any ma
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

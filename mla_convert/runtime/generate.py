@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..convert.calibration import top_p_sample
+from ..eval.sampling import top_p_sample
 from .errors import GenerationSettingsError
 from .model import AbsorbedMLAModel
 from .paged_cache import PagedLatentCache

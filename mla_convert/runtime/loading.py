@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..convert.target import FP16_REFUSED
 from .errors import RuntimeModelError
 
 # RoPE types whose inverse frequencies are fixed at load (transformers' `dynamic_rope_update` changes
@@ -95,12 +96,12 @@ def check_supported(config, path: Path) -> None:
 def compute_dtype(requested: torch.dtype | None, stored: torch.dtype) -> torch.dtype:
     """The dtype every projection runs in: the stored one, except fp16, which becomes fp32.
 
-    fp16's exponent cannot hold the converter's ~1e-6-scale latent (DESIGN.md 2.3); bf16 can.
+    fp16's exponent cannot hold the converter's tiny-scale latent (see `convert.target`); bf16 can.
     """
     dtype = requested if requested is not None else (torch.float32 if stored == torch.float16 else stored)
     if dtype not in COMPUTE_DTYPES:
         raise RuntimeModelError(
-            f"compute dtype {dtype} is not supported; use float32 or bfloat16 (fp16 flushes the latent to zero)")
+            f"compute dtype {dtype} is not supported: {FP16_REFUSED}")
     return dtype
 
 

@@ -34,25 +34,18 @@ is computed for padding and no mask is needed; the per-sequence attention loop i
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..convert import target as T
 from ..source.model import rms_norm
 from .decode_backends import DecodeAttention, decode_attention
 from .errors import GenerationSettingsError, RuntimeModelError
 from .loading import ExportedFolder, compute_dtype, read_exported_folder
 from .paged_cache import PagedLatentCache
-
-
-def _latent_norm_eps() -> float:
-    """transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV3RMSNorm's default eps (not rms_norm_eps)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-
-    return float(inspect.signature(DeepseekV3RMSNorm.__init__).parameters["eps"].default)
 
 
 @dataclass
@@ -106,8 +99,6 @@ class AbsorbedMLAModel:
         from transformers.activations import ACT2FN
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-        from ..convert.rope import inv_freq_from_config
-
         config = folder.config
         self.path = folder.path
         self.config = config
@@ -124,11 +115,11 @@ class AbsorbedMLAModel:
         self.kv_lora_rank = config.kv_lora_rank
         self.hidden_size = config.hidden_size
         self.rms_norm_eps = config.rms_norm_eps
-        self.latent_norm_eps = _latent_norm_eps()
+        self.latent_norm_eps = T.LATENT_NORM_EPS
         self.activation = ACT2FN[config.hidden_act]
         # RoPE and the softmax scale exactly as DeepseekV3RotaryEmbedding / DeepseekV3Attention compute them
-        inv_freq, self.attention_scaling = inv_freq_from_config(
-            config, "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding")
+        rotary = hf.DeepseekV3RotaryEmbedding(config=config)
+        inv_freq, self.attention_scaling = rotary.inv_freq.detach().clone().float(), float(rotary.attention_scaling)
         self.inv_freq = inv_freq.to(self.device)  # (D/2,) fp32
         self.rotate = hf.apply_rotary_pos_emb_interleave if config.rope_interleave else hf.apply_rotary_pos_emb
         self.softmax_scale = float(hf.yarn_apply_mscale(config.rope_parameters, (self.nope_dim + self.rope_dim) ** -0.5))
@@ -147,7 +138,7 @@ class AbsorbedMLAModel:
 
     @classmethod
     def from_folder(cls, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    decode_backend: str = "auto") -> "AbsorbedMLAModel":
+                    decode_backend: str = "auto") -> AbsorbedMLAModel:
         return cls(read_exported_folder(path), device, dtype, decode_backend)
 
     # ------------------------------------------------------------------ loading
@@ -163,31 +154,31 @@ class AbsorbedMLAModel:
 
     def _load_layer(self, take, tensors: dict[str, torch.Tensor], index: int) -> DenseLayer:
         prefix = f"model.layers.{index}."
-        attn = prefix + "self_attn."
+        attn = T.attention_prefix(index)
         heads, nope, v, rank = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
         if f"{prefix}mlp.gate_proj.weight" not in tensors:
             raise RuntimeModelError(
                 f"{self.path}: layer {index} has no dense MLP (mlp.gate_proj.weight); MoE layers are not supported")
-        kv_b = take(attn + "kv_b_proj.weight")  # (H*(nope+v), R)
+        kv_b = take(attn + T.KV_B_PROJ)  # (H*(nope+v), R)
         if kv_b.shape != (heads * (nope + v), rank):
             expected = (heads * (nope + v), rank)
             raise RuntimeModelError(f"{self.path}: layer {index} kv_b_proj is {tuple(kv_b.shape)}, config says {expected}")
         per_head = kv_b.view(heads, nope + v, rank)  # (H, nope+v, R): head h's key rows, then its value rows
         use_q_lora = self.config.q_lora_rank is not None
         attention = AbsorbedAttention(
-            q_proj=None if use_q_lora else take(attn + "q_proj.weight"),
-            q_a_proj=take(attn + "q_a_proj.weight") if use_q_lora else None,
-            q_a_bias=take(attn + "q_a_proj.bias", optional=True) if use_q_lora else None,
-            q_a_norm=take(attn + "q_a_layernorm.weight") if use_q_lora else None,
-            q_b_proj=take(attn + "q_b_proj.weight") if use_q_lora else None,
-            kv_a_proj=take(attn + "kv_a_proj_with_mqa.weight"),
-            kv_a_bias=take(attn + "kv_a_proj_with_mqa.bias", optional=True),
-            kv_a_norm=take(attn + "kv_a_layernorm.weight"),
+            q_proj=None if use_q_lora else take(attn + T.Q_PROJ),
+            q_a_proj=take(attn + T.Q_A_PROJ) if use_q_lora else None,
+            q_a_bias=take(attn + T.Q_A_BIAS, optional=True) if use_q_lora else None,
+            q_a_norm=take(attn + T.Q_A_NORM) if use_q_lora else None,
+            q_b_proj=take(attn + T.Q_B_PROJ) if use_q_lora else None,
+            kv_a_proj=take(attn + T.KV_A_PROJ),
+            kv_a_bias=take(attn + T.KV_A_BIAS, optional=True),
+            kv_a_norm=take(attn + T.KV_A_NORM),
             kv_b_proj=kv_b,
             w_uk=per_head[:, :nope, :].contiguous(),  # (H, nope, R)
             w_uv_t=per_head[:, nope:, :].transpose(1, 2).contiguous(),  # (H, R, v)
-            o_proj=take(attn + "o_proj.weight"),
-            o_bias=take(attn + "o_proj.bias", optional=True),
+            o_proj=take(attn + T.O_PROJ),
+            o_bias=take(attn + T.O_BIAS, optional=True),
         )
         return DenseLayer(
             input_norm=take(prefix + "input_layernorm.weight"),

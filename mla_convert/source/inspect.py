@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .shapes import CacheCost, MLAShape, SourceShape, cache_costs, check_mla_shape, default_shape, shape_for_compression
+from ..units import human_bytes
+from .config import SourceConfig
+from .shapes import CacheCost, MLAShape, cache_costs, check_mla_shape, pick_shape
 
 
 @dataclass(frozen=True)
 class InspectReport:
-    source: SourceShape
+    source: SourceConfig
     mla: MLAShape
     dtype: torch.dtype
     context: int
@@ -25,8 +27,6 @@ class InspectReport:
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(quantity, source, MLA) rows for the before/after table."""
-        from .shapes import human_bytes
-
         s, m = self.source_cost, self.mla_cost
         tokens = self.context * self.batch
         return [
@@ -40,7 +40,7 @@ class InspectReport:
 
 
 def inspect_shapes(
-    config: dict,
+    source: SourceConfig,
     kv_lora_rank: int | None = None,
     rope_dim: int | None = None,
     compression: float | None = None,
@@ -48,17 +48,7 @@ def inspect_shapes(
     context: int = 4096,
     batch: int = 1,
 ) -> InspectReport:
-    source = SourceShape.from_config(config)
-    if compression is not None:
-        mla = shape_for_compression(source, compression)
-    elif kv_lora_rank is None and rope_dim is None:
-        mla = default_shape(source)
-    else:
-        fallback = default_shape(source)
-        mla = check_mla_shape(
-            source,
-            kv_lora_rank if kv_lora_rank is not None else fallback.kv_lora_rank,
-            rope_dim if rope_dim is not None else fallback.rope_dim,
-        )
+    mla = pick_shape(source, kv_lora_rank, rope_dim, compression)
+    mla = check_mla_shape(source, mla.kv_lora_rank, mla.rope_dim)
     source_cost, mla_cost = cache_costs(source, mla, dtype)
     return InspectReport(source, mla, dtype, context, batch, source_cost, mla_cost)

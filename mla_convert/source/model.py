@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..io.reader import CheckpointReader
-from .shapes import SourceShape
+from .config import SourceConfig
 
 EMBED_CHUNK_ROWS = 8192
 
@@ -97,7 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def project_qkv(x: torch.Tensor, layer: SourceLayer, shape: SourceShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(x: torch.Tensor, layer: SourceLayer, shape: SourceConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pre-rotation q, k, v: (batch, heads, T, head_dim) each, from the normalised input x (batch, T, hidden)."""
     batch, length, _ = x.shape
     w = layer.weights
@@ -108,7 +108,7 @@ def project_qkv(x: torch.Tensor, layer: SourceLayer, shape: SourceShape) -> tupl
 
 
 def attention_from_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: SourceLayer, shape: SourceShape
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: SourceLayer, shape: SourceConfig
 ) -> torch.Tensor:
     """Causal GQA attention + o_proj: rotated q (b, H, T, h), k/v (b, G, S, h) -> (b, T, hidden)."""
     causal = q.shape[2] == k.shape[2] and q.shape[2] > 1
@@ -129,13 +129,15 @@ def mlp(x: torch.Tensor, layer: SourceLayer) -> torch.Tensor:
 class StreamedSourceModel:
     """The source model run layer by layer from its checkpoint, holding one layer's weights at a time."""
 
-    def __init__(self, reader: CheckpointReader, config: dict, shape: SourceShape, dtype: torch.dtype = torch.float32):
+    def __init__(self, reader: CheckpointReader, config: SourceConfig, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.reader = reader
-        self.config = config
-        self.shape = shape
-        self.arch = shape.architecture
+        self.shape = config
+        self.arch = config.architecture
         self.dtype = dtype
-        self.inv_freq = rope_inv_freq(shape.rope_parameters, shape.head_dim)
+        # where the layers compute: weights still stream from the (host) mapping, one layer on the device at a time
+        self.device = torch.device(device)
+        self.inv_freq = rope_inv_freq(config.rope_parameters, config.head_dim).to(self.device)
 
     # ------------------------------------------------------------------ weights
     def release(self) -> None:
@@ -143,20 +145,20 @@ class StreamedSourceModel:
         self.reader.close()
 
     def load_layer(self, index: int) -> SourceLayer:
-        names = self.arch.layer_weight_names(index, self.config)
+        names = self.shape.layer_weight_names(index)
         tensors = self.reader.get_many(names.values())
-        return SourceLayer(index, {role: tensors[name].to(self.dtype) for role, name in names.items()})
+        return SourceLayer(index, {role: tensors[name].to(device=self.device, dtype=self.dtype) for role, name in names.items()})
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows for `ids` (any shape), read in row chunks so the full table is never resident."""
-        flat = ids.reshape(-1)
-        out = torch.empty(flat.numel(), self.shape.hidden_size, dtype=self.dtype)
+        flat = ids.reshape(-1).cpu()
+        out = torch.empty(flat.numel(), self.shape.hidden_size, dtype=self.dtype, device=self.device)
         rows = self._row_slicer(self.arch.embed)
         for start in range(0, self.shape.vocab_size, EMBED_CHUNK_ROWS):
             stop = min(start + EMBED_CHUNK_ROWS, self.shape.vocab_size)
             inside = (flat >= start) & (flat < stop)
             if inside.any():
-                out[inside] = rows(start, stop).to(self.dtype)[flat[inside] - start]
+                out[inside.to(self.device)] = rows(start, stop).to(device=self.device, dtype=self.dtype)[(flat[inside] - start).to(self.device)]
                 self.release()  # the rows are views of the mapping: drop them before the next chunk
         return out.view(*ids.shape, self.shape.hidden_size)
 
@@ -165,23 +167,22 @@ class StreamedSourceModel:
         return lambda start, stop: self.reader.get_rows(name, start, stop)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.reader.get(self.arch.final_norm).to(self.dtype)
+        weight = self.reader.get(self.arch.final_norm).to(device=self.device, dtype=self.dtype)
         return rms_norm(hidden, weight, self.shape.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head applied in vocabulary chunks (the head is the largest matrix of small models)."""
-        name = self.arch.embed if self.shape.tied_embeddings else self.arch.lm_head
-        rows = self._row_slicer(name)
+        rows = self._row_slicer(self.shape.head_weight_name)
         parts = []
         for start in range(0, self.shape.vocab_size, EMBED_CHUNK_ROWS):
             stop = min(start + EMBED_CHUNK_ROWS, self.shape.vocab_size)
-            parts.append(linear(hidden, rows(start, stop).to(self.dtype)))
+            parts.append(linear(hidden, rows(start, stop).to(device=self.device, dtype=self.dtype)))
             self.release()  # keep one chunk of the (largest) matrix resident at a time
         return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------------ compute
     def cos_sin(self, length: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_cos_sin(self.inv_freq, torch.arange(offset, offset + length), self.dtype)
+        return rotary_cos_sin(self.inv_freq, torch.arange(offset, offset + length, device=self.device), self.dtype)
 
     def layer_forward(
         self, hidden: torch.Tensor, layer: SourceLayer, cos: torch.Tensor, sin: torch.Tensor
@@ -203,12 +204,13 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, scale: float, group: 
     summed over queries and averaged over heads (attention sinks get most of it).
     """
     batch, heads, length, _ = q.shape
-    distance = torch.zeros(heads, length, dtype=torch.float64)
-    mass = torch.zeros(batch, length, dtype=torch.float64)
-    positions = torch.arange(length)
+    device = q.device
+    distance = torch.zeros(heads, length, dtype=torch.float64, device=device)
+    mass = torch.zeros(batch, length, dtype=torch.float64, device=device)
+    positions = torch.arange(length, device=device)
     back = (positions[:, None] - positions[None, :]).clamp_min(0)  # (T, T): key index t - d for query t
     valid = positions[None, :] <= positions[:, None]  # (T, T): d <= t
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     for b in range(batch):  # one window at a time bounds memory to H x T x T
         keys = k[b].repeat_interleave(group, dim=0)  # (H, T, h)
         scores = torch.einsum("htd,hsd->hts", q[b].float(), keys.float()) * scale

@@ -7,140 +7,13 @@ checks answer instantly even for a model that is still on the hub.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 import torch
 
-from .architectures import ArchitectureSpec, architecture_for_config, tied_embeddings
-from ..errors import CheckpointError, InvalidShapeError
-
-DEEPSEEK_KV_LORA_RANK = 512
-DEEPSEEK_ROPE_DIM = 64
-
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
-    if name is None:
-        return default
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPE_NAMES[str(name).lower().replace("torch.", "")]
-    except KeyError as error:
-        raise InvalidShapeError(f"unknown dtype {name!r}; use one of bf16, fp16, fp32") from error
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
-class SourceShape:
-    """The attention facts of a source model that the conversion and the cache math need."""
-
-    architecture: ArchitectureSpec
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    intermediate_size: int
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    tied_embeddings: bool
-    rope_parameters: dict
-    rms_norm_eps: float
-    max_position_embeddings: int
-    torch_dtype: torch.dtype
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "SourceShape":
-        """Read the shape from a parsed `config.json`; `preflight` reports inconsistent values first."""
-        arch = architecture_for_config(config)
-        hidden = _config_int(config, "hidden_size")
-        heads = _config_int(config, "num_attention_heads")
-        kv_heads = _config_int(config, "num_key_value_heads", default=heads)
-        head_dim = _config_int(config, "head_dim", default=hidden // heads if heads > 0 else 0)
-        return cls(
-            architecture=arch,
-            hidden_size=hidden,
-            num_layers=_config_int(config, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=_config_int(config, "vocab_size"),
-            intermediate_size=_config_int(config, "intermediate_size"),
-            qkv_bias=arch.has_qkv_bias(config),
-            o_bias=arch.has_o_bias(config),
-            mlp_bias=arch.has_mlp_bias(config),
-            tied_embeddings=tied_embeddings(config),
-            rope_parameters=source_rope_parameters(config),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            torch_dtype=parse_dtype(config.get("dtype") or config.get("torch_dtype"), torch.float32),
-        )
-
-    @property
-    def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        if self.num_kv_heads == 1:
-            return "MQA"
-        return "GQA"
-
-    @property
-    def kv_values_per_token_layer(self) -> int:
-        """Cached numbers per token per layer: one key and one value per kv head."""
-        return 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def max_kv_lora_rank(self) -> int:
-        """Largest useful latent rank: the rank of the stacked NoPE-key/value projection.
-
-        Biases need no latent column: NoPE-key biases shift every score of a query equally (softmax drops
-        them) and value biases move into o_proj's bias (attention weights sum to one).
-        """
-        return min(2 * self.num_kv_heads * self.head_dim, self.hidden_size)
-
-    @property
-    def max_rope_dim(self) -> int:
-        return self.head_dim
-
-
-def _config_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """An integer from config.json, as a user error (not a KeyError traceback) when absent or malformed.
-
-    `default` stands in for a key that is absent or null, as transformers itself reads those configs.
-    """
-    value = config.get(key)
-    if value is None:
-        if default is None:
-            raise CheckpointError(f"config.json has no {key!r}; cannot tell the model's shape")
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise CheckpointError(f"config.json: {key!r} is {value!r}, not an integer")
-    return int(value)
-
-
-def source_rope_parameters(config: Mapping[str, Any]) -> dict:
-    """RoPE parameters in transformers-5 form, whether the config uses `rope_parameters` or the older keys."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    if "rope_theta" not in params:
-        params["rope_theta"] = float(config.get("rope_theta", 10000.0))
-    return params
+from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
+from ..errors import InvalidShapeError, PreflightError
+from ..units import dtype_bytes
+from .config import SourceConfig
 
 
 @dataclass(frozen=True)
@@ -155,9 +28,16 @@ class MLAShape:
         return self.kv_lora_rank + self.rope_dim
 
 
-def shape_problems(source: SourceShape, kv_lora_rank: int | None, rope_dim: int | None) -> list[str]:
+def shape_problems(source: SourceConfig, kv_lora_rank: int | None, rope_dim: int | None,
+                   q_lora_rank: int | None = None) -> list[str]:
     """Every reason the requested MLA shape cannot be built from `source` (empty when it can)."""
     problems = []
+    if q_lora_rank is not None:
+        if q_lora_rank <= 0:
+            problems.append(f"--q-lora-rank {q_lora_rank}: must be positive")
+        elif q_lora_rank > source.max_q_lora_rank:
+            problems.append(f"--q-lora-rank {q_lora_rank}: larger than the source allows (at most hidden_size "
+                            f"{source.max_q_lora_rank}: the query latent is computed from the {source.hidden_size}-wide input)")
     if rope_dim is not None:
         if rope_dim <= 0:
             problems.append(f"--rope-dim {rope_dim}: must be a positive even number")
@@ -179,20 +59,11 @@ def shape_problems(source: SourceShape, kv_lora_rank: int | None, rope_dim: int 
     return problems
 
 
-def check_mla_shape(source: SourceShape, kv_lora_rank: int, rope_dim: int, q_lora_rank: int | None = None) -> MLAShape:
-    problems = shape_problems(source, kv_lora_rank, rope_dim)
-    if q_lora_rank is not None and q_lora_rank <= 0:
-        problems.append(f"--q-lora-rank {q_lora_rank}: must be positive")
+def check_mla_shape(source: SourceConfig, kv_lora_rank: int, rope_dim: int, q_lora_rank: int | None = None) -> MLAShape:
+    problems = shape_problems(source, kv_lora_rank, rope_dim, q_lora_rank)
     if problems:
         raise InvalidShapeError("; ".join(problems))
     return MLAShape(kv_lora_rank, rope_dim, q_lora_rank)
-
-
-def _power_of_two_floor(value: float) -> int:
-    power = 1
-    while power * 2 <= value:
-        power *= 2
-    return power
 
 
 def rope_share(budget: int, head_dim: int) -> float:
@@ -206,7 +77,7 @@ def rope_share(budget: int, head_dim: int) -> float:
     return min(0.5, 0.5 * (budget / head_dim) ** -0.5)
 
 
-def shape_for_compression(source: SourceShape, compression: float) -> MLAShape:
+def shape_for_compression(source: SourceConfig, compression: float) -> MLAShape:
     """Pick (kv_lora_rank, rope_dim) so the cache is `compression` times smaller than the source's.
 
     rope_dim is `rope_share(...)` of the budget, rounded to a multiple of head_dim / 4 (at least 2),
@@ -234,7 +105,7 @@ def shape_for_compression(source: SourceShape, compression: float) -> MLAShape:
     return check_mla_shape(source, rank, rope_dim)
 
 
-def default_shape(source: SourceShape) -> MLAShape:
+def default_shape(source: SourceConfig) -> MLAShape:
     """DeepSeek's 512+64 when the source caches enough to make it a real saving, else a 2x compression."""
     deepseek = DEEPSEEK_KV_LORA_RANK + DEEPSEEK_ROPE_DIM
     if (
@@ -244,6 +115,27 @@ def default_shape(source: SourceShape) -> MLAShape:
     ):
         return MLAShape(DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM)
     return shape_for_compression(source, 2.0)
+
+
+def pick_shape(source: SourceConfig, kv_lora_rank: int | None = None, rope_dim: int | None = None,
+               compression: float | None = None, q_lora_rank: int | None = None) -> MLAShape:
+    """The MLA shape asked for: from `compression`, from the ranks given (the default fills in what is
+    missing), or the default.  Raises `PreflightError` / `InvalidShapeError` naming the flag at fault."""
+    if compression is not None:
+        if kv_lora_rank is not None or rope_dim is not None:
+            raise PreflightError(["--compression picks --kv-lora-rank and --rope-dim; give either the ratio or the ranks"])
+        mla = shape_for_compression(source, compression)
+    elif kv_lora_rank is None or rope_dim is None:
+        try:
+            fallback = default_shape(source)
+        except InvalidShapeError as error:  # say where the "--compression 2.0" comes from: the user never typed it
+            raise PreflightError([f"the default MLA shape (--compression 2.0) does not fit this source: {error}; "
+                                  "give --kv-lora-rank and --rope-dim"]) from error
+        mla = MLAShape(kv_lora_rank if kv_lora_rank is not None else fallback.kv_lora_rank,
+                       rope_dim if rope_dim is not None else fallback.rope_dim)
+    else:
+        mla = MLAShape(kv_lora_rank, rope_dim)
+    return MLAShape(mla.kv_lora_rank, mla.rope_dim, q_lora_rank)
 
 
 @dataclass(frozen=True)
@@ -270,16 +162,8 @@ class CacheCost:
         return memory_bytes // (self.bytes_per_token * batch)
 
 
-def cache_costs(source: SourceShape, mla: MLAShape, dtype: torch.dtype) -> tuple[CacheCost, CacheCost]:
+def cache_costs(source: SourceConfig, mla: MLAShape, dtype: torch.dtype) -> tuple[CacheCost, CacheCost]:
     return (
         CacheCost(source.kv_values_per_token_layer, source.num_layers, dtype),
         CacheCost(mla.kv_values_per_token_layer, source.num_layers, dtype),
     )
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")

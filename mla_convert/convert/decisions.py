@@ -1,0 +1,243 @@
+"""The measured choices of a conversion: the model-wide RoPE grid, each layer's K/V balance, and refinement.
+
+Each choice is made by measuring the attention-output error on the layer's calibration inputs, not by
+a fixed rule: the estimate ranks RoPE grids well when they differ a lot and the measurement settles the
+close ones; the best K/V balance differed between models by more than 100x; refinement is kept only
+where it beats the closed form on a held-out window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConversionError, NonFiniteError
+from ..options import ConvertOptions
+from ..source.config import SourceConfig
+from ..source.model import StreamedSourceModel, apply_rotary, attention_from_qkv, mlp, project_qkv, rms_norm
+from ..source.shapes import MLAShape
+from . import target as T
+from .calibration import LayerInputStats
+from .factorize import Whitening
+from .layer import LayerReport, convert_attention
+from .reference import mla_attention
+from .rope import RopeGrid, SlotPlan, candidate_grids, plan_layer
+
+# `--method` names -> the factorization's internal names (factorize.METHODS), and back
+METHOD_ALIASES = {"activation-aware": "output", "output": "output", "input": "input", "svd": "weight", "weight": "weight"}
+METHOD_NAMES = {"output": "activation-aware", "input": "input", "weight": "svd"}
+# K/V balance: multiplies the equal-energy weighting of NoPE-key errors against value errors; measured
+# per layer.  SmolLM2 layers mostly chose the top of (0.25 .. 4), so the search spans 1/8 .. 32.
+KV_BALANCE_COARSE = (0.25, 1.0, 4.0, 16.0)
+# Layer refinement by default (refine_steps=None) where it is cheap: when AUTO_REFINE_STEPS steps of one
+# layer cost at most AUTO_REFINE_FLOPS.  Measured gains: stories260K (28 GFLOP per layer) 2x 6.80 -> 6.45,
+# 4x 15.3 -> 12.3, 8x 58.7 -> 44.4 perplexity; SmolLM2-135M (725 GFLOP per layer) 2x 41.5 -> 38.1 on 10
+# windows, but at twice the conversion time (258 s instead of ~125-170 s on 2 cores), so there it is
+# opt-in (--refine-steps 200).  Each layer stops after AUTO_REFINE_PATIENCE held-out checks without a new
+# best, and keeps the closed form when refinement never beat it.
+AUTO_REFINE_STEPS = 200
+AUTO_REFINE_PATIENCE = 2  # held-out checks (25 steps each) without a new best before a layer stops
+AUTO_REFINE_FLOPS = 50e9
+REFINE_BATCH_WINDOWS = 2  # calibration windows per refinement step (refine_layer's default)
+# RoPE grid: finalists whose estimated error is within this factor of the best are measured (the estimate
+# ranks well when the gap is wide: SmolLM2 2x, 69.8 vs 121, the measurement agreed)
+ROPE_MEASURE_WITHIN = 1.5
+
+
+class Progress:
+    """Callbacks the CLI turns into progress bars; the library itself prints nothing."""
+
+    def phase(self, name: str, total: int | None = None) -> None: ...
+    def advance(self, done: int, total: int | None = None) -> None: ...
+    def message(self, text: str) -> None: ...
+
+
+# --------------------------------------------------------------------------- checks
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """`where` names the layer and the step ("layer 3, step 'factorization'"); the message names the tensor."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = (~torch.isfinite(tensor)).sum().item()
+            raise NonFiniteError(f"{where}: {name} holds {bad} NaN/Inf values (of {tensor.numel()}); refusing to write the output")
+
+
+def check_statistics(stats: LayerInputStats, index: int, step: str) -> None:
+    """Statistics the factorization can use, not a LinAlgError deep in torch."""
+    check_finite(stats.to_tensors(), f"layer {index}, step '{step}'")
+    if not bool(stats.second_moment.abs().sum() > 0):
+        raise ConversionError(
+            f"layer {index}, step '{step}': the attention input is identically zero (an all-zero input_layernorm "
+            "weight, or hidden states that overflow float32); this layer cannot be calibrated"
+        )
+
+
+# --------------------------------------------------------------------------- attention error
+def source_attention_output(layer, x: torch.Tensor, model: StreamedSourceModel) -> torch.Tensor:
+    cos, sin = model.cos_sin(x.shape[1])
+    q, k, v = project_qkv(x, layer, model.shape)
+    return attention_from_qkv(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, model.shape)
+
+
+def relative_error(approx: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((approx.double() - reference.double()).norm() / reference.double().norm().clamp_min(1e-30)).item()
+
+
+def converted_attention_output(weights: dict[str, torch.Tensor], x: torch.Tensor, source: SourceConfig, mla: MLAShape,
+                               slot_inv_freq: torch.Tensor) -> torch.Tensor:
+    return mla_attention(x, weights, source.num_heads, source.head_dim, mla.rope_dim, source.head_dim, slot_inv_freq)
+
+
+def advance_through_converted(model: StreamedSourceModel, layer, weights, hidden: torch.Tensor, mla: MLAShape,
+                              slot_inv_freq: torch.Tensor, chunk: int) -> None:
+    """Push the calibration hidden states through the converted layer (MLA attention + source MLP), in place."""
+    source = model.shape
+    attention_weights = {k: v.to(model.dtype) for k, v in weights.items()}
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start : start + chunk]
+        x = rms_norm(h, layer.weights["input_norm"], source.rms_norm_eps)
+        h = h + converted_attention_output(attention_weights, x, source, mla, slot_inv_freq)
+        hidden[start : start + chunk] = h + mlp(rms_norm(h, layer.weights["post_attn_norm"], source.rms_norm_eps), layer)
+
+
+# --------------------------------------------------------------------------- RoPE grid
+def choose_rope_grid(
+    rope_stats: list,
+    layers: Callable[[int], object],
+    samples: Callable[[int], LayerInputStats],
+    model: StreamedSourceModel,
+    mla: MLAShape,
+    measured: int,
+    progress: Progress,
+) -> tuple[RopeGrid, list[SlotPlan], list[dict]]:
+    """Pick the model-wide RoPE grid: rank all candidates by estimated error, measure the best few."""
+    source = model.shape
+    llama3 = source.rope_parameters.get("rope_type") == "llama3"
+    grids = candidate_grids(source.head_dim // 2, mla.rope_dim // 2, llama3=llama3)
+    scored = []  # (estimated error, grid, plans); plans kept only while a grid is among the best `keep`
+    keep = max(1, measured)
+    progress.phase("ranking RoPE grids", len(grids))
+    for number, grid in enumerate(grids):
+        plans = [plan_layer(stats, grid, model.inv_freq, source.num_kv_heads, max_fold=grid.step) for stats in rope_stats]
+        scored.append((sum(p.estimated_error for p in plans), grid, plans))
+        scored.sort(key=lambda item: item[0])
+        # every grid's plans for every layer add up (8x on SmolLM2: +360 MiB); only finalists need theirs
+        scored[keep:] = [(est, other, None) for est, other, _ in scored[keep:]]
+        progress.advance(number + 1, len(grids))
+    # the best always; the runners-up only when close (a NaN/inf estimate compares false: best alone)
+    finalists = scored[:1] + [item for item in scored[1:keep] if item[0] <= ROPE_MEASURE_WITHIN * scored[0][0]]
+    table = [{"grid": grid.describe(), "estimated_error": est} for est, grid, _ in scored[:10]]
+    if len(finalists) == 1:
+        return finalists[0][1], finalists[0][2], table
+    # measured: attention output error with full-rank K/V (only the RoPE choice differs)
+    full = MLAShape(source.max_kv_lora_rank, mla.rope_dim, mla.q_lora_rank)
+    progress.phase("measuring RoPE grids", len(finalists) * source.num_layers)
+    errors = [0.0] * len(finalists)
+    for index in range(source.num_layers):
+        layer = layers(index)
+        stats = samples(index)
+        x = stats.samples.to(model.dtype)
+        reference = source_attention_output(layer, x, model)
+        for rank, (_, _, plans) in enumerate(finalists):
+            weights, _ = convert_attention(layer.weights, source, full, plans[index], stats.second_moment, stats.mean,
+                                           method="input", whitening=Whitening.of(stats.second_moment))
+            out = converted_attention_output({k: v.float() for k, v in weights.items()}, x, source, full, plans[index].slot_inv_freq)
+            errors[rank] += relative_error(out, reference) ** 2 / source.num_layers
+            progress.advance(index * len(finalists) + rank + 1)
+        model.release()
+    for rank, (_, grid, _) in enumerate(finalists):
+        for row in table:
+            if row["grid"] == grid.describe():
+                row["measured_attention_error"] = math.sqrt(errors[rank])
+    best = min(range(len(finalists)), key=lambda r: (not math.isfinite(errors[r]), errors[r]))
+    return finalists[best][1], finalists[best][2], table
+
+
+# --------------------------------------------------------------------------- refinement policy
+@dataclass
+class RefinePolicy:
+    """How many refinement steps each layer gets, and why (recorded in the report)."""
+
+    steps: int
+    patience: int | None
+    decision: str
+
+    @classmethod
+    def of(cls, options: ConvertOptions, source: SourceConfig) -> RefinePolicy:
+        if options.refine_steps is not None:
+            return cls(options.refine_steps, None, f"{options.refine_steps} steps per layer (given)")
+        if METHOD_ALIASES.get(options.method) == "weight":  # the baseline stays free of calibration data
+            return cls(0, None, "auto: off (weight-only SVD uses no calibration data)")
+        cost = refine_flops(source, options.calibration.seq_len, AUTO_REFINE_STEPS)
+        if cost <= AUTO_REFINE_FLOPS:
+            return cls(AUTO_REFINE_STEPS, AUTO_REFINE_PATIENCE,
+                       f"auto: on ({cost / 1e9:.1f} GFLOP per layer <= {AUTO_REFINE_FLOPS / 1e9:.0f})")
+        return cls(0, None, f"auto: off ({cost / 1e9:.0f} GFLOP per layer > {AUTO_REFINE_FLOPS / 1e9:.0f}; "
+                            f"--refine-steps {AUTO_REFINE_STEPS} turns it on)")
+
+
+def refine_flops(source: SourceConfig, seq_len: int, steps: int) -> float:
+    """Rough cost of refining one layer: forward + backward (3x forward) of its attention on the step's tokens."""
+    projections = 2 * source.hidden_size * source.head_dim * (source.num_heads + source.num_kv_heads)  # q, o + k, v
+    tokens = REFINE_BATCH_WINDOWS * seq_len
+    per_token = 2 * projections + 4 * source.num_heads * source.head_dim * seq_len  # matmuls + scores/values
+    return 3.0 * per_token * tokens * steps
+
+
+# --------------------------------------------------------------------------- one layer
+def convert_layer(layer, stats: LayerInputStats, mla: MLAShape, plan: SlotPlan, method: str, options: ConvertOptions,
+                  model: StreamedSourceModel, use_q_lora: bool, refine: RefinePolicy) -> tuple[dict, LayerReport]:
+    """Convert one layer; with the output-aware method, pick the K/V balance by measured attention error.
+
+    Calibration tokens weigh in the factorization by how much attention reads them (the attention-mass
+    moment; attention sinks above all), and NoPE queries are scaled by the least-squares factor for the
+    rotation they lose: both measured better on every model tried, so they are not options.
+    """
+    source = model.shape
+    moment = stats.attention_moment if stats.attention_moment is not None else stats.second_moment
+    whitening = None if method == "weight" else Whitening.of(moment)
+    x = stats.samples.to(model.dtype)
+    reference = source_attention_output(layer, x, model)
+    best = None
+
+    def attempt(balance: float):
+        nonlocal best
+        weights, report = convert_attention(layer.weights, source, mla, plan, stats.second_moment, stats.mean, method,
+                                            balance, layer.index, use_q_lora, whitening, nope_scaling=True)
+        out = converted_attention_output({k: v.float() for k, v in weights.items()}, x, source, mla, plan.slot_inv_freq)
+        report.attention_error = relative_error(out, reference)
+        if best is None or report.attention_error < best[1].attention_error:
+            best = (weights, report)
+        return report.attention_error
+
+    if method == "output" and options.kv_balance_search:
+        # coarse (x4 apart), then the x2 step from the best towards its better coarse neighbour (beyond the
+        # end of the grid when the best is at an end): 1/8 .. 32 in 5 conversions
+        errors = [attempt(balance) for balance in KV_BALANCE_COARSE]
+        position = min(range(len(errors)), key=errors.__getitem__)
+        centre = KV_BALANCE_COARSE[position]
+        if position in (0, len(errors) - 1):
+            towards_below = position == 0
+        else:
+            towards_below = errors[position - 1] < errors[position + 1]
+        attempt(centre / 2 if towards_below else centre * 2)
+    else:
+        attempt(1.0)
+    check_finite(best[0], f"layer {layer.index}, step 'factorization'")  # before refinement hides it
+    if refine.steps > 0 and x.shape[0] >= 2:
+        from .refine import refine_layer
+
+        weights, report = best
+        result = refine_layer(weights, x, reference, source.num_heads, source.head_dim, mla.rope_dim, source.head_dim,
+                              plan.slot_inv_freq, steps=refine.steps, lr=options.refine_lr, patience=refine.patience,
+                              latent_scale_fn=lambda down: T.latent_scale_for(down, layer.weights["input_norm"]))
+        out = converted_attention_output({k: v.float() for k, v in result.weights.items()}, x, source, mla, plan.slot_inv_freq)
+        report.extra["closed_form_attention_error"] = report.attention_error
+        report.attention_error = relative_error(out, reference)
+        report.latent_scale = T.latent_scale_of(result.weights[T.KV_A_NORM][0].item())
+        report.extra["refine_best_step"] = result.steps
+        report.extra["refine_held_out_error"] = [result.error_before, result.error_after]  # closed form, refined
+        best = (result.weights, report)
+    return best

@@ -1,0 +1,124 @@
+"""`mla_convert.json`: what a conversion did and measured, written beside the weights and read by the card.
+
+A local source is recorded by its path relative to the output folder (a hub id as it is), so the report
+(and the card built from it) never carries a machine's absolute paths, and a converted folder moved
+together with its source still finds it (fine-tuning reads its teacher from there).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..io.resolve import looks_like_hub_id
+from ..options import ConvertOptions
+from ..source.config import SourceConfig
+from ..source.shapes import MLAShape
+from ..units import dtype_bytes, dtype_name
+from .layer import LayerReport
+from .memory import peak_rss_bytes
+from .rope import RopeGrid
+
+REPORT_FILE = "mla_convert.json"
+
+
+@dataclass
+class ConversionFacts:
+    """What the pipeline decided, gathered for the report."""
+
+    source_name: str
+    output: Path
+    source: SourceConfig
+    mla: MLAShape
+    options: ConvertOptions
+    calibration_description: str
+    calibration_tokens: int
+    grid: RopeGrid
+    rope_parameters: dict
+    grid_table: list[dict]
+    layer_reports: list[LayerReport]
+    export_dtype: torch.dtype
+    seconds: float
+    q_lora_rank: int | None
+    attention_bias: bool
+    command: str | None = None
+
+
+def source_label(name: str, output: Path) -> tuple[str, str | None]:
+    """(how the report names a source or text, its hub id or None): a local path, relative to the output folder;
+    anything else (a hub id, a datasets spec) as given."""
+    if Path(name).exists():
+        return os.path.relpath(Path(name).resolve(), Path(output).resolve()), None
+    return name, (name if looks_like_hub_id(name) else None)
+
+
+def build_report(facts: ConversionFacts) -> dict:
+    import safetensors
+    import transformers
+
+    from .engines import engine_compatibility
+
+    source, mla = facts.source, facts.mla
+    src_values = source.kv_values_per_token_layer
+    mla_values = mla.kv_values_per_token_layer
+    size = dtype_bytes(facts.export_dtype)
+    energies = [r.kept_energy for r in facts.layer_reports]
+    errors = [r.attention_error for r in facts.layer_reports if r.attention_error is not None]
+    name, hub_id = source_label(facts.source_name, facts.output)
+    options = facts.options.to_dict()
+    if options["calibration"].get("data"):
+        options["calibration"]["data"] = source_label(str(options["calibration"]["data"]), facts.output)[0]
+    return {
+        "mla_convert_version": __version__,
+        "command": facts.command,
+        "source": {
+            "name_or_path": name,
+            "hub_id": hub_id,
+            "architecture": source.architecture.hf_architectures[0],
+            "license": source.license,
+            "num_layers": source.num_layers,
+            "num_heads": source.num_heads,
+            "num_kv_heads": source.num_kv_heads,
+            "head_dim": source.head_dim,
+            "hidden_size": source.hidden_size,
+            "qkv_bias": source.qkv_bias,
+            "rope_parameters": source.rope_parameters,
+        },
+        "options": {**options, "kv_lora_rank": mla.kv_lora_rank, "rope_dim": mla.rope_dim,
+                    "q_lora_rank": facts.q_lora_rank, "dtype": dtype_name(facts.export_dtype)},
+        "calibration": {"description": facts.calibration_description, "tokens": facts.calibration_tokens},
+        "rope": {"grid": facts.grid.describe(), "offset": facts.grid.offset, "step": facts.grid.step,
+                 "rope_parameters": facts.rope_parameters, "candidates": facts.grid_table},
+        "cache": {
+            "source_values_per_token_layer": src_values,
+            "mla_values_per_token_layer": mla_values,
+            "ratio": src_values / mla_values,
+            "num_layers": source.num_layers,
+            "dtype": dtype_name(facts.export_dtype),
+            "source_bytes_per_token": src_values * source.num_layers * size,
+            "mla_bytes_per_token": mla_values * source.num_layers * size,
+        },
+        "layers": [r.to_dict() for r in facts.layer_reports],
+        "summary": {
+            "mean_kept_energy": sum(energies) / len(energies),
+            "min_kept_energy": min(energies),
+            "mean_attention_error": (sum(errors) / len(errors)) if errors else None,
+            "seconds": round(facts.seconds, 2),
+            "peak_rss_bytes": peak_rss_bytes(),
+        },
+        "evaluation": None,
+        "finetuning": None,
+        "engines": engine_compatibility(mla, facts.attention_bias, facts.q_lora_rank),
+        "versions": {
+            "mla_convert": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__,
+            "python": platform.python_version(),
+        },
+    }

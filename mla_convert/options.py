@@ -1,0 +1,218 @@
+"""Conversion options, declared once: type, default, help, flag and valid range of every field.
+
+The command line is generated from these declarations (`cli_options`), so a field cannot exist in the
+API without a flag or the other way round, and `convert` and `sweep` share the calibration flags by
+construction.  `option_problems` checks every value against its declared range in one place, so a bad
+value is one `error:` line before any work, from the CLI and from the Python API alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+METHODS = ("activation-aware", "input", "svd")
+
+
+def option(default: Any = None, help: str = "", *, flag: str | None = None, short: str | None = None,
+           choices: tuple[str, ...] | None = None, minimum: float | None = None, maximum: float | None = None,
+           positive: bool = False, default_factory: Callable | None = None) -> Any:
+    """A dataclass field that is also a command-line flag."""
+    metadata = {"help": help, "flag": flag, "short": short, "choices": choices, "minimum": minimum,
+                "maximum": maximum, "positive": positive}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class CalibrationOptions:
+    """Where the calibration activations come from and how many are collected."""
+
+    data: Optional[str] = option(None, "Calibration text: a file, a folder, or a datasets spec name:config:split. "
+                                 "Default: text sampled from the source model itself.", flag="--calib-data")
+    num_samples: int = option(16, "Calibration windows.", flag="--calib-samples", minimum=1, maximum=1 << 20)
+    seq_len: int = option(256, "Tokens per calibration window (at least 2: attention needs two positions).",
+                          flag="--calib-seq-len", minimum=2, maximum=1 << 20)
+    seed: int = option(0, "Seed for sampling calibration text from the model.", flag="--seed", minimum=0, maximum=2**63 - 1)
+    text_column: str = option("text", "Text column of a datasets dataset.", flag="--calib-text-column")
+    temperature: float = option(1.0, "Sampling temperature for self-sampled calibration text (0: greedy).",
+                                flag="--calib-temperature", minimum=0.0, maximum=100.0)
+    top_p: float = option(0.95, "Nucleus threshold for self-sampled calibration text, in (0, 1].",
+                          flag="--calib-top-p", positive=True, maximum=1.0)
+    profile_samples: int = option(8, "Windows used for each head's attention-distance profile.",
+                                  flag="--calib-profile-samples", minimum=1, maximum=1 << 20)
+    error_samples: int = option(4, "Windows kept per layer to measure the conversion error (and to refine on).",
+                                flag="--calib-error-samples", minimum=1, maximum=1 << 20)
+    chunk: int = option(4, "Windows pushed through a layer at once (memory vs speed).", flag="--calib-chunk",
+                        minimum=1, maximum=1 << 20)
+
+
+@dataclass
+class ConvertOptions:
+    """Everything that decides what `convert` writes."""
+
+    kv_lora_rank: Optional[int] = option(None, "Latent rank R of the MLA cache.", flag="--kv-lora-rank", short="-r")
+    rope_dim: Optional[int] = option(None, "Dimension D of the shared RoPE key (even).", flag="--rope-dim", short="-d")
+    compression: Optional[float] = option(None, "Target KV-cache ratio (source / MLA); picks R and D.", flag="--compression",
+                                          short="-c")
+    q_lora_rank: Optional[int] = option(None, "Also factor the queries through a latent of this rank (at most hidden_size).",
+                                        flag="--q-lora-rank")
+    method: str = option("activation-aware", "Factorization: activation-aware (inputs whitened, outputs weighted by what "
+                         "their error costs), input (whitened only) or svd (weight-only baseline).", flag="--method",
+                         choices=METHODS)
+    calibration: CalibrationOptions = option(help="", default_factory=CalibrationOptions)
+    dtype: str = option("auto", "Export dtype: auto (the source's; fp16 becomes bf16), bf16 or fp32.", flag="--dtype",
+                        choices=("auto", "bf16", "bfloat16", "fp32", "float32"))
+    device: str = option("cpu", "Where calibration, statistics, factorization and refinement run: cpu, cuda or cuda:N. "
+                         "Weights stream from disk one layer at a time either way.", flag="--device")
+    sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "
+                              "(--no-sequential: on the source's).", flag="--sequential")
+    refine_steps: Optional[int] = option(None, "Adam steps per layer on the attention-output error, kept only where a "
+                                         "held-out window improves (0: closed form only; default: 200 steps where one layer's refinement "
+                                         "costs at most 50 GFLOP, e.g. stories260K; off for larger layers).", flag="--refine-steps", minimum=0, maximum=1 << 20)
+    refine_lr: float = option(1e-3, "Refinement learning rate, relative to each tensor's scale.", flag="--refine-lr",
+                              positive=True, maximum=1.0)
+    rope_finalists: int = option(2, "RoPE grids measured on calibration data after ranking all by estimate "
+                                 "(the runners-up only when their estimate is within 1.5x of the best).",
+                                 flag="--rope-finalists", minimum=1, maximum=64)
+    kv_balance_search: bool = option(True, "Search the K/V balance of the activation-aware factorization per layer "
+                                     "by measured attention error (5 factorizations per layer).", flag="--kv-balance-search")
+    max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest output shard, e.g. 5GB or 500MB.", flag="--max-shard-size")
+    overwrite: bool = option(False, "Replace an existing output folder.", flag="--overwrite")
+    allow_pickle: bool = option(False, "Read pickled *.bin weights (torch.load with weights_only=True).", flag="--allow-pickle")
+    revision: Optional[str] = option(None, "Hub revision of the source.", flag="--revision")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- validation
+def option_problems(options: Any) -> list[str]:
+    """Every value outside its declared range, one line each, named by its flag."""
+    problems = []
+    hints = typing.get_type_hints(type(options))
+    for spec in dataclasses.fields(options):
+        value = getattr(options, spec.name)
+        if dataclasses.is_dataclass(value):
+            problems += option_problems(value)
+            continue
+        meta, flag = spec.metadata, spec.metadata.get("flag") or spec.name
+        if value is None:
+            continue
+        expected = _base_type(hints[spec.name])
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            problems.append(f"{flag} {value!r}: must be {expected.__name__}")
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{flag} {value}: must be a finite number")
+            continue
+        if meta.get("choices") and value not in meta["choices"]:
+            problems.append(f"{flag} {value!r}: choose one of {', '.join(meta['choices'])}")
+        if meta.get("positive") and not value > 0:
+            problems.append(f"{flag} {value}: must be positive")
+        if meta.get("minimum") is not None and value < meta["minimum"]:
+            problems.append(f"{flag} {value}: must be at least {meta['minimum']:g}")
+        if meta.get("maximum") is not None and value > meta["maximum"]:
+            problems.append(f"{flag} {value}: must be at most {meta['maximum']:g}")
+        if isinstance(value, str) and not value.strip() and expected is str and spec.default not in ("", None):
+            problems.append(f"{flag}: must not be empty")
+    return problems
+
+
+def _base_type(annotation: Any) -> type:
+    """Optional[int] -> int; int -> int."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+# --------------------------------------------------------------------------- command line
+@dataclass(frozen=True)
+class _Flag:
+    parameter: inspect.Parameter
+    path: tuple[str, ...]  # field names from the top-level dataclass down to this field
+
+
+def _flags(cls: type, exclude: frozenset[str], path: tuple[str, ...] = ()) -> list[_Flag]:
+    import typer
+
+    flags = []
+    hints = typing.get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        if spec.name in exclude:
+            continue
+        annotation = hints[spec.name]
+        if dataclasses.is_dataclass(annotation):
+            flags += _flags(annotation, exclude, path + (spec.name,))
+            continue
+        meta = spec.metadata
+        flag = meta.get("flag") or "--" + spec.name.replace("_", "-")
+        names = [flag] + ([meta["short"]] if meta.get("short") else [])
+        if annotation is bool:  # a switch both ways: --sequential / --no-sequential
+            names[0] = f"{flag}/--no-{flag[2:]}"
+        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+        help_text = meta.get("help", "")
+        if meta.get("choices"):
+            help_text += f" [choices: {', '.join(meta['choices'])}]"
+        param_name = flag.lstrip("-").replace("-", "_")
+        parameter = inspect.Parameter(param_name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                      default=typer.Option(default, *names, help=help_text, show_default=True))
+        flags.append(_Flag(parameter, path + (spec.name,)))
+    return flags
+
+
+def _build(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> Any:
+    kwargs = {}
+    hints = typing.get_type_hints(cls)
+    for spec in dataclasses.fields(cls):
+        key = path + (spec.name,)
+        if dataclasses.is_dataclass(hints[spec.name]):
+            kwargs[spec.name] = _build(hints[spec.name], values, key)
+        elif key in values:
+            kwargs[spec.name] = values[key]
+    return cls(**kwargs)
+
+
+def cli_options(**groups: type | tuple[type, frozenset[str] | set[str]]):
+    """Decorate a typer command: each keyword names a parameter of the command that receives a dataclass
+    (optionally with field names to leave out); its fields become the command's flags.
+
+    Example: `@cli_options(options=(ConvertOptions, {"method"}))` gives the command every ConvertOptions
+    flag but `--method` and calls it with `options=ConvertOptions(...)`.
+    """
+    specs = {name: (value, frozenset()) if isinstance(value, type) else (value[0], frozenset(value[1]))
+             for name, value in groups.items()}
+
+    def decorate(func):
+        hints = typing.get_type_hints(func)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation))
+               for p in inspect.signature(func).parameters.values() if p.name not in specs]
+        generated = {name: _flags(cls, exclude) for name, (cls, exclude) in specs.items()}
+        taken = [p.name for p in own] + [f.parameter.name for flags in generated.values() for f in flags]
+        clashes = {name for name in taken if taken.count(name) > 1}
+        if clashes:
+            raise TypeError(f"{func.__name__}: flags declared twice: {sorted(clashes)}")
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            for name, flags in generated.items():
+                values = {flag.path: kwargs.pop(flag.parameter.name) for flag in flags if flag.parameter.name in kwargs}
+                kwargs[name] = _build(specs[name][0], values)
+            return func(*args, **kwargs)
+
+        parameters = own + [f.parameter for flags in generated.values() for f in flags]
+        wrapper.__signature__ = inspect.Signature(parameters)
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        wrapper.option_flags = {name: [(f.parameter.name, f.path) for f in flags] for name, flags in generated.items()}
+        return wrapper
+
+    return decorate

@@ -1,0 +1,431 @@
+"""The source model's `config.json`, parsed once into a frozen, typed `SourceConfig`.
+
+This is the only module that reads the raw config dict.  Parsing is strict: a value of the wrong JSON
+type is a problem even when Python's truthiness would accept it (`"attention_bias": "false"` is a
+string, not False), sizes must be positive integers within sane bounds (a config claiming 10^9 layers
+must not make pre-flight itself loop for hours), and token ids must lie in the vocabulary.  Every
+problem is collected, so the user sees all of them at once.
+
+RoPE is resolved by the architecture's own transformers config class, exactly as transformers resolves
+it when it loads the model (a legacy `rope_scaling` next to `rope_parameters` wins there, so it wins
+here too); the standardized parameters are then checked against what DeepseekV3 can reproduce.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, MLAConvertError, PreflightError
+from .architectures import ArchitectureSpec, architecture_for_config
+
+REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+# Ceilings far above any released model; beyond them a config is garbage, and checks that walk every
+# layer or tensor would run for hours.
+MAX_SIZE = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+            "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "head_dim": 4096,
+            "max_position_embeddings": 1 << 28}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# What the RoPE types mla-convert reproduces need beyond rope_theta (transformers' own requirements).
+ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+DEFAULT_MAX_POSITIONS = 4096
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Every fact of the source config the conversion, the cache math and the export need, typed."""
+
+    architecture: ArchitectureSpec
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tied_embeddings: bool
+    rope_parameters: dict
+    rms_norm_eps: float
+    max_position_embeddings: int
+    torch_dtype: torch.dtype
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+    license: str | None = None
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> SourceConfig:
+        """Parse a `config.json` mapping; raise `PreflightError` listing every problem."""
+        config, problems = _parse(raw)
+        if problems:
+            raise PreflightError(problems)
+        return config
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> SourceConfig:
+        return cls.from_dict(read_config_json(folder))
+
+    @staticmethod
+    def problems(raw: Mapping[str, Any]) -> list[str]:
+        """Every reason `raw` cannot be converted (empty: it can)."""
+        return _parse(raw)[1]
+
+    # ------------------------------------------------------------------ attention shape
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """Cached numbers per token per layer: one key and one value per kv head."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def max_kv_lora_rank(self) -> int:
+        """Largest useful latent rank: the rank of the stacked NoPE-key/value projection.
+
+        Biases need no latent column: NoPE-key biases shift every score of a query equally (softmax drops
+        them) and value biases move into o_proj's bias (attention weights sum to one).
+        """
+        return min(2 * self.num_kv_heads * self.head_dim, self.hidden_size)
+
+    @property
+    def max_rope_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def max_q_lora_rank(self) -> int:
+        """The query latent cannot usefully be wider than the input it is computed from."""
+        return self.hidden_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
+    @property
+    def first_token_id(self) -> int:
+        """The id sampling starts from: BOS, else 0."""
+        return 0 if self.bos_token_id is None else self.bos_token_id
+
+    # ------------------------------------------------------------------ weight names
+    def attention_weight_names(self, layer: int) -> dict[str, str]:
+        return self.architecture.attention_weight_names(layer, self.qkv_bias, self.o_bias)
+
+    def mlp_weight_names(self, layer: int) -> dict[str, str]:
+        return self.architecture.mlp_weight_names(layer, self.mlp_bias)
+
+    def norm_weight_names(self, layer: int) -> dict[str, str]:
+        return self.architecture.norm_weight_names(layer)
+
+    def layer_weight_names(self, layer: int) -> dict[str, str]:
+        """Every tensor of one decoder layer, keyed by role (`q_weight`, `k_bias`, `gate_weight`, ...)."""
+        return {**self.attention_weight_names(layer), **self.mlp_weight_names(layer), **self.norm_weight_names(layer)}
+
+    @property
+    def head_weight_name(self) -> str:
+        """The output projection's rows: the embedding table when the two are tied."""
+        return self.architecture.embed if self.tied_embeddings else self.architecture.lm_head
+
+
+# --------------------------------------------------------------------------- reading
+def read_config_json(folder: str | os.PathLike) -> dict:
+    """The parsed `config.json` of a model folder, with a clear error when absent, unreadable or broken."""
+    path = Path(folder) / "config.json"
+    try:
+        if path.exists() and not path.is_file():
+            raise CheckpointError(f"{path}: not a regular file")
+        with open(path, "rb") as handle:  # bounded read: a huge or endless "config" is not a config
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from error
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from error
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; not a model config")
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
+
+
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+# --------------------------------------------------------------------------- strict parse
+class _Reader:
+    """Typed access to the raw mapping that records a problem (and returns None) for each bad value."""
+
+    def __init__(self, raw: Mapping[str, Any]):
+        self.raw = raw
+        self.problems: list[str] = []
+
+    def size(self, key: str, default: int | None = None, required: bool = False) -> int | None:
+        value = self.raw.get(key)
+        if value is None:
+            if required:
+                self.problems.append(f"config.json: {key} must be a positive integer (found {value!r})")
+            return default
+        if not _is_int(value) or value <= 0:
+            self.problems.append(f"config.json: {key} must be a positive integer (found {value!r})")
+            return None
+        if value > MAX_SIZE.get(key, 1 << 40):
+            self.problems.append(f"config.json: {key} {value} is beyond any real model (at most {MAX_SIZE[key]})")
+            return None
+        return value
+
+    def flag(self, key: str) -> bool:
+        value = self.raw.get(key, False)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            self.problems.append(f"config.json: {key} must be true or false (found {value!r})")
+            return False
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not _is_number(value) or value <= 0:
+            self.problems.append(f"config.json: {key} must be a positive number (found {value!r})")
+            return default
+        return float(value)
+
+    def text(self, key: str, default: str | None) -> str | None:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            self.problems.append(f"config.json: {key} must be a string (found {value!r})")
+            return default
+        return value
+
+
+def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list[str]]:
+    architectures = raw.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        return None, [f"config.json: architectures must be a list of class names (found {architectures!r})"]
+    model_type = raw.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        return None, [f"config.json: model_type must be a string (found {model_type!r})"]
+    if not architectures and not model_type:
+        return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
+    try:
+        return architecture_for_config(architectures[0] if architectures else None, model_type), []
+    except MLAConvertError as error:
+        return None, [str(error)]
+
+
+def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
+    arch, problems = _architecture(raw)
+    if arch is None:
+        return None, problems
+    read = _Reader(raw)
+    sizes = {key: read.size(key, required=True) for key in REQUIRED_SIZES}
+    hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+    kv_heads = read.size("num_key_value_heads", default=heads)
+    head_dim = read.size("head_dim")
+    if heads and kv_heads and heads % kv_heads:
+        read.problems.append(f"config.json: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
+    if raw.get("head_dim") is None:  # absent or null: transformers derives it
+        if hidden and heads:
+            if hidden % heads:
+                read.problems.append(f"config.json: num_attention_heads {heads} does not divide hidden_size {hidden} "
+                                     "(and no head_dim is given)")
+            else:
+                head_dim = hidden // heads
+    if head_dim is not None and head_dim % 2:
+        read.problems.append(f"config.json: head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
+    hidden_act = read.text("hidden_act", "silu")
+    if hidden_act not in SUPPORTED_ACTIVATIONS:
+        read.problems.append(f"config.json: hidden_act {hidden_act!r} is not supported (DeepseekV3's MLP uses silu)")
+    for key, bad in arch.unsupported_config.items():
+        if raw.get(key) == bad:
+            read.problems.append(f"config.json: {key}={bad!r} is not supported (DeepseekV3 has no such attention)")
+    qkv_bias = arch.qkv_bias if isinstance(arch.qkv_bias, bool) else read.flag(arch.qkv_bias)
+    o_bias = arch.o_bias if isinstance(arch.o_bias, bool) else read.flag(arch.o_bias)
+    mlp_bias = arch.mlp_bias if isinstance(arch.mlp_bias, bool) else read.flag(arch.mlp_bias)
+    if mlp_bias:
+        read.problems.append("config.json: mlp_bias=true is not supported (DeepseekV3's MLP has no biases)")
+    tied = read.flag("tie_word_embeddings")
+    eps = read.number("rms_norm_eps", 1e-6)
+    initializer_range = read.number("initializer_range", 0.02)
+    max_positions = read.size("max_position_embeddings", default=DEFAULT_MAX_POSITIONS) or DEFAULT_MAX_POSITIONS
+    dtype = _dtype(raw, read.problems)
+    vocab = sizes["vocab_size"]
+    token_ids = _token_ids(raw, vocab, read.problems)
+    license_ = raw.get("license") if isinstance(raw.get("license"), str) else None
+    rope_parameters = None
+    if head_dim is not None and head_dim % 2 == 0 and not read.problems:
+        rope_parameters = _rope_parameters(raw, arch, heads, head_dim, read.problems)
+    if read.problems or rope_parameters is None:
+        return None, problems + read.problems
+    return SourceConfig(
+        architecture=arch,
+        model_type=raw.get("model_type") or arch.model_types[0],
+        hidden_size=hidden,
+        num_layers=sizes["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        intermediate_size=sizes["intermediate_size"],
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        tied_embeddings=tied,
+        rope_parameters=rope_parameters,
+        rms_norm_eps=eps,
+        max_position_embeddings=max_positions,
+        torch_dtype=dtype,
+        hidden_act=hidden_act,
+        bos_token_id=token_ids["bos_token_id"],
+        eos_token_id=token_ids["eos_token_id"],
+        pad_token_id=token_ids["pad_token_id"],
+        initializer_range=initializer_range,
+        license=license_,
+    ), []
+
+
+def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:
+    for key in ("dtype", "torch_dtype"):  # `dtype` wins over the older `torch_dtype`, as in transformers
+        value = raw.get(key)
+        if value is None:
+            continue
+        name = value.replace("torch.", "") if isinstance(value, str) else None
+        if name not in DTYPES:
+            problems.append(f"config.json: {key} {value!r} is not a dtype mla-convert reads (float32, float16, bfloat16)")
+            return torch.float32
+        return DTYPES[name]
+    return torch.float32
+
+
+def _token_ids(raw: Mapping[str, Any], vocab: int | None, problems: list[str]) -> dict:
+    """Special token ids as DeepseekV3Config accepts them: integers (eos: or a list of them) inside the vocabulary."""
+    out: dict = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = raw.get(key)
+        out[key] = None
+        if value is None:
+            continue
+        many = key == "eos_token_id" and isinstance(value, list)
+        ids = value if many else [value]
+        if (many and not value) or not all(_is_int(i) for i in ids):
+            problems.append(f"config.json: {key} must be a token id (an integer{' or a list of them' if key == 'eos_token_id' else ''}); "
+                            f"found {value!r}")
+            continue
+        outside = [i for i in ids if vocab is not None and not 0 <= i < vocab]
+        if outside:
+            problems.append(f"config.json: {key} {value!r} is outside the vocabulary (vocab_size {vocab})")
+            continue
+        out[key] = tuple(ids) if many else value
+    return out
+
+
+def _rope_parameters(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int,
+                     problems: list[str]) -> dict | None:
+    """RoPE parameters as transformers' own config class standardizes them, checked for what DeepseekV3 can express.
+
+    The class also validates the architecture (transformers 5 refuses a hidden size that is not a multiple of
+    the heads even with an explicit head_dim); that is not a RoPE fact and mla-convert converts such models,
+    so the class sees a hidden size consistent with the heads and everything else as written.
+    """
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw.get(key), dict):
+            problems.append(f"config.json: {key} must be a JSON object (found {raw.get(key)!r})")
+            return None
+    if "rope_theta" in raw and not (_is_number(raw["rope_theta"]) and raw["rope_theta"] > 0):
+        problems.append(f"config.json: rope_theta must be a positive number (found {raw['rope_theta']!r})")
+        return None
+    module_name, _, class_name = arch.config_class.rpartition(".")
+    config_class = getattr(importlib.import_module(module_name), class_name)
+    values = {k: v for k, v in raw.items() if k not in IGNORED_BY_CONFIG_CLASS}
+    values.update(hidden_size=heads * head_dim, head_dim=head_dim)
+    try:
+        standardized = config_class(**values)
+        params = dict(getattr(standardized, "rope_parameters", None) or {})
+    except Exception as error:  # transformers validates in its own ways; report the reason it gives
+        reason = error.__cause__ or error
+        first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+        problems.append(f"config.json: transformers' {class_name} rejects its RoPE settings ({first_line})")
+        return None
+    params.pop("type", None)  # the legacy key; transformers keeps it beside rope_type
+    params.setdefault("rope_type", "default")
+    rope_problems = _unsupported_rope(params, head_dim)
+    problems += [f"config.json: {p}" for p in rope_problems]
+    return None if rope_problems else params
+
+
+# Keys a transformers config class must not receive from a hostile file: they select remote code or
+# change how the class itself behaves, not the model.
+IGNORED_BY_CONFIG_CLASS = ("auto_map", "transformers_version", "_name_or_path", "architectures")
+
+
+def _unsupported_rope(params: dict, head_dim: int) -> list[str]:
+    from .model import rope_inv_freq
+
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        return [f"RoPE type {rope_type!r} (as transformers resolves this config) is not supported; "
+                f"mla-convert reproduces {', '.join(SUPPORTED_ROPE_TYPES)}"]
+    theta = params.get("rope_theta")
+    if not (_is_number(theta) and theta > 0):
+        return [f"rope_theta must be a positive number (found {theta!r})"]
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        return ["partial_rotary_factor != 1 is not supported"]
+    missing = [key for key in ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
+    if missing:
+        return [f"rope_parameters of type {rope_type!r} lack {', '.join(repr(k) for k in missing)}"]
+    if rope_type in ROPE_REQUIRED_KEYS:  # the ranges transformers' RoPE code assumes (it only warns)
+        factor = params["factor"]
+        if not (_is_number(factor) and factor >= 1):
+            return [f"rope_parameters: factor must be a number >= 1 (found {factor!r})"]
+    if rope_type == "llama3":
+        low, high, original = params["low_freq_factor"], params["high_freq_factor"], params["original_max_position_embeddings"]
+        if not (_is_number(low) and _is_number(high) and 0 < low < high):
+            return [f"rope_parameters: llama3 needs 0 < low_freq_factor < high_freq_factor (found {low!r}, {high!r})"]
+        if not (_is_int(original) and original > 0):
+            return [f"rope_parameters: original_max_position_embeddings must be a positive integer (found {original!r})"]
+    try:
+        inv_freq = rope_inv_freq(params, head_dim)
+    except Exception as error:  # transformers' RoPE initialisers validate in their own ways
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return [f"rope_parameters {params} cannot be used ({first_line})"]
+    if not bool(torch.isfinite(inv_freq).all()) or not bool((inv_freq > 0).all()):
+        return [f"rope_parameters {params} give non-finite or non-positive frequencies"]
+    return []

@@ -1,0 +1,96 @@
+"""The typed source config: parsed once, strictly, with every problem listed; RoPE resolved as transformers does."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from mla_convert.errors import CheckpointError, PreflightError
+from mla_convert.source.config import SourceConfig, read_config_json
+
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152,
+    "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def problems_of(**changes) -> list[str]:
+    return SourceConfig.problems({**SMOLLM2, **changes})
+
+
+def test_a_sound_config_parses_into_typed_fields():
+    config = SourceConfig.from_dict(SMOLLM2)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers) == (9, 3, 64, 30)
+    assert config.tied_embeddings is True and config.qkv_bias is False
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+    assert config.first_token_id == 1 and config.eos_token_ids == (2,)
+    assert config.head_weight_name == "model.embed_tokens.weight"  # tied: the head reads the embedding rows
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false (found 'false')"),
+    ("attention_bias", 1, "attention_bias must be true or false (found 1)"),
+    ("hidden_size", 576.0, "hidden_size must be a positive integer (found 576.0)"),
+    ("num_key_value_heads", True, "num_key_value_heads must be a positive integer (found True)"),
+    ("num_hidden_layers", 10**9, "num_hidden_layers 1000000000 is beyond any real model"),
+    ("rms_norm_eps", "1e-5", "rms_norm_eps must be a positive number (found '1e-5')"),
+    ("bos_token_id", 49152, "bos_token_id 49152 is outside the vocabulary (vocab_size 49152)"),
+    ("eos_token_id", [2, -1], "eos_token_id [2, -1] is outside the vocabulary"),
+    ("pad_token_id", "0", "pad_token_id must be a token id"),
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+    ("rope_scaling", [1, 2], "rope_scaling must be a JSON object"),
+    ("rope_theta", -1, "rope_theta must be a positive number"),
+    ("dtype", "int8", "dtype 'int8' is not a dtype mla-convert reads"),
+])
+def test_wrong_types_and_ranges_are_problems_not_truthiness(key, value, fragment):
+    problems = problems_of(**{key: value})
+    assert any(fragment in line for line in problems), problems
+    with pytest.raises(PreflightError):
+        SourceConfig.from_dict({**SMOLLM2, key: value})
+
+
+def test_every_problem_is_listed_at_once():
+    problems = problems_of(hidden_size="big", tie_word_embeddings="yes", bos_token_id=10**6)
+    assert len(problems) == 3 and all(line.startswith("config.json: ") for line in problems)
+
+
+def test_rope_is_resolved_as_transformers_resolves_it():
+    """A legacy `rope_scaling` next to `rope_parameters` wins in transformers; it must not be silently dropped."""
+    both = {**SMOLLM2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}
+    assert LlamaConfig(**{k: v for k, v in both.items() if k != "architectures"}).rope_parameters["rope_type"] == "yarn"
+    problems = SourceConfig.problems(both)
+    assert problems == ["config.json: RoPE type 'yarn' (as transformers resolves this config) is not supported; "
+                        "mla-convert reproduces default, linear, llama3"]
+    linear = SourceConfig.from_dict({**SMOLLM2, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert linear.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}
+
+
+def test_read_config_json_errors(tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        read_config_json(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        read_config_json(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        read_config_json(tmp_path)
+    (tmp_path / "config.json").unlink()
+    os.mkfifo(tmp_path / "config.json")  # reading a FIFO would block forever
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        read_config_json(tmp_path)
+
+
+def test_only_the_config_module_reads_the_raw_config_dict():
+    """One source of truth: no other module indexes a raw config mapping (the target module builds its own)."""
+    package = Path(__file__).resolve().parents[1] / "mla_convert"
+    pattern = re.compile(r"config\.get|config\[")
+    allowed = {package / "source" / "config.py", package / "convert" / "target.py"}
+    offenders = [f"{path.relative_to(package)}:{number}" for path in package.rglob("*.py") if path not in allowed
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
