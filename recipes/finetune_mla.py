@@ -14,8 +14,9 @@ writes, with a `finetuning` section in `mla_convert.json` and a regenerated mode
     accelerate launch --config_file recipes/configs/accelerate/fsdp_4gpu.yaml \\
         recipes/finetune_mla.py --config recipes/configs/smollm2_fsdp.yaml
 
-Every YAML key is also a flag (`max_steps` <-> `--max-steps`) and flags win; `--resume auto` continues
-from the newest checkpoint in `checkpoint_dir` exactly where it stopped.  See recipes/README.md.
+Every YAML key is also a flag (`max_steps` <-> `--max-steps`) and flags win; paths in a YAML file are
+relative to that file.  `--resume auto` continues from the newest checkpoint in `checkpoint_dir` exactly
+where it stopped (Ctrl-C saves one first).  The same program is `mla-convert finetune`; see recipes/README.md.
 """
 
 from __future__ import annotations
@@ -24,25 +25,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mla_convert.errors import MLAConvertError
-    from mla_convert.finetune import parse_config, run_finetune
+    from mla_convert.finetune.command import main as finetune
 
-    try:
-        config = parse_config(argv)
-        result = run_finetune(config)
-    except MLAConvertError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if result.output is not None:
-        section = result.finetuning
-        before, after = section.get("perplexity_before"), section.get("perplexity_after")
-        summary = f"saved {result.output}: {section['steps']} steps, {section['tokens']:,} tokens"
-        if before is not None and after is not None:
-            summary += f"; perplexity {before:.4f} -> {after:.4f}"
-        print(summary)
-    elif result.checkpoint is not None:
-        print(f"stopped at step {result.state.step}; resume with --resume auto (checkpoint {result.checkpoint})")
-    return 0
+    return finetune(argv, prog="finetune_mla.py")
 
 
 if __name__ == "__main__":

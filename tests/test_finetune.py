@@ -31,6 +31,7 @@ from mla_convert.finetune.config import (
     config_from_mapping,
     load_yaml_config,
     parse_config,
+    paths_relative_to,
 )
 from mla_convert.finetune.data import WindowCursor, process_slice, text_chunks, tokenize_long_text
 from mla_convert.finetune.evaluate import EvalWindows, evaluate_perplexity_distributed
@@ -316,7 +317,8 @@ def test_attention_training_selects_only_attention_parameters(tiny_llama):
     model = _load(converted)
     names = trainable_names(model, "attention")
     assert names and all(ATTENTION_MARKER in name for name in names)
-    assert {n.split(".self_attn.")[1] for n in names} >= {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "q_proj.weight"}
+    assert {n.split(".self_attn.")[1] for n in names} >= {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
+                                                          "o_proj.weight", "q_proj.weight"}
     assert len(trainable_names(model, "all")) == len(list(model.named_parameters()))
 
 
@@ -390,13 +392,13 @@ def test_recipe_config_is_valid_and_its_launch_line_matches(path, monkeypatch):
     values = load_yaml_config(path)
     for key in ("model", "output", "seq_len", "max_steps", "lr", "train", "eval_data"):
         assert key in values, f"{path.name} lacks {key}"
-    config = config_from_mapping(values)
+    config = config_from_mapping(paths_relative_to(values, path.parent))
     config.validate()
     assert config.data != config.eval_data, "training on the evaluation text"
     header = _header(path)
     assert {"prepare", "launch"} <= set(header), f"{path.name}: header needs '# prepare:' and '# launch:' lines"
     prepare = shlex.split(header["prepare"])
-    assert prepare[:2] == ["mla-convert", "convert"] and prepare[3] == config.model
+    assert prepare[:2] == ["mla-convert", "convert"] and (REPO / prepare[3]).resolve() == Path(config.model).resolve()
     assert "--compression" in prepare
     _parse_cli(prepare[1:])  # the conversion line is a valid `mla-convert convert` invocation
     launch = shlex.split(header["launch"])

@@ -15,10 +15,9 @@ import pytest
 from huggingface_hub import ModelCard
 from tiny_models import tiny_mla_config
 
+from mla_convert.convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
 from mla_convert.hub.card import (
     BASE_MODEL_RELATION,
-    FAST_KERNEL_KV_LORA_RANK,
-    FAST_KERNEL_ROPE_DIM,
     HUB_BASE_MODEL_RELATIONS,
     CardValidationError,
     build_model_card,
@@ -226,7 +225,7 @@ def test_card_from_the_converter_report_layout():
 
 def test_card_without_biases_or_odd_shape_leaves_those_caveats_out():
     report = stories260k_report()
-    report["options"].update(kv_lora_rank=FAST_KERNEL_KV_LORA_RANK, rope_dim=FAST_KERNEL_ROPE_DIM)
+    report["options"].update(kv_lora_rank=DEEPSEEK_KV_LORA_RANK, rope_dim=DEEPSEEK_ROPE_DIM)
     text = str(build_model_card(report))
     assert "**Attention biases.**" not in text
     assert "**Shape.**" not in text
@@ -328,9 +327,3 @@ def test_report_is_not_modified_by_building_a_card():
     before = copy.deepcopy(report)
     build_model_card(report, repo_id="alice/x")
     assert report == before
-
-
-def test_fast_kernel_shape_matches_the_shapes_module():
-    from mla_convert.source.shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
-
-    assert (FAST_KERNEL_KV_LORA_RANK, FAST_KERNEL_ROPE_DIM) == (DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM)

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import MLAConvertError
+from ..errors import MLAConvertError, OutputWriteError
 from ..eval.sampling import NUCLEUS_CANDIDATES, top_p_sample
+from ..io.paths import portable_path
+from ..io.writer import write_failure_errno
 from ..options import CalibrationOptions
 from ..source.model import (
     StreamedSourceModel,
@@ -39,19 +41,18 @@ def calibration_ids(
         ids = sample_from_model(model, options.num_samples, options.seq_len, options.seed, options.temperature,
                                 options.top_p, progress=progress)
         return ids, f"{options.num_samples} x {options.seq_len} tokens sampled from the source model (seed {options.seed})"
-    return text_windows(folder, options), f"{options.num_samples} x {options.seq_len} token windows of {options.data}"
+    return text_windows(folder, options), f"{options.num_samples} x {options.seq_len} token windows of {portable_path(str(options.data))}"
 
 
 def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:
     """Evenly spaced windows of a tokenised text (only as much text as the windows need is tokenised)."""
-    from transformers import AutoTokenizer
-
     from ..eval.textdata import load_text
+    from ..io.hf_loading import load_tokenizer
 
     needed = options.num_samples * options.seq_len
     # ~4 characters per token for English BPE; take generously, tokenise once
     text = load_text(options.data, text_column=options.text_column, max_chars=needed * 12)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(folder)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     del tokenizer
     if ids.numel() < options.seq_len:
@@ -138,7 +139,16 @@ class StatsStore:
         self.path = Path(self._dir.name)
 
     def save(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(self.path / f"layer-{layer:05d}.safetensors"))
+        path = self.path / f"layer-{layer:05d}.safetensors"
+        try:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+        except Exception as error:  # disk full in the temp folder: one line naming what was removed
+            if write_failure_errno(error) is None:
+                raise
+            self.cleanup()
+            raise OutputWriteError(f"{self.path.parent}: the temp folder is full or read-only while writing the calibration "
+                                   f"statistics; removed {self.path.name}, nothing was written. Set TMPDIR to a folder "
+                                   "with more space") from error
 
     def load(self, layer: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return load_file(str(self.path / f"layer-{layer:05d}.safetensors"), device=str(device))

@@ -9,6 +9,7 @@ where it beats the closed form on a held-out window.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,37 @@ class Progress:
     def phase(self, name: str, total: int | None = None) -> None: ...
     def advance(self, done: int, total: int | None = None) -> None: ...
     def message(self, text: str) -> None: ...
+
+
+class PhaseTimer(Progress):
+    """Passes every callback on to `inner` and adds each phase's wall time to `seconds` (name -> seconds).
+
+    A phase lasts until the next one starts or `stop()` is called; the report records the totals, which is
+    where a conversion's time goes (and what the cost model is fitted to).
+    """
+
+    def __init__(self, inner: Progress, seconds: dict[str, float], cpu_seconds: dict[str, float] | None = None):
+        self.inner, self.seconds = inner, seconds
+        self.cpu_seconds = {} if cpu_seconds is None else cpu_seconds  # process CPU time (all threads) per phase
+        self._current: tuple[str, float, float] | None = None
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        self.stop()
+        self._current = (name, time.perf_counter(), time.process_time())
+        self.inner.phase(name, total)
+
+    def advance(self, done: int, total: int | None = None) -> None:
+        self.inner.advance(done, total)
+
+    def message(self, text: str) -> None:
+        self.inner.message(text)
+
+    def stop(self) -> None:
+        if self._current is not None:
+            name, started, cpu_started = self._current
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - cpu_started
+            self._current = None
 
 
 # --------------------------------------------------------------------------- checks

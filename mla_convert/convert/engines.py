@@ -8,7 +8,8 @@ any shape.
 
 from __future__ import annotations
 
-from ..source.shapes import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, MLAShape
+from ..source.shapes import MLAShape
+from .target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
 
 SERVING_ENGINES = ("vllm", "sglang")
 
@@ -25,7 +26,8 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
         ok = True
         if attention_bias:
             ok = False
-            notes.append("the export has attention biases (q_a_proj/kv_a_proj_with_mqa/o_proj); the engine's DeepSeek MLA layer has no bias slot and would drop them")
+            notes.append("the export has attention biases (q_a_proj/kv_a_proj_with_mqa/o_proj); "
+                         "the engine's DeepSeek MLA layer has no bias slot and would drop them")
         if not deepseek_shape:
             notes.append(
                 f"shape {mla.kv_lora_rank}+{mla.rope_dim}: the fast MLA kernels want {DEEPSEEK_KV_LORA_RANK}+{DEEPSEEK_ROPE_DIM}; "

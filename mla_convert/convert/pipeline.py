@@ -16,9 +16,7 @@ Phases:
 from __future__ import annotations
 
 import os
-import shlex
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +36,7 @@ from . import target as T
 from .calibration import LayerInputStats, StatsStore, calibration_ids, layer_input_stats, rope_stats_for_layer
 from .decisions import (
     METHOD_ALIASES,
+    PhaseTimer,
     Progress,
     RefinePolicy,
     advance_through_converted,
@@ -90,6 +89,8 @@ class Converter:
         self.rope_stats: list = []
         self.calibration_seconds = 0.0
         self._stats_lock = None  # flock marking the statistics folder as in use
+        self.calibration_phases: dict[str, float] = {}  # wall time per calibration phase (shared by every export)
+        self.calibration_cpu: dict[str, float] = {}  # and process CPU time
 
     def preflight(self, output: Path, options: ConvertOptions | None = None) -> tuple[MLAShape, torch.dtype]:
         return run_preflight(self.config, self.reader, Path(output), options or self.options, self.progress.message)
@@ -99,7 +100,8 @@ class Converter:
         if self.store is not None:
             return
         started = time.time()
-        model, source, calib, progress = self.model, self.config, self.options.calibration, self.progress
+        model, source, calib = self.model, self.config, self.options.calibration
+        progress = PhaseTimer(self.progress, self.calibration_phases, self.calibration_cpu)
         # NaN/Inf in the source named before any forward pass; killed runs' statistics removed
         progress.phase("checking source weights for NaN/Inf", len(expected_tensor_shapes(source)))
         check_source_finite(self.reader, source, progress.advance)
@@ -125,6 +127,7 @@ class Converter:
             del layer
             model.release()
             progress.advance(index + 1, source.num_layers)
+        progress.stop()
         self.calibration_seconds = time.time() - started
 
     def export(self, output: str | os.PathLike, options: ConvertOptions | None = None, mla: MLAShape | None = None,
@@ -137,7 +140,10 @@ class Converter:
             mla, export_dtype = self.preflight(output, options)
         self.calibrate()
         method = METHOD_ALIASES[options.method]
-        model, source, progress, calib, store = self.model, self.config, self.progress, self.options.calibration, self.store
+        model, source, calib, store = self.model, self.config, self.options.calibration, self.store
+        phase_seconds = dict(self.calibration_phases)  # this export's phases are added to the shared calibration
+        phase_cpu = dict(self.calibration_cpu)
+        progress = PhaseTimer(self.progress, phase_seconds, phase_cpu)
         use_q_lora = mla.q_lora_rank is not None or source.qkv_bias
         q_lora_rank = mla.q_lora_rank if mla.q_lora_rank is not None else (source.hidden_size if source.qkv_bias else None)
         attention_bias = source.qkv_bias or source.o_bias
@@ -148,7 +154,7 @@ class Converter:
         rope_parameters = deepseek_rope_parameters(source.rope_parameters, grid, source.head_dim)
         rope_error = T.verify_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, model.inv_freq))
         target_config = T.build_config(source, mla, rope_parameters, export_dtype, q_lora_rank, attention_bias)
-        writer = CheckpointWriter(output, options.max_shard_size, options.overwrite)
+        writer = CheckpointWriter(output, options.max_shard_size, options.overwrite, options.force)
         with writer:
             before, after = T.global_names(source)
             for src, dst in before.items():
@@ -189,20 +195,27 @@ class Converter:
                 del layer
                 model.release()
                 progress.advance(index + 1, source.num_layers)
+            progress.phase("writing the output", None)
             for src, dst in after.items():
                 self._copy_table(writer, src, dst, export_dtype)
             target_config.save_pretrained(writer.partial)
             writer.copy_sidecars(self.source_path)
             report = build_report(ConversionFacts(
-                source_name=str(self.source), output=output, source=source, mla=mla, options=options,
+                source_name=str(self.source), source_folder=self.source_path, output=output, source=source, mla=mla, options=options,
                 calibration_description=self.calibration_description, calibration_tokens=int(self.ids.numel()),
                 grid=grid, rope_parameters=rope_parameters, grid_table=grid_table, layer_reports=layer_reports,
                 export_dtype=export_dtype, seconds=time.time() - started + self.calibration_seconds,
                 q_lora_rank=q_lora_rank, attention_bias=attention_bias, command=command,
             ))
+            progress.stop()
             report["rope"]["max_relative_frequency_error"] = rope_error
+            report["summary"]["phase_seconds"] = {name: round(value, 3) for name, value in phase_seconds.items()}
+            report["summary"]["phase_cpu_seconds"] = {name: round(value, 3) for name, value in phase_cpu.items()}
+            report["summary"]["cpu_seconds"] = round(time.process_time(), 2)  # the whole process, all threads
             report["refinement"] = refine.decision
             report["summary"]["device"] = describe_device(model.device)
+            if model.device.type == "cuda":
+                report["summary"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(model.device)
             writer.write_json(REPORT_FILE, report)
             _write_card(writer, report)
             result_path = writer.commit()
@@ -247,7 +260,7 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
         converter = Converter(source, options, progress)
     except MLAConvertError as error:
         lines = error.problems if isinstance(error, PreflightError) else [str(error)]
-        raise PreflightError(lines + output_path_problems(Path(output), options.overwrite)) from error
+        raise PreflightError(lines + output_path_problems(Path(output), options.overwrite, force=options.force)) from error
     with converter:
         mla, export_dtype = converter.preflight(Path(output), options)
         converter.calibrate()
@@ -273,25 +286,6 @@ def _write_card(writer: CheckpointWriter, report: dict) -> None:
     from ..hub.card import build_model_card
 
     build_model_card(report).save(str(writer.partial / "README.md"))
-
-
-def command_line(argv: list[str] | None = None) -> str:
-    """The command as typed, for the report and the card, without this machine's absolute paths.
-
-    An absolute path becomes relative to the working directory when it lies below it, else its last part.
-    """
-    argv = list(sys.argv if argv is None else argv)
-    return " ".join(shlex.quote(portable_path(arg)) for arg in [Path(argv[0]).name, *argv[1:]])
-
-
-def portable_path(arg: str) -> str:
-    flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-    if not equals:
-        flag, value = "", arg
-    if os.path.isabs(value):
-        relative = os.path.relpath(value)
-        value = relative if not relative.startswith("..") else Path(value).name
-    return f"{flag}{equals}{value}"
 
 
 def install_sigterm_handler() -> None:

@@ -12,6 +12,7 @@ docs/robustness.md lists every bad input the tests try and the exact message the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..devices import device_problems
 from ..errors import MLAConvertError, NonFiniteError, PreflightError
+from ..io.paths import special_file_problems
 from ..io.reader import CheckpointReader
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
@@ -39,6 +42,11 @@ OUTPUT_OVERHEAD_BYTES = 256 * 1024
 # print one line per tensor of every layer.
 MAX_TENSOR_LINES = 8
 FREE_SPACE_MARGIN = 1.05
+# safetensors header of one layer's statistics file (five named tensors), rounded up
+STATS_HEADER_BYTES = 1024
+# Source files copied (or parsed) late, checked for being readable JSON up front.
+SIDECAR_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                "added_tokens.json", "chat_template.json", "vocab.json")
 
 
 # --------------------------------------------------------------------------- tensors
@@ -203,28 +211,26 @@ def _local_text_problems(spec: str, text_column: str) -> list[str]:
     return []
 
 
+def sidecar_problems(folder: Path) -> list[str]:
+    """Tokenizer and generation files the output copies: readable JSON now, not a failure after the NaN scan."""
+    problems = []
+    for name in SIDECAR_JSON:
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_bytes())
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            problems.append(f"{path}: not valid JSON ({' '.join(str(error).split())[:120]}); the output would copy a broken file")
+    return problems
+
+
 def shard_size_problems(max_shard_size) -> list[str]:
     try:
         size = parse_shard_size(max_shard_size)
     except ValueError as error:
         return [f"--max-shard-size: {error}"]
     return [] if size > 0 else [f"--max-shard-size {max_shard_size!r}: must be positive"]
-
-
-def device_problems(device: str, flag: str = "--device") -> list[str]:
-    """The device exists here and is one mla-convert computes on (cpu, cuda, cuda:N)."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        return [f"{flag} {device!r}: not a device (use cpu, cuda or cuda:N)"]
-    if parsed.type not in ("cpu", "cuda"):
-        return [f"{flag} {device}: mla-convert computes on cpu or cuda"]
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            return [f"{flag} {device}: no CUDA device is available"]
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            return [f"{flag} {device}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 .. cuda:{torch.cuda.device_count() - 1})"]
-    return []
 
 
 # --------------------------------------------------------------------------- output and disk
@@ -251,7 +257,8 @@ def estimated_statistics_bytes(shape: SourceConfig, calibration) -> int:
     """Size of the per-layer calibration statistics spilled to the temp folder (calibration.StatsStore)."""
     d, T = shape.hidden_size, calibration.seq_len
     kept = min(calibration.error_samples, max(calibration.num_samples, 0))
-    per_layer = d * d * 8 + d * 8 + kept * T * d * 4 + shape.num_heads * T * 8
+    moments = 2 * d * d * 8  # E[x x^T] and the attention-weighted moment, float64 (d x d each)
+    per_layer = moments + d * 8 + kept * T * d * 4 + shape.num_heads * T * 8 + STATS_HEADER_BYTES
     return shape.num_layers * per_layer
 
 
@@ -303,11 +310,11 @@ def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: to
     return problems, summary
 
 
-def output_path_problems(output: Path, overwrite: bool, source: Path | None = None) -> list[str]:
+def output_path_problems(output: Path, overwrite: bool, source: Path | None = None, force: bool = False) -> list[str]:
     """Output-path problems found without touching anything (reported even when the source is broken)."""
     problems = []
     try:
-        prepare_output_path(output, overwrite)
+        prepare_output_path(output, overwrite, force)
     except MLAConvertError as error:
         problems.append(str(error))
     if source is not None and Path(source).exists():
@@ -346,7 +353,7 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         if stale:
             message(stale)
     try:
-        prepare_output_path(output, options.overwrite)
+        prepare_output_path(output, options.overwrite, options.force)
     except MLAConvertError as error:
         problems.append(str(error))
         output_ok = False
@@ -365,6 +372,7 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         problems += error.problems
     except MLAConvertError as error:
         problems.append(str(error))
+    problems += special_file_problems(reader.folder) + sidecar_problems(reader.folder)
     problems += tensor_problems(reader, source)
     problems += calibration_problems(reader.folder, options.calibration)
     problems += shard_size_problems(options.max_shard_size) + device_problems(options.device)

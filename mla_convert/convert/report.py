@@ -32,6 +32,7 @@ class ConversionFacts:
     """What the pipeline decided, gathered for the report."""
 
     source_name: str
+    source_folder: Path
     output: Path
     source: SourceConfig
     mla: MLAShape
@@ -57,6 +58,28 @@ def source_label(name: str, output: Path) -> tuple[str, str | None]:
     return name, (name if looks_like_hub_id(name) else None)
 
 
+def source_card_license(folder: Path) -> str | None:
+    """The `license` of the source folder's own model card (README.md metadata), if it names one."""
+    from huggingface_hub import ModelCard
+
+    readme = Path(folder) / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        license_id = ModelCard.load(readme, ignore_metadata_errors=True).data.license
+    except Exception:  # a README that is not a card says nothing about the license
+        return None
+    return license_id if isinstance(license_id, str) and license_id else None
+
+
+def hub_dataset(spec: str | None) -> str | None:
+    """The hub dataset a `name[:subset[:split]]` text spec names (None for a local file or folder)."""
+    if not spec or Path(str(spec)).expanduser().exists():
+        return None
+    name = str(spec).split(":")[0]
+    return name if looks_like_hub_id(name) else None
+
+
 def build_report(facts: ConversionFacts) -> dict:
     import safetensors
     import transformers
@@ -70,7 +93,10 @@ def build_report(facts: ConversionFacts) -> dict:
     energies = [r.kept_energy for r in facts.layer_reports]
     errors = [r.attention_error for r in facts.layer_reports if r.attention_error is not None]
     name, hub_id = source_label(facts.source_name, facts.output)
+    hub_id = facts.options.base_model or hub_id
+    license_id = facts.options.license or source.license or source_card_license(facts.source_folder)
     options = facts.options.to_dict()
+    dataset = hub_dataset(facts.options.calibration.data)
     if options["calibration"].get("data"):
         options["calibration"]["data"] = source_label(str(options["calibration"]["data"]), facts.output)[0]
     return {
@@ -80,7 +106,7 @@ def build_report(facts: ConversionFacts) -> dict:
             "name_or_path": name,
             "hub_id": hub_id,
             "architecture": source.architecture.hf_architectures[0],
-            "license": source.license,
+            "license": license_id,
             "num_layers": source.num_layers,
             "num_heads": source.num_heads,
             "num_kv_heads": source.num_kv_heads,
@@ -91,7 +117,8 @@ def build_report(facts: ConversionFacts) -> dict:
         },
         "options": {**options, "kv_lora_rank": mla.kv_lora_rank, "rope_dim": mla.rope_dim,
                     "q_lora_rank": facts.q_lora_rank, "dtype": dtype_name(facts.export_dtype)},
-        "calibration": {"description": facts.calibration_description, "tokens": facts.calibration_tokens},
+        "calibration": {"description": facts.calibration_description, "tokens": facts.calibration_tokens,
+                        "datasets": [dataset] if dataset else []},
         "rope": {"grid": facts.grid.describe(), "offset": facts.grid.offset, "step": facts.grid.step,
                  "rope_parameters": facts.rope_parameters, "candidates": facts.grid_table},
         "cache": {

@@ -53,7 +53,7 @@ def grid_inv_freq(grid: RopeGrid, source_inv_freq: torch.Tensor) -> torch.Tensor
     The source grid is geometric (possibly reshaped by llama3 scaling, in which case only integer
     positions are used), so log-linear interpolation gives exactly the DeepSeek grid value.
     """
-    log_freq = source_inv_freq.double().log()
+    log_freq = source_inv_freq.detach().double().cpu().log()  # planning runs on the CPU (small tensors)
     positions = grid.positions()
     low = positions.floor().long().clamp(0, len(log_freq) - 1)
     high = (low + 1).clamp(max=len(log_freq) - 1)
@@ -182,7 +182,7 @@ def plan_layer(
     """
     num_heads, half = stats.query_energy.shape
     group = num_heads // num_kv_heads
-    omega = source_inv_freq.double()
+    omega = source_inv_freq.detach().double().cpu()
     slot_freq = grid_inv_freq(grid, source_inv_freq)
     positions = grid.positions()
     # nearest slot for each source frequency, in index units
@@ -229,7 +229,7 @@ def estimate_layer_error(
     """
     num_heads, half = stats.query_energy.shape
     group = num_heads // num_kv_heads
-    omega = source_inv_freq.double()
+    omega = source_inv_freq.detach().double().cpu()
     cov = stats.key_cov
     key_energy = cov.diagonal().real.reshape(num_kv_heads, half).clone()  # (G, h/2)
     kept = torch.zeros_like(key_energy)

@@ -244,17 +244,19 @@ def evaluate_perplexity(
     was_training = model.training
     model.eval()
     nll_sum = 0.0
+    done = 0
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(windows), desc=desc, unit="win", leave=False)
+        bar = tqdm(total=len(windows), desc=desc, unit="win", leave=False, disable=None)  # None: no bar when not a terminal
     try:
         for group in window_batches(windows, batch_size):
             nll_sum += window_nll(model, ids, group, device, keep_logits).item()
-            if bar is not None:
+            done += len(group)
+            if bar is not None and not bar.disable:
                 bar.update(len(group))
-                scored = sum(w.num_scored for w in windows[: bar.n])
+                scored = sum(w.num_scored for w in windows[:done])
                 bar.set_postfix(ppl=f"{math.exp(nll_sum / scored):.3f}")
     finally:
         if bar is not None:
@@ -377,35 +379,31 @@ class EvalReport:
         }
 
 
-def load_model_for_eval(model: str | os.PathLike, device: str | torch.device | None = None, dtype: str = "auto", revision: str | None = None):
-    """Load any causal LM folder or hub id with stock transformers (no remote code), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
+def load_model_for_eval(model: str | os.PathLike, device: str | torch.device | None = None, dtype: str = "auto",
+                        revision: str | None = None, allow_pickle: bool = False):
+    """Load any causal LM folder or hub id with stock transformers (no remote code), in eval mode, on `device`
+    (default: cuda when there is one)."""
+    from ..devices import resolve_device
+    from ..io.hf_loading import load_causal_lm
     from ..io.resolve import resolve_model_path
     from ..units import parse_dtype
 
-    path = resolve_model_path(model, revision)
+    path = resolve_model_path(model, revision, allow_pickle)
     torch_dtype = "auto" if dtype in (None, "auto") else parse_dtype(dtype)
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    except (OSError, ValueError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise EvaluationError(f"{model}: cannot load as a causal LM ({first})") from error
-    if device is not None:
-        loaded = loaded.to(device)
-    return loaded.eval(), path
+    loaded = load_causal_lm(path, dtype=torch_dtype, allow_pickle=allow_pickle)
+    return loaded.to(resolve_device(device)).eval(), path
 
 
 def load_tokenizer_for_eval(*folders: Path):
     """The first folder's tokenizer that loads (a converted model falls back to its source's)."""
-    from transformers import AutoTokenizer
+    from ..io.hf_loading import ModelLoadError, load_tokenizer
 
     for folder in folders:
         if folder is None:
             continue
         try:
-            return AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError, TypeError):
+            return load_tokenizer(folder)
+        except ModelLoadError:
             continue
     raise EvaluationError(f"no tokenizer found in {', '.join(str(f) for f in folders if f is not None)}")
 
@@ -427,16 +425,20 @@ def run_eval(
     json_path: str | os.PathLike | None = None,
     progress: bool = True,
     revision: str | None = None,
+    allow_pickle: bool = False,
+    labels: tuple[str | None, str | None] | None = None,
 ) -> EvalReport:
     """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
 
     The tokenizer comes from the model folder, else from the baseline's (a converted model carries its
     source's tokenizer, but an older export might not).
     """
-    model_obj, model_path = load_model_for_eval(model, device, dtype, revision)
+    model_obj, model_path = load_model_for_eval(model, device, dtype, revision, allow_pickle)
     baseline_obj, baseline_path = (None, None)
     if baseline is not None:
-        baseline_obj, baseline_path = load_model_for_eval(baseline, device, dtype, revision)
+        baseline_obj, baseline_path = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
+    if labels is not None:  # what the user typed (a hub id, a relative path), not where it was resolved to
+        model, baseline = labels[0] or model, labels[1] or baseline
     tokenizer = load_tokenizer_for_eval(model_path, baseline_path)
     text = load_text(data, text_column=text_column, split=split, max_chars=max_chars)
     tokenized = tokenize_with_offsets(tokenizer, text)

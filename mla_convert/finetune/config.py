@@ -72,7 +72,7 @@ class FinetuneConfig:
     ce_weight: float = setting(0.0, "weight of the next-token cross-entropy term")
     # --- precision, memory, speed
     mixed_precision: str = setting("auto", "auto (bf16 autocast on a bf16-capable GPU, none on CPU), no, bf16 or fp16")
-    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory, ~30% more time)")
+    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory, about a third more time)")
     teacher_dtype: str = setting("auto", "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16")
     save_dtype: str = setting("auto", "auto (the converted folder's dtype), fp32 or bf16")
     num_threads: Optional[int] = setting(None, "CPU threads for torch (None: torch's default)")
@@ -237,7 +237,7 @@ def load_yaml_config(path: str | Path) -> dict:
     return loaded
 
 
-def build_parser() -> HfArgumentParser:
+def build_parser(prog: str | None = None) -> HfArgumentParser:
     """`--config FILE` plus one flag per field (`--max-steps` and `--max_steps`), help from each field's metadata.
 
     Flag defaults are SUPPRESS, so only the flags actually given reach the namespace and YAML
@@ -245,6 +245,7 @@ def build_parser() -> HfArgumentParser:
     """
     parser = HfArgumentParser(
         FinetuneConfig,
+        prog=prog,
         description="Fine-tune a converted MLA model (distillation from its source model) and save a stock DeepseekV3 folder.",
     )
     parser.add_argument("--config", help="YAML file of settings; flags override its keys")
@@ -258,12 +259,35 @@ def build_parser() -> HfArgumentParser:
 NONE_WORDS = ("null", "none", "~", "")
 
 
-def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
-    """YAML (if `--config`) then flags, then validation."""
-    parser = build_parser()
+# Settings that name files or folders.  In a YAML file they are relative to that file (a config works from
+# any current directory); on the command line, relative to the current directory as usual.
+OUTPUT_PATHS = ("output", "checkpoint_dir")
+INPUT_PATHS = ("model", "teacher", "data", "eval_data", "resume")
+
+
+def paths_relative_to(values: dict, folder: Path) -> dict:
+    """YAML values with their paths made relative to `folder` (the config's own): outputs always, inputs when they
+    are written as relative paths (`./`, `../`) or exist there (a hub id or a `datasets` spec stays as written)."""
+    out = dict(values)
+    for key in OUTPUT_PATHS + INPUT_PATHS:
+        value = out.get(key)
+        if not isinstance(value, str) or not value or value == "auto" or Path(value).expanduser().is_absolute():
+            continue
+        candidate = folder / Path(value).expanduser()
+        if key in OUTPUT_PATHS or value.startswith(("./", "../")) or candidate.exists():
+            out[key] = str(candidate)
+    return out
+
+
+def parse_config(argv: list[str] | None = None, prog: str | None = None) -> FinetuneConfig:
+    """YAML (if `--config`, its paths relative to itself) then flags, then validation."""
+    parser = build_parser(prog)
     given = vars(parser.parse_args(argv))
     config_file = given.pop("config", None)
-    config = config_from_mapping(load_yaml_config(config_file) if config_file else {})
+    values = load_yaml_config(config_file) if config_file else {}
+    if config_file:
+        values = paths_relative_to(values, Path(config_file).resolve().parent)
+    config = config_from_mapping(values)
     types_by_name = _field_types()
     for name, value in given.items():
         optional = _unwrap_optional(types_by_name[name])[1]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..eval.perplexity import plan_windows, window_batches, window_nll
+from ..io.paths import portable_path
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class EvalWindows:
         ids = tokenize_text(tokenizer, load_text(spec, text_column=text_column))
         windows = plan_windows(int(ids.numel()), context, context, max_windows)
         scored = sum(w.num_scored for w in windows)
-        return cls(ids, windows, f"{spec}: context {context}, {len(windows)} non-overlapping windows, {scored} scored tokens, token-weighted NLL")
+        return cls(ids, windows, f"{portable_path(str(spec))}: context {context}, {len(windows)} non-overlapping windows, "
+                                 f"{scored} scored tokens, token-weighted NLL")
 
     @property
     def num_scored(self) -> int:

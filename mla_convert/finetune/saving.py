@@ -88,7 +88,7 @@ def save_finetuned(
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
     converted, output = Path(converted), Path(output)
-    config = DeepseekV3Config.from_pretrained(str(converted))
+    config = DeepseekV3Config.from_pretrained(str(converted), trust_remote_code=False)
     dtype = resolve_save_dtype(save_dtype, config)
     folded, scales = fold_latent_scales(state_dict, sites)
     names = stored_tensor_names(converted)
@@ -103,9 +103,39 @@ def save_finetuned(
         config.dtype = dtype
         config.save_pretrained(writer.partial)
         writer.copy_sidecars(converted)
+        if write_curves(writer.partial / CURVES_FILE, finetuning):
+            final_report["finetuning"]["curve_png"] = CURVES_FILE
         write_report(writer.partial, final_report)
         path = writer.commit()
     return path, scales
+
+
+CURVES_FILE = "finetune_curves.png"
+
+
+def write_curves(path: Path, finetuning: dict) -> bool:
+    """Training loss and evaluation perplexity per step as a PNG beside the weights (False: nothing to plot)."""
+    losses, perplexities = finetuning.get("loss_curve") or [], finetuning.get("perplexity_curve") or []
+    if not losses:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, loss_axis = plt.subplots(figsize=(7.0, 4.0), dpi=100)
+    loss_axis.plot([step for step, _ in losses], [loss for _, loss in losses], color="tab:blue", label="training loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("loss", color="tab:blue")
+    if perplexities:
+        ppl_axis = loss_axis.twinx()
+        ppl_axis.plot([step for step, _ in perplexities], [ppl for _, ppl in perplexities], "o-", color="tab:orange")
+        ppl_axis.set_ylabel("evaluation perplexity", color="tab:orange")
+    loss_axis.set_title("fine-tuning after the MLA conversion")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
 
 
 def write_report(folder: Path, report: dict) -> None:

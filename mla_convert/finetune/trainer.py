@@ -16,7 +16,9 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +26,10 @@ from pathlib import Path
 import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
+from ..convert.report import hub_dataset
 from ..errors import MLAConvertError
 from ..eval.sampling import sample_from_model
+from ..io.paths import command_line, portable_path
 from .config import FinetuneConfig, FinetuneConfigError
 from .data import WindowCursor, cached_teacher_samples, process_slice, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
@@ -69,14 +73,60 @@ class TrainerState:
 
 @dataclass
 class FinetuneResult:
-    output: Path | None  # None when the run stopped early (stop_after) or this is not the main process
+    output: Path | None  # None when the run stopped early (stop_after, a signal) or this is not the main process
     state: TrainerState
     finetuning: dict
     checkpoint: Path | None = None
     report: dict | None = None
+    interrupted_by: int | None = None  # the signal that stopped the run (its checkpoint is `checkpoint`)
 
 
 # --------------------------------------------------------------------------- helpers
+class StopOnSignal:
+    """While active, Ctrl-C / SIGTERM / SIGHUP ask the training loop to stop after the current step.
+
+    The loop then saves a checkpoint and returns, so nothing is lost; an optimizer step is never cut in half
+    (a parameter update stopped midway could not be resumed exactly).  A second signal stops at once.
+    """
+
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None),
+                                getattr(signal, "SIGHUP", None)) if s is not None)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum, frame):
+        if self.signum is not None:  # the second one: the user means it
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+@contextlib.contextmanager
+def quiet_shared_tensor_warning():
+    """accelerate warns "Removed shared tensor ..." on every checkpoint of a model with tied embeddings;
+    the tie is restored on load (the exact-resume test reloads such checkpoints), so the line is noise."""
+    import logging
+
+    logger = logging.getLogger("accelerate.utils.other")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def resolve_mixed_precision(name: str) -> str:
     if name != "auto":
         return name
@@ -117,15 +167,14 @@ def teacher_path(config: FinetuneConfig, report: dict) -> str:
 
 
 def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
+    from ..io.hf_loading import load_causal_lm
     from ..io.resolve import resolve_model_path
 
     try:
         path = resolve_model_path(name)
     except MLAConvertError as error:
         raise FinetuneError(f"teacher {name}: {error} (pass --teacher PATH)") from error
-    teacher = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    teacher = load_causal_lm(path, dtype=dtype)
     teacher.to(device).eval()
     teacher.requires_grad_(False)
     return teacher, path
@@ -140,11 +189,12 @@ def _same_source(a: str, b: str) -> bool:
 
 def load_tokenizer(folder: Path):
     """The folder's tokenizer, or None when it has none (tiny test models, weights-only folders)."""
-    from transformers import AutoTokenizer
+    from ..io.hf_loading import ModelLoadError
+    from ..io.hf_loading import load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError, TypeError):
+        return load(folder)
+    except ModelLoadError:
         return None
 
 
@@ -183,13 +233,18 @@ class Finetuner:
         config.validate()
         self.config = config
         self._log = log
-        self.command = command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        self.command = command if command is not None else command_line()
         self.started = time.time()
 
     # ----------------------------------------------------------------- logging
     def log(self, text: str) -> None:
         if self.accelerator.is_main_process:
-            (self._log or (lambda t: print(t, file=sys.stderr, flush=True)))(text)
+            if self._log is not None:
+                self._log(text)
+            elif getattr(self, "_bar", None) is not None and not self._bar.disable:
+                self._bar.write(text, file=sys.stderr)  # above the progress bar, which is redrawn below it
+            else:
+                print(text, file=sys.stderr, flush=True)
 
     def _append_log(self, record: dict) -> None:
         if self.accelerator.is_main_process:
@@ -200,7 +255,8 @@ class Finetuner:
     def setup(self) -> None:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
-        from transformers import AutoModelForCausalLM
+
+        from ..io.hf_loading import load_causal_lm
 
         config = self.config
         if config.num_threads:
@@ -221,7 +277,7 @@ class Finetuner:
         self.report = load_converted_report(self.converted)
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
-        student = AutoModelForCausalLM.from_pretrained(str(self.converted), dtype=torch.float32)
+        student = load_causal_lm(self.converted, dtype=torch.float32)
         if student.config.model_type != "deepseek_v3":
             raise FinetuneConfigError(f"{self.converted}: a {student.config.model_type} model; fine-tuning expects a converted DeepseekV3 folder")
         self.sites: list[LatentSite] = unfold_latent_scales(student)
@@ -281,7 +337,7 @@ class Finetuner:
             if self.tokenizer is None:
                 raise FinetuneError("training on text needs a tokenizer; none found in the converted folder or the teacher")
             windows = text_windows(self.tokenizer, config.data, config.seq_len, config.text_column, config.split, config.max_chars)
-            return windows, f"{config.data} ({windows.shape[0]} windows of {config.seq_len} tokens)"
+            return windows, f"{portable_path(str(config.data))} ({windows.shape[0]} windows of {config.seq_len} tokens)"
         path = self.checkpoint_root / SAMPLES_FILE
         description = {"teacher": self.teacher_name, "num": config.teacher_samples, "seq_len": config.seq_len,
                        "seed": config.seed, "temperature": config.sample_temperature, "top_p": config.sample_top_p,
@@ -328,7 +384,8 @@ class Finetuner:
         folder = self.checkpoint_root / f"{CHECKPOINT_PREFIX}{self.state.step:07d}"
         self.state.seconds += time.time() - self.started
         self.started = time.time()
-        accelerator.save_state(str(folder))
+        with quiet_shared_tensor_warning():
+            accelerator.save_state(str(folder))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (folder / COMPLETE_MARKER).write_text(json.dumps({"step": self.state.step, "tokens": self.state.tokens}) + "\n")
@@ -359,7 +416,16 @@ class Finetuner:
             raise FinetuneConfigError(f"{folder}: checkpoint was made with different {', '.join(changed)}; an exact resume needs the same settings")
         self.state.resumed_from.append(str(folder))
         self.started = time.time()
+        self._truncate_log(self.state.step)
         self.log(f"resumed from {folder} at step {self.state.step}")
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop the log records of steps after `step`: they are trained again now, and logged again."""
+        path = self.checkpoint_root / LOG_FILE
+        if not self.accelerator.is_main_process or not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in kept))
 
     def train_step(self) -> tuple[float, float, float]:
         """One optimizer step over grad_accum micro-batches; returns mean (loss, kd, ce) across processes."""
@@ -405,6 +471,31 @@ class Finetuner:
         tokens_per_step = self.global_micro * config.grad_accum * config.seq_len
         self.student.train()
         interval_start, interval_tokens = time.time(), 0
+        with StopOnSignal() as stop, self._progress_bar() as bar:
+            result = self._train_loop(stop, bar, tokens_per_step, interval_start, interval_tokens)
+        if result is not None:
+            return result
+        self._record_eval()
+        return self.finish()
+
+    @contextlib.contextmanager
+    def _progress_bar(self):
+        """A bar with an ETA over the optimizer steps (terminal, main process); log lines print above it."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.config.max_steps, initial=self.state.step, unit="step", desc="fine-tuning",
+                   disable=None if self.accelerator.is_main_process else True, dynamic_ncols=True)
+        self._bar = bar
+        try:
+            yield bar
+        finally:
+            self._bar = None
+            bar.close()
+
+    def _train_loop(self, stop: StopOnSignal, bar, tokens_per_step: int, interval_start: float,
+                    interval_tokens: int) -> FinetuneResult | None:
+        """The optimizer steps; returns a result when the run stops early (stop_after or a signal), else None."""
+        config, state = self.config, self.state
         while state.step < config.max_steps:
             lr = self.scheduler.get_last_lr()[0]
             loss, kd, ce = self.train_step()
@@ -425,11 +516,14 @@ class Finetuner:
                 self.student.train()
             if config.checkpoint_every and state.step % config.checkpoint_every == 0 and state.step < config.max_steps:
                 self.save_checkpoint()
+            bar.update(1)
+            if stop.signum is not None and state.step < config.max_steps:
+                folder = self.save_checkpoint()
+                return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder, interrupted_by=stop.signum)
             if config.stop_after is not None and state.step >= config.stop_after and state.step < config.max_steps:
                 folder = self.save_checkpoint()
                 return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder)
-        self._record_eval()
-        return self.finish()
+        return None
 
     # ----------------------------------------------------------------- the end
     def finetuning_section(self, scales_before: list[float] | None = None, scales_after: list[float] | None = None,
@@ -442,8 +536,9 @@ class Finetuner:
         section = {
             "recipe": "recipes/finetune_mla.py",
             "command": self.command or None,
-            "teacher": self.teacher_name,
+            "teacher": portable_path(str(self.teacher_name)) if self.teacher_name else None,
             "data": self.data_description,
+            "datasets": [name for name in (hub_dataset(config.data), hub_dataset(config.eval_data)) if name],
             "trained": config.train,
             "trained_tensors": len(self.trained),
             "steps": state.step,
@@ -504,9 +599,9 @@ class Finetuner:
 
     def _verify_saved(self, path: Path, probe: torch.Tensor, reference: torch.Tensor) -> dict:
         """Reload the saved folder with stock transformers and compare its logits with the trained model's."""
-        from transformers import AutoModelForCausalLM
+        from ..io.hf_loading import load_causal_lm
 
-        saved = AutoModelForCausalLM.from_pretrained(str(path)).to(self.device).eval()
+        saved = load_causal_lm(path).to(self.device).eval()
         with torch.no_grad():
             logits = saved(input_ids=probe.to(self.device), use_cache=False).logits.float().cpu()
         del saved

@@ -18,6 +18,7 @@ uploading anything.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..convert.report import REPORT_FILE
+from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
 from ..errors import MLAConvertError
 from ..units import human_bytes
 
@@ -51,11 +53,6 @@ HUB_BASE_MODEL_RELATIONS = frozenset({"adapter", "merge", "quantized", "finetune
 # weights are bf16/fp32 low-rank factors, not integer quantized.
 BASE_MODEL_RELATION = "quantized"
 
-# The latent + RoPE-key widths DeepSeek-V3 ships with, which the fastest MLA kernels are built for
-# (`shapes.DEEPSEEK_KV_LORA_RANK` / `shapes.DEEPSEEK_ROPE_DIM`; repeated so that building a card at push
-# time does not import torch; a test keeps them equal).
-FAST_KERNEL_KV_LORA_RANK = 512
-FAST_KERNEL_ROPE_DIM = 64
 
 CARD_TAGS = ("mla", "multi-head-latent-attention", "deepseek_v3", "kv-cache-compression", "mla-convert")
 
@@ -146,7 +143,12 @@ def _card_data(report: Mapping[str, Any]) -> ModelCardData:
     license_id = _get(report, "source", "license")
     extra: dict[str, Any] = {}
     if base_model is not None:
-        extra["base_model_relation"] = BASE_MODEL_RELATION
+        # after the fine-tuning recipe the weights were trained further: the Hub's own word for that
+        extra["base_model_relation"] = "finetune" if isinstance(_get(report, "finetuning"), Mapping) else BASE_MODEL_RELATION
+    datasets = [d for d in (_get(report, "calibration", "datasets", default=[]) or [])
+                + (_get(report, "finetuning", "datasets", default=[]) or []) if _valid_repo_id(d)]
+    if datasets:
+        extra["datasets"] = sorted(set(datasets))
     return ModelCardData(
         base_model=base_model,
         library_name="transformers",
@@ -297,7 +299,7 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
             )
             if part
         )
-        lines.append("Perplexity measured by mla-convert right after the conversion" + (f" ({setup})" if setup else "") + ":")
+        lines.append("Perplexity measured with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":")
         lines += ["", "| model | perplexity |", "|---|---:|"]
         if before is not None:
             lines.append(f"| original | {before:.4g} |")
@@ -310,16 +312,21 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         lines.append("")
     if isinstance(finetuning, Mapping):
         lines += ["### Fine-tuning after conversion", ""]
-        lines.append("After the conversion the model was trained further to recover quality. From the report:")
-        lines.append("")
+        lines.append("After the conversion the model was trained further (distillation from the source) to recover quality:")
+        lines += ["", "| | |", "|---|---|"]
         for key, value in finetuning.items():
-            if value is not None:
-                lines.append(f"- {_text(key).replace('_', ' ')}: {_text(value)}")
+            if value is None or key in FINETUNE_CURVES or isinstance(value, (list, dict)):
+                continue  # the curves are the plot below; nested values have their own rows elsewhere
+            lines.append(f"| {_cell(key.replace('_', ' '))} | {_cell(value)} |")
         lines.append("")
+        if finetuning.get("curve_png"):
+            lines += [f"![loss and perplexity during fine-tuning]({_text(finetuning['curve_png'])})", ""]
     return lines
 
 
 _ATTENTION_ERROR = "attention_output_relative_error"
+# list-valued fine-tuning entries drawn as a plot rather than printed
+FINETUNE_CURVES = ("loss_curve", "perplexity_curve")
 
 
 def _section_layers(report: Mapping[str, Any]) -> list[str]:
@@ -485,10 +492,10 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
             "whose DeepSeek MLA layer has no bias slot would drop them and compute a different model (see the "
             "engine table)."
         )
-    if rank and rope and (rank, rope) != (FAST_KERNEL_KV_LORA_RANK, FAST_KERNEL_ROPE_DIM):
+    if rank and rope and (rank, rope) != (DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM):
         lines.append(
             f"- **Shape.** This model caches a {rank}-value latent plus a {rope}-value RoPE key. The fastest MLA "
-            f"kernels are built for DeepSeek-V3's {FAST_KERNEL_KV_LORA_RANK} + {FAST_KERNEL_ROPE_DIM}; engines either fall "
+            f"kernels are built for DeepSeek-V3's {DEEPSEEK_KV_LORA_RANK} + {DEEPSEEK_ROPE_DIM}; engines either fall "
             "back to slower attention paths for other shapes or refuse them."
         )
     measured = isinstance(_get(report, "evaluation"), Mapping)
@@ -519,6 +526,9 @@ def build_model_card(report: dict, repo_id: str | None = None) -> ModelCard:
     """
     if not isinstance(report, Mapping):
         raise CardValidationError(f"conversion report must be a JSON object, got {type(report).__name__}")
+    # the card is a function of the report's content, not of its key order: `mla_convert.json` is written with
+    # sorted keys, so the card convert writes equals the card rebuilt from the file (push relies on that)
+    report = json.loads(json.dumps(report, sort_keys=True))
     hub_id = _get(report, "source", "hub_id")
     name_or_path = _get(report, "source", "name_or_path")
     if _valid_repo_id(hub_id):
@@ -611,6 +621,49 @@ def validate_card(card: ModelCard | str) -> dict:
     if problems:
         raise CardValidationError("invalid model card: " + "; ".join(problems))
     return metadata
+
+
+def card_update_problems(folder: Path | None, baseline: str | None) -> list[str]:
+    """Why `eval --update-card` could not write into `folder` (checked before the evaluation runs)."""
+    problems = []
+    if baseline is None:
+        problems.append("--update-card needs --baseline (the source model): the card reports both perplexities")
+    if folder is not None:
+        if not (folder / REPORT_FILE).is_file():
+            problems.append(f"--update-card: {folder} has no {REPORT_FILE}; only a folder written by `mla-convert convert` has a card to update")
+        elif not os.access(folder, os.W_OK) or not os.access(folder / REPORT_FILE, os.W_OK):
+            problems.append(f"--update-card: {folder} is not writable")
+    return problems
+
+
+def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
+    """Write an `eval` result (model = this converted folder, baseline = its source) into the report and the card.
+
+    The report is replaced atomically (written beside it, then renamed), then the card is regenerated.
+    """
+    folder = Path(folder)
+    report = load_report(folder)
+    model_label = next(label for label in evaluation.results if label != evaluation.baseline_label)
+    converted, source = evaluation.results[model_label], evaluation.results[evaluation.baseline_label]
+    data_path = Path(str(data))
+    report["evaluation"] = {
+        "measured_with": "mla-convert eval",
+        "protocol": "sliding window, token-weighted NLL, first token of each window unscored",
+        "data": os.path.relpath(data_path.resolve(), folder.resolve()) if data_path.exists() else str(data),
+        "context_length": converted.context_length,
+        "stride": converted.stride,
+        "windows": converted.num_windows,
+        "scored_tokens": converted.num_scored_tokens,
+        "source_perplexity": source.perplexity,
+        "converted_perplexity": converted.perplexity,
+        "ratio": converted.perplexity / source.perplexity,
+        "dtype": evaluation.settings.get("dtype"),
+        "device": evaluation.settings.get("device"),
+    }
+    temporary = folder / (REPORT_FILE + ".tmp")
+    temporary.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    os.replace(temporary, folder / REPORT_FILE)
+    return write_model_card(folder, report=report)
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, report: dict | None = None) -> Path:

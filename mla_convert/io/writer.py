@@ -32,6 +32,8 @@ from .signals import signals_deferred
 
 PARTIAL_SUFFIX = ".mla-convert-partial"
 BACKUP_SUFFIX = ".mla-convert-old"
+# A finished result whose output path was taken meanwhile (kept, never cleaned automatically).
+KEPT_SUFFIX = ".mla-convert-result"
 # Marker inside a partial folder naming the process that writes it, so a later run can tell a
 # leftover of a dead run (safe to remove) from a folder another live run is still writing.
 OWNER_FILE = ".mla-convert-owner"
@@ -79,14 +81,39 @@ def partial_path_for(output: Path) -> Path:
     return output.with_name(output.name + PARTIAL_SUFFIX)
 
 
-def _process_alive(pid: int) -> bool:
+def claim_owner_file(path: Path):
+    """Create `path`, hold an exclusive `flock` on it for as long as the returned handle lives, write our PID.
+
+    The kernel drops the lock when the process ends, even by SIGKILL, so a later run knows exactly
+    whether the writer is alive: no PID reuse, no PIDs of other machines or namespaces to guess about.
+    """
+    handle = open(path, "w")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        import fcntl
+
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # pragma: no cover - Windows: no lock, the PID alone
+        pass
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def live_owner(path: Path) -> str | None:
+    """The PID text of the live process holding `path`'s lock, or None when nobody holds it (a leftover)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        with open(path, "r+") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip() or "?"
+            return None
+    except OSError:  # no owner file: nobody claims the folder
+        return None
 
 
 def clean_stale_partial(output: Path) -> str | None:
@@ -97,17 +124,15 @@ def clean_stale_partial(output: Path) -> str | None:
     """
     partial = partial_path_for(output)
     messages = []
+    if partial.is_symlink():
+        raise OutputExistsError(f"{partial}: is a symlink where mla-convert keeps its unfinished output; remove it")
     if partial.exists():
-        owner = partial / OWNER_FILE
-        try:
-            pid = int(owner.read_text().strip())
-        except (OSError, ValueError):
-            pid = None
-        if pid is not None and pid != os.getpid() and _process_alive(pid):
+        pid = live_owner(partial / OWNER_FILE)
+        if pid is not None:
             raise OutputExistsError(
                 f"{partial}: another mla-convert process (pid {pid}) is writing this output; wait for it or remove the folder"
             )
-        shutil.rmtree(partial)
+        _remove(partial)
         messages.append(f"removed {partial.name}, left behind by an interrupted run")
     backup = backup_path_for(output)
     if backup.exists():
@@ -125,6 +150,16 @@ def backup_path_for(output: Path) -> Path:
     return output.with_name(output.name + BACKUP_SUFFIX)
 
 
+def kept_path_for(output: Path) -> Path:
+    """Where a finished result goes when something else took its output path meanwhile (never overwritten)."""
+    candidate = output.with_name(output.name + KEPT_SUFFIX)
+    number = 1
+    while candidate.exists() or candidate.is_symlink():
+        number += 1
+        candidate = output.with_name(f"{output.name}{KEPT_SUFFIX}-{number}")
+    return candidate
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -132,15 +167,36 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def prepare_output_path(output: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Check the output path before any heavy work; raise if it exists and `overwrite` is off."""
+REPORT_MARKER = "mla_convert.json"  # what makes a folder an earlier mla-convert output (`convert.report.REPORT_FILE`)
+
+
+def prepare_output_path(output: str | os.PathLike, overwrite: bool = False, force: bool = False) -> Path:
+    """Check the output path before any heavy work; raise if it exists and `overwrite` is off.
+
+    `--overwrite` replaces only an earlier mla-convert output (a folder holding its report); a symlink at the
+    output path, or a folder of other files, is replaced (the link itself, never its target) only with `force`.
+    """
     output = Path(output)
+    if output.is_symlink():
+        if not (overwrite and force):
+            raise OutputExistsError(f"{output}: is a symlink; mla-convert writes a real folder there and would replace the "
+                                    "link. Choose another path, or pass --overwrite --force to replace the link itself")
+        return _checked_parent(output)
     if output.exists() and not overwrite:
         raise OutputExistsError(f"{output}: already exists; choose another path or pass --overwrite")
     if output.exists() and not output.is_dir():
         raise OutputExistsError(f"{output}: is a file, not a model folder; --overwrite only replaces folders")
+    if output.exists() and not force and not (output / REPORT_MARKER).is_file():
+        raise OutputExistsError(f"{output}: is not an earlier mla-convert output (no {REPORT_MARKER}); --overwrite would "
+                                "delete its files. Choose another path, or add --force")
+    return _checked_parent(output)
+
+
+def _checked_parent(output: Path) -> Path:
     if not output.parent.exists():
         raise OutputExistsError(f"{output.parent}: parent folder does not exist")
+    if not output.parent.is_dir():
+        raise OutputExistsError(f"{output.parent}: the output's parent is not a folder")
     if not os.access(output.parent, os.W_OK):
         read_only = hasattr(os, "statvfs") and bool(os.statvfs(output.parent).f_flag & os.ST_RDONLY)
         raise OutputExistsError(f"{output.parent}: not writable" + (" (read-only file system)" if read_only else ""))
@@ -160,8 +216,9 @@ class CheckpointWriter:
         output: str | os.PathLike,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
         overwrite: bool = False,
+        force: bool = False,
     ):
-        self.output = prepare_output_path(output, overwrite)
+        self.output = prepare_output_path(output, overwrite, force)
         self.overwrite = overwrite
         self.max_shard_size = parse_shard_size(max_shard_size)
         if self.max_shard_size <= 0:
@@ -169,9 +226,10 @@ class CheckpointWriter:
         self.cleanup_message = clean_stale_partial(self.output)
         self.partial = partial_path_for(self.output)
         self._spool = ShardSpool(self.partial / SPOOL_FILE)
+        self._owner = None
         try:
             self.partial.mkdir()
-            (self.partial / OWNER_FILE).write_text(str(os.getpid()))
+            self._owner = claim_owner_file(self.partial / OWNER_FILE)
         except OSError as error:
             self.abort()
             raise OutputWriteError(
@@ -278,27 +336,38 @@ class CheckpointWriter:
             }
             (self.partial / hub_constants.SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (self.partial / OWNER_FILE).unlink()
+        self._release_owner()
         _fsync_tree(self.partial)
-        if self.output.exists():
+        if self.output.exists() or self.output.is_symlink():
             if not self.overwrite:
-                raise OutputExistsError(f"{self.output}: appeared while converting; the result is kept in {self.partial}")
+                # someone else put something at the output path meanwhile: keep both, say where ours is
+                kept = kept_path_for(self.output)
+                os.replace(self.partial, kept)
+                self._committed = True
+                raise OutputExistsError(f"{self.output}: appeared while converting; the finished result is kept in {kept}")
             # Move the old folder aside first, so that a crash here never leaves neither.
             backup = backup_path_for(self.output)
-            if backup.exists():
+            if backup.exists() or backup.is_symlink():
                 _remove(backup)
             os.replace(self.output, backup)
             os.replace(self.partial, self.output)
-            shutil.rmtree(backup)
+            _remove(backup)
         else:
             os.replace(self.partial, self.output)
         self._committed = True
         return self.output
 
+    def _release_owner(self) -> None:
+        if self._owner is not None:
+            self._owner.close()
+            self._owner = None
+
     def abort(self) -> None:
         """Remove the partial folder; a second Ctrl-C or `kill` meanwhile waits until it is gone."""
         self._spool.close(remove=False)  # removed with the folder
         with signals_deferred():
-            if self.partial.exists():
+            self._release_owner()
+            if self.partial.exists() and not self.partial.is_symlink():
                 shutil.rmtree(self.partial, ignore_errors=True)
 
     def __enter__(self) -> CheckpointWriter:

@@ -106,12 +106,12 @@ def compute_dtype(requested: torch.dtype | None, stored: torch.dtype) -> torch.d
 
 
 def read_exported_folder(path: str | Path) -> ExportedFolder:
-    from transformers import AutoConfig
+    from ..io.hf_loading import load_config
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise RuntimeModelError(f"{path}: no config.json; give the folder written by `mla-convert convert`")
-    config = AutoConfig.from_pretrained(str(path))
+    config = load_config(path)
     check_supported(config, path)
     tensors = read_tensors(path)
     floating = [t.dtype for t in tensors.values() if t.is_floating_point()]

@@ -1,0 +1,38 @@
+"""`mla-convert finetune` and `recipes/finetune_mla.py`: parse the settings, train, say what happened in one line."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import MLAConvertError
+
+
+def main(argv: list[str] | None = None, prog: str = "mla-convert finetune") -> int:
+    """Run a fine-tuning from command-line words (YAML via --config, flags win); returns the exit status."""
+    from .config import parse_config
+    from .trainer import run_finetune
+
+    try:
+        config = parse_config(argv, prog=prog)
+        result = run_finetune(config)
+    except MLAConvertError as error:
+        for line in str(error).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    if result.interrupted_by is not None:
+        import signal
+
+        name = signal.Signals(result.interrupted_by).name
+        print(f"interrupted ({name}) at step {result.state.step}: checkpoint {result.checkpoint}; "
+              f"resume with the same command and --resume auto", file=sys.stderr)
+        return 128 + result.interrupted_by
+    if result.output is not None:
+        section = result.finetuning
+        before, after = section.get("perplexity_before"), section.get("perplexity_after")
+        summary = f"saved {result.output}: {section['steps']} steps, {section['tokens']:,} tokens"
+        if before is not None and after is not None:
+            summary += f"; perplexity {before:.4f} -> {after:.4f}"
+        print(summary)
+    elif result.checkpoint is not None:
+        print(f"stopped at step {result.state.step}; resume with --resume auto (checkpoint {result.checkpoint})")
+    return 0

@@ -1,0 +1,70 @@
+"""Every transformers `from_pretrained` of the package goes through here: no code from a model folder, no
+pickles without the user's opt-in.
+
+transformers runs a model folder's own Python when its config or tokenizer config names one (`auto_map`)
+and `trust_remote_code` is true, and it *asks* on a terminal when the argument is left out; mla-convert
+never runs such code, so it always passes `trust_remote_code=False` (transformers then refuses with its
+own message).  Pickled `*.bin` weights are loaded only with `allow_pickle` (and then with
+`weights_only=True`, which transformers uses by default); without it a folder that holds nothing else is
+refused before transformers sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, MLAConvertError
+
+
+class ModelLoadError(MLAConvertError):
+    """transformers could not build the model, tokenizer or config from a folder."""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def weights_problems(folder: str | os.PathLike, allow_pickle: bool = False) -> list[str]:
+    """Why the weights of `folder` must not or cannot be loaded (headers only; empty: they can)."""
+    from .reader import CheckpointReader
+
+    try:
+        reader = CheckpointReader(folder, allow_pickle=allow_pickle)
+    except CheckpointError as error:
+        return [str(error)]
+    return reader.header_problems()
+
+
+def load_config(folder: str | os.PathLike):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"{folder}: transformers cannot read its config ({_first_line(error)})") from error
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"{folder}: transformers cannot load its tokenizer ({_first_line(error)})") from error
+
+
+def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto", allow_pickle: bool = False, **kwargs):
+    """A causal LM from a local folder, weights checked first (refused pickles, damaged shards)."""
+    from transformers import AutoModelForCausalLM
+
+    problems = weights_problems(folder, allow_pickle)
+    if problems:
+        raise CheckpointError("\n".join(problems))
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, trust_remote_code=False,
+                                                    use_safetensors=None if allow_pickle else True, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as error:
+        raise ModelLoadError(f"{Path(folder)}: cannot load as a causal LM ({_first_line(error)})") from error

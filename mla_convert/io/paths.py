@@ -1,0 +1,94 @@
+"""Checks of the kind of every path a command touches, before it touches it.
+
+A FIFO named `tokenizer.json` makes a reader block forever; a result file whose parent is a file, or
+that is a folder, fails only after the whole evaluation ran; a symlink as the output folder makes a
+replace write through it.  Each function returns one line per problem (empty: go), so that commands
+can report every problem at once, before any heavy work.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import sys
+from pathlib import Path
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def special_file_problems(folder: str | os.PathLike) -> list[str]:
+    """Entries of a model folder that are neither regular files nor folders (reading them can hang)."""
+    folder = Path(folder)
+    problems = []
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as error:
+        return [f"{folder}: cannot list the folder ({error.strerror or error})"]
+    for entry in entries:
+        try:
+            if entry.is_file() or entry.is_dir():
+                continue
+            if entry.is_symlink() and not entry.exists():
+                problems.append(f"{entry}: a symlink to nothing")
+                continue
+            problems.append(f"{entry}: is {_kind(entry)}, not a regular file")
+        except OSError as error:
+            problems.append(f"{entry}: cannot be read ({error.strerror or error})")
+    return problems
+
+
+def model_folder_problems(path: str | os.PathLike, what: str = "model") -> list[str]:
+    """A local model folder exists, is a folder, and holds no special files."""
+    path = Path(path)
+    if not path.exists():
+        return [f"{path}: no such {what} folder"]
+    if not path.is_dir():
+        return [f"{path}: is a file; pass the {what} folder that holds config.json and the weights"]
+    return special_file_problems(path)
+
+
+def output_file_problems(path: str | os.PathLike | None, flag: str) -> list[str]:
+    """A file a command will write at the end: its folder exists and is writable, and it is not a folder."""
+    if path is None:
+        return []
+    path = Path(path)
+    parent = path.parent
+    if path.is_symlink() and not path.exists():
+        return [f"{flag} {path}: a symlink to nothing"]
+    if path.exists() and not path.is_file():
+        return [f"{flag} {path}: exists and is not a regular file"]
+    if not parent.exists():
+        return [f"{flag} {path}: its folder {parent} does not exist"]
+    if not parent.is_dir():
+        return [f"{flag} {path}: {parent} is not a folder"]
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return [f"{flag} {path}: not writable"]
+    return []
+
+
+# --------------------------------------------------------------------------- what reports record
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed, for the report and the card, without this machine's absolute paths.
+
+    An absolute path becomes relative to the working directory when it lies below it, else its last part.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    return " ".join(shlex.quote(portable_path(arg)) for arg in [Path(argv[0]).name, *argv[1:]])
+
+
+def portable_path(arg: str) -> str:
+    flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not equals:
+        flag, value = "", arg
+    if os.path.isabs(value):
+        relative = os.path.relpath(value)
+        value = relative if not relative.startswith("..") else Path(value).name
+    return f"{flag}{equals}{value}"

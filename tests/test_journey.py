@@ -1,0 +1,120 @@
+"""The user's journey with the real CLI: convert -> eval --update-card -> push, and what eval refuses.
+
+Each step is run as a user runs it (the typer app in-process, the real hub client against the local
+fake Hub), on stories260K (real weights: the numbers in the card must be the measured ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from fake_hub import FakeHub
+from typer.testing import CliRunner
+
+from mla_convert import cli
+from mla_convert.convert import target as T
+from mla_convert.hub.push import push_to_hub
+
+TOKEN = "hf_testTOKENmlaConvertJourney0123456789XYZ"
+FAST = ["--calib-samples", "4", "--calib-seq-len", "64", "--refine-steps", "0", "--no-kv-balance-search", "--rope-finalists", "1",
+        "--dtype", "fp32"]
+
+
+def run(*args: str, check: bool = True):
+    result = CliRunner().invoke(cli.app, [str(a) for a in args])
+    if check:
+        assert result.exit_code == 0, result.output + repr(result.exception)
+    return result
+
+
+@pytest.fixture(scope="module")
+def converted(stories260k, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("journey") / "stories-mla"
+    run("convert", stories260k, out, "-c", "2", *FAST, "--license", "mit", "-q")
+    return out
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+@pytest.mark.real_model
+def test_eval_update_card_writes_the_measured_numbers(converted, stories260k, tinystories_text, tmp_path):
+    folder = copy_of(converted, tmp_path)
+    before = (folder / "README.md").read_text()
+    assert "## Quality" not in before
+    result = run("eval", folder, "--baseline", stories260k, "--data", tinystories_text, "--max-windows", "6",
+                 "--json", tmp_path / "eval.json", "--update-card")
+    measured = json.loads((tmp_path / "eval.json").read_text())
+    report = json.loads((folder / "mla_convert.json").read_text())
+    evaluation = report["evaluation"]
+    results = measured["results"]
+    model_label = next(label for label in results if label != measured["baseline"])
+    assert evaluation["converted_perplexity"] == pytest.approx(results[model_label]["perplexity"], rel=1e-12)
+    assert evaluation["source_perplexity"] == pytest.approx(results[measured["baseline"]]["perplexity"], rel=1e-12)
+    assert evaluation["ratio"] == pytest.approx(measured["ratio"], rel=1e-12)
+    assert evaluation["windows"] == 6 and evaluation["context_length"] == 512  # min(1024, max_position_embeddings 512)
+    assert not os.path.isabs(evaluation["data"])
+    card = (folder / "README.md").read_text()
+    assert "## Quality" in card and f"{evaluation['converted_perplexity']:.4g}" in card
+    assert f"{evaluation['source_perplexity']:.4g}" in card
+    assert "wrote the evaluation" in result.output
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("args, message", [
+    (["--context", "1024"], "--context 1024: longer than"),
+    (["--dtype", "fp16"], f"--dtype fp16: {T.FP16_REFUSED}"),
+    (["--update-card"], "--update-card needs --baseline"),
+    (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+])
+def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_path, args, message):
+    result = run("eval", converted, "--data", tinystories_text, "--json", tmp_path / "out.json", *args, check=False)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.real_model
+def test_eval_result_path_of_the_wrong_kind_is_refused_before_the_evaluation(converted, tinystories_text, tmp_path):
+    (tmp_path / "a-folder").mkdir()
+    for path, message in ((tmp_path / "a-folder", "exists and is not a regular file"),
+                          (tmp_path / "missing" / "out.json", "does not exist")):
+        result = run("eval", converted, "--data", tinystories_text, "--json", path, check=False)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "perplexity" not in result.output  # nothing was evaluated
+
+
+@pytest.mark.real_model
+def test_push_after_convert_uploads_a_card_for_the_repo_without_local_paths(converted, tmp_path):
+    """The card `convert` wrote is recognised as its own: push regenerates it for the repo id."""
+    folder = copy_of(converted, tmp_path)
+    repo = "alice/stories260k-mla"
+    with FakeHub(token=TOKEN) as hub:
+        push_to_hub(folder, repo, token=TOKEN, endpoint=hub.url)
+        uploaded = hub.files(repo)
+    card = uploaded["README.md"].decode()
+    report = uploaded["mla_convert.json"].decode()
+    assert repo in card and "path/to/this/model" not in card
+    for text in (card, report):
+        assert str(Path.home()) not in text and str(tmp_path) not in text and str(converted.parent) not in text
+        assert not re.search(r"(?<![\w.])/(work|tmp|home|root)/", text), "an absolute path"
+    assert "license: mit" in card
+
+
+@pytest.mark.real_model
+def test_card_metadata_names_base_model_license_and_relation(stories260k, tmp_path):
+    out = tmp_path / "meta"
+    run("convert", stories260k, out, "-c", "2", *FAST, "--base-model", "karpathy/tinyllamas", "-q")
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(out / "README.md").data
+    assert data.base_model == "karpathy/tinyllamas" and data.base_model_relation == "quantized"
+    report = json.loads((out / "mla_convert.json").read_text())
+    assert report["options"]["method"] == "activation-aware"
+    assert "`activation-aware` method" in (out / "README.md").read_text()
