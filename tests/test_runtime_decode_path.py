@@ -3,7 +3,8 @@ W_UK / W_UV folded into the projections, and the CUDA-graph replay of the decode
 
 The oracle is the runtime's own separate-weights eager path, itself checked against transformers in
 tests/test_runtime.py; greedy tokens are also compared with transformers directly where a new path
-could change them.  Tiny random DeepseekV3 folders come from tests/test_runtime.py's builder.
+could change them.  The tiny random DeepseekV3 folders are built here (as in tests/test_runtime.py,
+but without tokenizer files, so that this module also runs on a GPU machine without the shared assets).
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ import torch
 from mla_convert.runtime import AbsorbedMLAModel, PagedLatentCache, run_generation
 from mla_convert.runtime.absorption import fuse_output_weight, fuse_query_weight, plan_absorption
 from mla_convert.runtime.errors import GenerationSettingsError
-from test_runtime import TOKENIZER_FILES, TINY_VARIANTS, assert_same_tokens, build_tiny_folder, prompt_ids
-from test_runtime import transformers_greedy
 
 NEW_TOKENS = 12
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+Q_PROJ = dict(q_lora_rank=None, attention_bias=False, tie_word_embeddings=False, rope_parameters=ROPE)
+Q_LORA = dict(q_lora_rank=32, attention_bias=True, tie_word_embeddings=True,
+              rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+# Token-id prompts of mixed lengths (vocabulary 512; the folders need no tokenizer, so these tests run
+# where the shared assets are absent, e.g. on a lent GPU machine).
+PROMPTS = [[1, 45, 311, 7, 90], [1, 17, 233, 102, 64, 5, 480, 77, 301, 12, 9, 150, 44], [1, 300]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,35 +34,55 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def build_odd_rows_folder(path, tokenizer_dir):
-    """A tiny dense DeepseekV3 whose cache rows hold 20 + 6 = 26 values (not a multiple of 16 bytes)."""
-    import shutil
+def build_folder(path, seed: int, **overrides):
+    """A tiny random dense DeepseekV3 folder (like tests/test_runtime.py's, without tokenizer files).
 
+    initializer_range 0.2 makes greedy decoding decided by clear margins; biases are drawn non-zero.
+    """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
+    settings = dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=20, qk_rope_head_dim=6,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, max_position_embeddings=256, n_routed_experts=1,
         n_shared_experts=0, num_experts_per_tok=1, n_group=1, topk_group=1, num_mtp_layers=0,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, q_lora_rank=None, attention_bias=False,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2,
     )
-    torch.manual_seed(2)
-    DeepseekV3ForCausalLM(config).eval().save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, path / name)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**(settings | overrides))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(path)
     return path
 
 
+def transformers_greedy(folder, prompts, new_tokens):
+    """Stock DeepseekV3ForCausalLM.generate, each prompt alone (no padding): the generated ids."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    outputs = []
+    for prompt in prompts:
+        generated = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens)
+        outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+def assert_same_tokens(runtime, reference):
+    for index, (ours, theirs) in enumerate(zip(runtime, reference, strict=True)):
+        assert ours == theirs, f"prompt {index}: runtime {ours} != transformers {theirs}"
+
+
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory, stories260k):
+def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode-path")
     return {
-        "q_proj": build_tiny_folder(root / "q_proj", stories260k, seed=0, **TINY_VARIANTS["q_proj-default-rope"]),
-        "q_lora": build_tiny_folder(root / "q_lora", stories260k, seed=1,
-                                    **TINY_VARIANTS["q_lora-bias-tied-linear-rope"]),
-        "odd_rows": build_odd_rows_folder(root / "odd", stories260k),  # 26 values: padded to 28 in fp32
+        "q_proj": build_folder(root / "q_proj", 0, **Q_PROJ),
+        "q_lora": build_folder(root / "q_lora", 1, **Q_LORA),
+        # 20 + 6 = 26 values per row: padded to 28 values (fp32) in the cache
+        "odd_rows": build_folder(root / "odd", 2, kv_lora_rank=20, qk_rope_head_dim=6, **Q_PROJ),
     }
 
 
@@ -161,7 +187,7 @@ def _decode_logits(model, prompts, steps=3):
 @pytest.mark.parametrize("variant", ["q_proj", "q_lora"])
 def test_fused_projections_decode_like_the_separate_ones(folders, variant):
     folder = folders[variant]
-    prompts = prompt_ids(folder)
+    prompts = PROMPTS
     fused = AbsorbedMLAModel.from_folder(folder, device="cpu", absorb="fused")
     separate = AbsorbedMLAModel.from_folder(folder, device="cpu", absorb="separate")
     assert fused.layers[0].attention.q_decode is not None and fused.layers[0].attention.o_decode is not None
@@ -181,7 +207,7 @@ def test_kernel_path_on_padded_rows_matches_the_reference_path(folders):
         pytest.skip("TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run here")
     device = "cpu" if INTERPRETED else "cuda"
     folder = folders["odd_rows"]
-    prompts = prompt_ids(folder)[:2]
+    prompts = PROMPTS[:2]
     kernel = AbsorbedMLAModel.from_folder(folder, device=device, decode_backend="triton", cuda_graphs=False)
     reference = AbsorbedMLAModel.from_folder(folder, device=device, decode_backend="reference", cuda_graphs=False)
     kernel_logits, cache = _decode_logits(kernel, prompts)
@@ -200,7 +226,7 @@ def test_cuda_graph_decode_equals_eager_decode(folders, backend):
     if backend == "triton" and INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1: the kernel cannot run on the GPU")
     folder = folders["q_lora"]
-    prompts = prompt_ids(folder)
+    prompts = PROMPTS
     graphed = AbsorbedMLAModel.from_folder(folder, device="cuda", decode_backend=backend, cuda_graphs=True)
     eager = AbsorbedMLAModel.from_folder(folder, device="cuda", decode_backend=backend, cuda_graphs=False)
     graph_logits, cache = _decode_logits(graphed, prompts, steps=8)

@@ -254,12 +254,43 @@ def markdown_table(reports: list[CompileReport]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_by_side(runs: list[list[dict]]) -> str:
+    """One markdown row per launch, with registers and spills of every run (e.g. two Triton versions).
+
+    Instruction mix, shared memory and load widths are taken from the first run; the per-version
+    columns are what differs between compiler versions.
+    """
+    versions = [run[0]["triton_version"] for run in runs]
+    by_key = [{(r["case"], r["kernel"], r["config"]): r for r in run} for run in runs]
+    lines = [
+        "| case | kernel | config | " + " | ".join(f"regs {v}" for v in versions) + " | "
+        + " | ".join(f"spill B / ops {v}" for v in versions)
+        + " | smem KB | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
+        "|---|---|---|" + "---:|" * (2 * len(runs)) + "---:|---:|---:|---:|---|",
+    ]
+    for key, first in by_key[0].items():
+        others = [table.get(key) for table in by_key]
+        regs = " | ".join("-" if r is None else str(r["registers"]) for r in others)
+        spills = " | ".join("-" if r is None else f"{r['stack_bytes']} / {r['local_memory_ops']}" for r in others)
+        loads = ", ".join(f"{width}: {count}" for width, count in first["load_bytes"].items())
+        kernel = first["kernel"].removeprefix("mla_decode_").removesuffix("_kernel")
+        config = first["config"].replace(" BLOCK_", " ").replace("BLOCK_", "")
+        lines.append(f"| {first['case']} | {kernel} | {config} | {regs} | {spills} | {first['shared_bytes'] / 1024:.0f} "
+                     f"| {first['wgmma_ops']} | {first['mma_sync_ops']} | {first['async_copies']} | {loads} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the reports as one JSON line")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES (default: all)")
+    parser.add_argument("--render", type=Path, nargs="+", metavar="JSON",
+                        help="render earlier --json outputs side by side (e.g. one per Triton version); no compile")
     args = parser.parse_args(argv)
+    if args.render:
+        print(side_by_side([json.loads(path.read_text().strip().splitlines()[-1]) for path in args.render]))
+        return 0
     if INTERPRETED:
         print("compile_check: TRITON_INTERPRET=1 is set; run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2

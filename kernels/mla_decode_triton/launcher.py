@@ -86,7 +86,8 @@ def min_split_tokens_for(shape: DecodeShape, cache_element_size: int) -> int:
     """Shortest chunk worth a split: partial-output traffic <= PARTIAL_TRAFFIC_FRACTION of its cache bytes."""
     partial_bytes = shape.rows * shape.kv_lora_rank * 4 * 2  # fp32, written by the split, read by the merge
     bytes_per_token = (shape.kv_lora_rank + shape.rope_dim) * cache_element_size
-    return max(MIN_TOKENS_PER_SPLIT, math.ceil(partial_bytes / (PARTIAL_TRAFFIC_FRACTION * bytes_per_token)))
+    tokens = max(MIN_TOKENS_PER_SPLIT, math.ceil(partial_bytes / (PARTIAL_TRAFFIC_FRACTION * bytes_per_token)))
+    return -(-tokens // 16) * 16  # a multiple of 16, so the JIT compiles one specialisation for all shapes
 
 
 def splits_for_gpu(shape: DecodeShape, tile: TileConfig, cache_element_size: int, multiprocessors: int,
@@ -295,7 +296,8 @@ def plan_launches(
                 constexprs=dict(
                     KV_LORA_RANK=rank,
                     SPLIT_BLOCK_N=config.block_n,
-                    BLOCK_SPLITS=triton.next_power_of_2(splits),
+                    # fixed for every split count up to MAX_SPLITS: one compiled merge kernel per shape
+                    BLOCK_SPLITS=triton.next_power_of_2(max(splits, MAX_SPLITS)),
                     BLOCK_ROWS=block_rows,
                     BLOCK_C=block_c,
                 ),
