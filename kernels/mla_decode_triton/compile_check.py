@@ -78,7 +78,9 @@ CASES = [
     Case(512, 64, 16, 64, torch.bfloat16, note="DeepSeek, 16 heads"),
     Case(512, 64, 64, 64, torch.bfloat16, note="DeepSeek, 64 heads"),
     Case(512, 64, 128, 64, torch.float16, note="DeepSeek, 128 heads: two row blocks"),
+    Case(512, 64, 32, 64, torch.bfloat16, note="32 rows (32 heads, or 2 tokens x 16 heads)"),
     Case(144, 48, 9, 16, torch.bfloat16, note="SmolLM2-135M 2x"),
+    Case(144, 48, 36, 16, torch.bfloat16, note="SmolLM2 2x, 4 speculative tokens x 9 heads"),
     Case(64, 32, 9, 16, torch.bfloat16, note="SmolLM2-135M 4x"),
     Case(128, 64, 64, 16, torch.bfloat16, note="64 rows, R = 128"),
     Case(24, 8, 8, 16, torch.bfloat16, note="stories260K 2x"),
@@ -87,6 +89,8 @@ CASES = [
     Case(20, 6, 8, 16, torch.bfloat16, note="26-element rows, unpadded"),
     Case(20, 6, 8, 16, torch.bfloat16, row_width=32, note="same, padded to 64 B"),
     Case(100, 12, 3, 1, torch.float32, note="fp32 cache (no tensor cores)"),
+    Case(512, 64, 16, 64, torch.float32, note="fp32 cache, DeepSeek shape"),
+    Case(144, 48, 9, 16, torch.float32, note="fp32 cache, SmolLM2 2x (the runtime's fp32 compute)"),
 ]
 
 

@@ -233,16 +233,16 @@ def mla_decode_merge_kernel(
     stride_lse_b, stride_lse_r,
     KV_LORA_RANK: tl.constexpr,
     SPLIT_BLOCK_N: tl.constexpr,  # the split kernel's BLOCK_N (split_extent depends on it)
-    BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
     BLOCK_ROWS: tl.constexpr,  # query rows per program
     BLOCK_C: tl.constexpr,  # output columns per program
 ):
     """One program: BLOCK_ROWS query rows of one sequence, BLOCK_C output columns, the used splits.
 
     Grid = (column blocks, row blocks, batch).  Only the sequence's used splits (`split_extent`) were
-    written, so only they are read, one (BLOCK_ROWS, BLOCK_C) partial tile per split; their lse is
-    finite unless a row saw no token at all, which the decode contract (seq_len >= q_len) rules out
-    except for seq_len = 0 (out = 0, lse = -inf).
+    written, so only they are read, one (BLOCK_ROWS, BLOCK_C) partial tile per split, folded in with a
+    running maximum (the same online log-sum-exp as the split kernel's softmax, so no split-count-sized
+    tile is ever held).  A row's lse is finite unless it saw no token at all, which the decode contract
+    (seq_len >= q_len) rules out except for seq_len = 0 (out = 0, lse = -inf).
     """
     col_block = tl.program_id(0)
     row_block = tl.program_id(1)
@@ -252,27 +252,26 @@ def mla_decode_merge_kernel(
     _, used_splits = split_extent(seq_len, num_splits, min_split_tokens, SPLIT_BLOCK_N)
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (BLOCK_ROWS,)
     row_ok = rows < num_rows
-    lse_rows = part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r  # (BLOCK_ROWS,) pointers
-    all_splits = tl.arange(0, BLOCK_SPLITS)
-    split_lse = tl.load(
-        lse_rows[:, None] + all_splits[None, :] * stride_pl_s,
-        mask=row_ok[:, None] & (all_splits < used_splits)[None, :],
-        other=float("-inf"),
-    )  # (BLOCK_ROWS, BLOCK_SPLITS)
-    max_lse = tl.max(split_lse, axis=1)
-    shift = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # (BLOCK_ROWS,)
-    total = tl.sum(tl.exp(split_lse - shift[:, None]), axis=1)  # >= 1 unless no split saw a token
-
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < KV_LORA_RANK
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
+    lse_rows = part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r  # (BLOCK_ROWS,) pointers
     out_rows = part_out_ptr + seq * stride_po_b + rows[:, None] * stride_po_r + cols[None, :] * stride_po_c
+
+    running_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)  # sum of exp(lse_s - running_max)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)  # sum of exp(lse_s - running_max) * out_s
     for split in range(0, used_splits):
-        weight = tl.exp(tl.load(lse_rows + split * stride_pl_s, mask=row_ok, other=float("-inf")) - shift)
+        split_lse = tl.load(lse_rows + split * stride_pl_s, mask=row_ok, other=float("-inf"))
+        new_max = tl.maximum(running_max, split_lse)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - shift)  # (BLOCK_ROWS,)
+        weight = tl.exp(split_lse - shift)  # (BLOCK_ROWS,), 0 for a split that saw no token of this row
         partial = tl.load(
             out_rows + split * stride_po_s, mask=(row_ok & (weight > 0.0))[:, None] & col_ok[None, :], other=0.0
         )  # (BLOCK_ROWS, BLOCK_C)
-        acc += partial * weight[:, None]
+        acc = acc * rescale[:, None] + partial * weight[:, None]
+        total = total * rescale + weight
+        running_max = new_max
 
     has_tokens = total > 0.0
     out = acc / tl.where(has_tokens, total, 1.0)[:, None]
@@ -282,5 +281,6 @@ def mla_decode_merge_kernel(
         mask=row_ok[:, None] & col_ok[None, :],
     )
     if col_block == 0:  # one column block writes the rows' lse
+        shift = tl.where(running_max == float("-inf"), 0.0, running_max)
         lse = tl.where(has_tokens, shift + tl.log(tl.where(has_tokens, total, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_lse_b + rows * stride_lse_r, lse, mask=row_ok)

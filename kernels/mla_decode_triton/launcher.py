@@ -296,8 +296,6 @@ def plan_launches(
                 constexprs=dict(
                     KV_LORA_RANK=rank,
                     SPLIT_BLOCK_N=config.block_n,
-                    # fixed for every split count up to MAX_SPLITS: one compiled merge kernel per shape
-                    BLOCK_SPLITS=triton.next_power_of_2(max(splits, MAX_SPLITS)),
                     BLOCK_ROWS=block_rows,
                     BLOCK_C=block_c,
                 ),
