@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks of the MLA decode kernel and the runtime's decode path, in one go (< 4 minutes on one H200:
-# the three parts are capped at 110 + 65 + 50 s).
+# the three parts are capped at 100 + 75 + 50 s).
 #
 #   OUT=/some/folder scripts/device_kernel_check.sh      (OUT unset: ./device-kernel-check)
 #
@@ -44,10 +44,10 @@ part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.l
 } > "$OUT/versions.txt"
 cat "$OUT/versions.txt"
 
-part bench_kernel 110 python scripts/bench_mla_decode.py --time-budget 85 --rep-ms 20 \
+part bench_kernel 100 python scripts/bench_mla_decode.py --time-budget 75 --rep-ms 15 \
   --json "$OUT/bench_mla_decode.json" --markdown "$OUT/bench_mla_decode.md"
 
-part pytest_gpu 65 python -m pytest -q -p no:cacheprovider -o addopts="" --junitxml "$OUT/pytest_gpu.xml" \
+part pytest_gpu 75 python -m pytest -v -p no:cacheprovider -o addopts="" --junitxml "$OUT/pytest_gpu.xml" \
   tests/test_mla_decode_kernel.py tests/test_runtime_decode_path.py tests/test_mla_decode_tiling.py \
   -k "gpu or mixed_lengths_with_a_preallocated_table or empty_splits or idle_slots or heads_share or padded_rows" \
   -rs
