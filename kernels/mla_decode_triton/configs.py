@@ -14,8 +14,13 @@ The rules, from those compiles:
   R = 512, the whole register file), so 128 heads use two row blocks.  64 rows use Hopper's wgmma
   (HGMMA); 16 and 32 rows use mma.sync (HMMA).
 * R_SPLIT: 2 when the accumulator BLOCK_H x BLOCK_R exceeds ACCUMULATOR_BUDGET fp32 elements, else 1.
-  64 x 512 in one program (128 KB) spills on sm_90 with 8 or 16 warps under Triton 3.9 and needs 246
-  registers under 3.6; split in two it takes 144-210 registers and never spills.  See kernel.py.
+  64 x 512 in one program (128 KB) spills on sm_90 with 8 or 16 warps under Triton 3.9 and needs
+  212-255 registers under 3.6; split in two it takes 152-208 registers and never spills.  See kernel.py.
+  The split has a price: both programs of a pair compute the full scores, so at 512+64 the tensor-core
+  work per token grows by (2 x 576 + 512) / (576 + 512) = 1.5x, which matters where many heads make
+  decode compute-bound.  So such shapes also get the alternative tiles with ACCUMULATOR_BUDGET / BLOCK_R
+  rows (32 at R = 512), whole R and no duplicated products (mma.sync instead of wgmma, twice the row
+  blocks); the autotuner measures which is faster.
 * num_warps: 8 once the accumulator per program reaches 8K elements, else 4.
 * BLOCK_N in {64, 32} and num_stages in {2, 3}, kept when the pipelined cache tiles plus the queries
   fit SHARED_BUDGET.  First comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED with two
@@ -87,15 +92,21 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     num_warps = 8 if block_h * block_r // r_split >= WARPS_8_AT else 4
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
+    shapes = [(block_h, r_split, num_warps)]
+    if r_split == 2:  # the alternative: fewer rows, whole R, no duplicated score products (see module doc)
+        shapes.append((max(16, ACCUMULATOR_BUDGET // block_r), 1, 8))
     tiles = []
-    for num_stages in STAGE_CHOICES:
-        for block_n in BLOCK_N_CHOICES:
-            tile = TileConfig(block_h, r_split, block_n, num_warps, num_stages)
-            if shared_bytes_estimate(rank, rope_dim, tile, element_size) <= SHARED_BUDGET:
-                tiles.append(tile)
+    for rows_per_program, split, warps in shapes:
+        group = []
+        for num_stages in STAGE_CHOICES:
+            for block_n in BLOCK_N_CHOICES:
+                tile = TileConfig(rows_per_program, split, block_n, warps, num_stages)
+                if shared_bytes_estimate(rank, rope_dim, tile, element_size) <= SHARED_BUDGET:
+                    group.append(tile)
+        group.sort(key=lambda tile: (tile.block_n != preferred or tile.num_stages != 2))  # stable
+        tiles += group
     if not tiles:  # a latent too wide for any pipelined tile: the smallest one, single-buffered
         return [TileConfig(block_h, r_split, 16, num_warps, 1)]
-    tiles.sort(key=lambda tile: (tile.block_n != preferred or tile.num_stages != 2))  # stable: rest keep order
     return tiles
 
 
