@@ -18,7 +18,9 @@ is 64 x 512 x 4 B = 128 KB, half of a multiprocessor's register file; compiled f
 share a (row block, split): each computes the full scores (the product over all R + D columns needs the
 whole row) but accumulates only its own half of the output columns.  Both programs read the same tile
 at the same time (adjacent program ids), so the second read comes from L2; a 64-head sequence then
-costs one HBM read of its cache, where 16-row programs would read it four times.
+costs one HBM read of its cache, where 16-row programs would read it four times.  The price is that
+both programs compute the scores (1.5x the tensor-core work at 512+64), which is why `configs` also
+offers 32-row tiles without the split for these shapes and lets the autotuner choose.
 
 Query rows.  A row is one (query token, head) pair; rows are numbered token-major, row = i * heads + h,
 so a single decode token is just q_len = 1.  With several query tokens per sequence (speculative
