@@ -1,57 +1,75 @@
 #!/usr/bin/env python
-"""Benchmark the Triton MLA decode kernel against torch on a CUDA GPU; write a BENCHMARKS.md section.
+"""Benchmark the Triton MLA decode kernel against torch on a CUDA GPU; render the results as markdown.
 
-What is measured, per (latent shape R+D, heads, batch, context):
-  * kernel time (`triton.testing.do_bench`, median; it flushes L2 between runs, so small caches are
-    not served from L2) and its effective bandwidth: bytes of cache read (each cached token once) plus
-    bytes of queries read, divided by the time.  Decode is memory-bound, so this is the figure of merit;
-    it is also given as a fraction of the device's measured copy bandwidth (a large device-to-device
-    copy, bytes read + written over time), the practical ceiling.
-  * TFLOP/s: 2 * batch * heads * context * (2R + D) flops (scores over R + D, values over R).
-  * two torch baselines in the same run: "torch dense", a contiguous (unpaged) cache with matmuls in
-    the cache dtype - the best plain torch can do, and optimistic since it skips paging - and the
-    reference (`mla_decode_reference`: page gather + fp32 masked softmax), with the speed-up over each.
+What is measured, per (latent shape R+D, heads, batch, context), all in one run:
+  * kernel time (`triton.testing.do_bench`, median; it flushes L2 between runs, so small caches are not
+    served from L2) and its effective bandwidth: bytes of cache read (each cached token once) plus bytes
+    of queries read, divided by the time.  Decode is memory-bound, so this is the figure of merit.
+  * the copy bandwidth of this very size: a device-to-device copy of as many bytes as the case's cache
+    (bytes read + written over time), timed the same way; the kernel's bandwidth is given as % of it.
+    A 2 GiB copy at the start gives the device's large-copy bandwidth for the header.
+  * the roofline: with many heads the products, not the bytes, bound the time (128 heads at 512+64 do
+    ~240 flops per cache byte), so each row also gives the time bound max(bytes / copy bandwidth,
+    flops / tensor-core peak) and the kernel's % of it (the peak is the datasheet dense bf16/fp16
+    figure, known for H100/H200 only; otherwise the column is empty).
+  * two torch baselines in the same run: "torch dense", a contiguous (unpaged) cache with matmuls in the
+    cache dtype (optimistic: it skips paging), and the reference (`mla_decode_reference`: page gather +
+    fp32 masked softmax), with the speed-up over each.
   * max |kernel - reference| of the output, so a fast but wrong kernel cannot go unnoticed.
+  * autotuning: per shape, every candidate tile (`mla_decode_triton.configs`) is timed once at batch 64,
+    context 4096 (`mla_decode_triton.autotune`); the winner is used for every case of the shape, and the
+    timings are kept in the JSON (`--write-tuned-table` turns them into the shipped table).
 
 All sequences of a case have the full context (uniform lengths) so the dense baseline needs no masks.
 
-Usage (GPU; about 2-3 minutes on an H200):
-    TRITON_INTERPRET=0 python scripts/bench_mla_decode.py --write-benchmarks BENCHMARKS.md
-    python scripts/bench_mla_decode.py --sweep      # also time alternative launch configs (tuning aid)
-Without CUDA the script exits with a message, except with --dry-run, which builds every case at a tiny
-scale on CPU and runs the torch paths and the kernel under the Triton interpreter (plumbing check).
+On the GPU (part of scripts/device_kernel_check.sh; ~2 minutes on an H200):
+    TRITON_INTERPRET=0 python scripts/bench_mla_decode.py --json OUT/bench.json --markdown OUT/bench.md
+Back here, render the device's JSON into BENCHMARKS.md (and, if wanted, ship the tuned tiles):
+    python scripts/bench_mla_decode.py --from-json OUT/bench.json --write-benchmarks BENCHMARKS.md \
+        [--write-tuned-table]
+Without CUDA the script exits with a message, except with --dry-run, which runs every step at a tiny
+scale on CPU with the kernel under the Triton interpreter (plumbing check).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 SECTION_TITLE = "## MLA decode kernel (GPU)"
-# (R, D, heads): DeepSeek-V2/V3's 512+64 with 16 and 128 heads, and the SmolLM2-135M conversion shapes.
-LATENT_SHAPES = [(512, 64, 16), (512, 64, 128), (128, 64, 9), (64, 32, 9), (32, 16, 9)]
+# (R, D, heads): DeepSeek-V2/V3's 512+64 with 16 and 128 heads, and SmolLM2-135M's 2x / 4x conversions.
+LATENT_SHAPES = [(512, 64, 16), (512, 64, 128), (144, 48, 9), (64, 32, 9)]
 BATCHES = [1, 16, 64, 128]
 CONTEXTS = [1024, 4096, 16384]
+TUNE_BATCH, TUNE_CONTEXT = 64, 4096
 DRY_BATCHES = [1, 2]
 DRY_CONTEXTS = [16, 40]
-COPY_BYTES = 2 * 1024**3
+LARGE_COPY_BYTES = 2 * 1024**3
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, no sparsity) from the datasheets, for the roofline column.
+TENSOR_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0}
 # Largest |kernel - reference| accepted before a row is flagged: the kernel rounds softmax probabilities
 # to the cache dtype (see tests/test_mla_decode_kernel.py), so a few ulps of bf16/fp16 around O(1).
 ERROR_LIMIT = {"bf16": 5e-2, "fp16": 1e-2}
+MEMORY_BOUND = dict(min_batch=16, min_context=4096)  # the regime of the >= 70 % of copy target
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON (after every case)")
+    parser.add_argument("--markdown", type=Path, metavar="PATH", help="write the rendered markdown body")
+    parser.add_argument("--from-json", type=Path, metavar="PATH", help="render an earlier run's JSON (no GPU needed)")
     parser.add_argument("--write-benchmarks", type=Path, metavar="PATH",
                         help=f"replace or append the '{SECTION_TITLE}' section of this markdown file")
+    parser.add_argument("--write-tuned-table", action="store_true",
+                        help="with --from-json: store the tuned tiles as mla_decode_triton/tuned_configs.json")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on CPU (kernel under the Triton interpreter): checks the plumbing only")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="cache and query dtype")
@@ -59,52 +77,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", help=f"default {BATCHES}")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the (slow) reference")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time alternative block sizes / warps / splits on a few cases")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per timing")
+    parser.add_argument("--no-autotune", action="store_true", help="use the launcher's default tiles")
+    parser.add_argument("--rep-ms", type=int, default=20, help="do_bench measuring time per timing")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which no new case is started (the rest is listed as skipped)")
     args = parser.parse_args(argv)
     if args.page_size < 1:
         parser.error("--page-size must be at least 1")
+    if args.write_tuned_table and not args.from_json:
+        parser.error("--write-tuned-table needs --from-json")
     return args
 
 
-@dataclass
-class Case:
-    rank: int
-    rope_dim: int
-    heads: int
-    batch: int
-    context: int
-
-
-@dataclass
-class Result:
-    case: Case
-    config: object
-    kernel_ms: float
-    dense_ms: float
-    reference_ms: float | None
-    max_error: float
-    bytes_read: int
-    flops: int
-
-
-def build_paged_inputs(torch, case: Case, page_size: int, dtype, device, seed: int = 0):
+# ----------------------------------------------------------------------------------------- measuring
+def build_paged_inputs(torch, rank, rope_dim, heads, batch, context, page_size, dtype, device, seed=0):
     """Random queries and a paged cache with every sequence at full context, physical pages shuffled.
 
     Built directly on the device (no per-page Python loop), so the 2.4 GB caches of the largest cases
     take milliseconds.  Returns (q_latent, q_rope, kv_cache, page_table, seq_lens, softmax_scale).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
-    pages_per_seq = -(-case.context // page_size)
-    num_pages = case.batch * pages_per_seq
-    width = case.rank + case.rope_dim
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq
+    width = rank + rope_dim
     kv_cache = torch.randn((num_pages, page_size, width), generator=generator, device=device, dtype=dtype)
     order = torch.randperm(num_pages, generator=generator, device=device)
-    page_table = order.to(torch.int32).reshape(case.batch, pages_per_seq)  # (batch, pages_per_seq)
-    seq_lens = torch.full((case.batch,), case.context, dtype=torch.int32, device=device)
-    q_latent = torch.randn((case.batch, case.heads, case.rank), generator=generator, device=device, dtype=dtype)
-    q_rope = torch.randn((case.batch, case.heads, case.rope_dim), generator=generator, device=device, dtype=dtype)
+    page_table = order.to(torch.int32).reshape(batch, pages_per_seq)  # (batch, pages_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q_latent = torch.randn((batch, heads, rank), generator=generator, device=device, dtype=dtype)
+    q_rope = torch.randn((batch, heads, rope_dim), generator=generator, device=device, dtype=dtype)
     return q_latent, q_rope, kv_cache, page_table, seq_lens, width**-0.5
 
 
@@ -127,11 +128,11 @@ def make_dense_torch_decode(torch, kv_cache, page_table, context: int, rank: int
     return decode
 
 
-def time_ms(torch, fn, on_cuda: bool, rep_ms: int) -> float:
+def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
     if on_cuda:
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
     samples = []
     for _ in range(3):
         start = time.perf_counter()
@@ -140,93 +141,155 @@ def time_ms(torch, fn, on_cuda: bool, rep_ms: int) -> float:
     return statistics.median(samples)
 
 
-def measure_copy_bandwidth(torch, device, on_cuda: bool, rep_ms: int) -> float:
-    """Bytes read + written per second by a large device-to-device copy (the practical ceiling)."""
-    size = COPY_BYTES if on_cuda else 8 * 1024**2
+def copy_ms(torch, size: int, device, on_cuda: bool, rep_ms: int) -> float:
+    """Time of a device-to-device copy of `size` bytes (read once, written once)."""
     source = torch.empty(size, dtype=torch.uint8, device=device)
     source.random_(0, 255)
     target = torch.empty_like(source)
-    ms = time_ms(torch, lambda: target.copy_(source), on_cuda, rep_ms)
-    del source, target
-    return 2 * size / (ms * 1e-3)
+    return time_ms(lambda: target.copy_(source), on_cuda, rep_ms)  # both freed on return
 
 
-def run_case(torch, mla, case: Case, args, dtype, device, on_cuda: bool) -> Result:
-    inputs = build_paged_inputs(torch, case, args.page_size, dtype, device)
+def tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device) -> dict:
+    """Time every candidate tile of this shape at the tuning workload; the autotuner remembers the best."""
+    from mla_decode_triton import autotune
+
+    batch, context = (TUNE_BATCH, TUNE_CONTEXT) if not args.dry_run else (2, 40)
+    inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device)
+    result = autotune.autotune(*inputs, rep_ms=args.rep_ms)
+    default = mla.candidate_tiles(rank, rope_dim, heads, dtype)[0]
+    return dict(shape=f"{rank}+{rope_dim} x{heads}", key=result.key, workload=f"batch {batch}, context {context}",
+                best=result.best.label(), best_tile=vars(result.best), default=default.label(),
+                times_ms=result.times_ms, splits=result.splits)
+
+
+def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, on_cuda) -> dict:
+    inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device)
     q_latent, q_rope, kv_cache, page_table, seq_lens, scale = inputs
     shape = mla.inputs.check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, None)
-    config = mla.choose_config(shape, dtype, kv_cache.device)
+    config = mla.choose_config(shape, dtype, kv_cache.device, max_seq_len=context, mean_seq_len=context)
     out, _ = mla.mla_decode(*inputs, config=config)
     ref_out, _ = mla.mla_decode_reference(*inputs)
     max_error = (out.float() - ref_out.float()).abs().max().item()
-    del ref_out
-    dense_decode = make_dense_torch_decode(torch, kv_cache, page_table, case.context, case.rank)
-    kernel_ms = time_ms(torch, lambda: mla.mla_decode(*inputs, config=config), on_cuda, args.rep_ms)
-    dense_ms = time_ms(torch, lambda: dense_decode(q_latent, q_rope, scale), on_cuda, args.rep_ms)
-    reference_ms = None
-    if not args.no_reference:
-        reference_ms = time_ms(torch, lambda: mla.mla_decode_reference(*inputs), on_cuda, args.rep_ms)
+    del ref_out, out
     element = kv_cache.element_size()
-    width = case.rank + case.rope_dim
-    bytes_read = case.batch * case.context * width * element + case.batch * case.heads * width * element
-    flops = 2 * case.batch * case.heads * case.context * (2 * case.rank + case.rope_dim)
-    return Result(case, config, kernel_ms, dense_ms, reference_ms, max_error, bytes_read, flops)
+    cache_bytes = batch * context * (rank + rope_dim) * element
+    row = dict(rank=rank, rope_dim=rope_dim, heads=heads, batch=batch, context=context,
+               config=dict(tile=config.tile.label(), splits=config.num_splits, min_split_tokens=config.min_split_tokens),
+               bytes=cache_bytes + batch * heads * (rank + rope_dim) * element,
+               flops=2 * batch * heads * context * (2 * rank + rope_dim), max_error=max_error)
+    row["kernel_ms"] = time_ms(lambda: mla.mla_decode(*inputs, config=config), on_cuda, args.rep_ms)
+    row["copy_ms"] = copy_ms(torch, cache_bytes, device, on_cuda, args.rep_ms)
+    dense_decode = make_dense_torch_decode(torch, kv_cache, page_table, context, rank)
+    row["dense_ms"] = time_ms(lambda: dense_decode(q_latent, q_rope, scale), on_cuda, args.rep_ms)
+    row["reference_ms"] = None
+    if not args.no_reference:
+        row["reference_ms"] = time_ms(lambda: mla.mla_decode_reference(*inputs), on_cuda, args.rep_ms)
+    return row
 
 
-def sweep_case(torch, mla, case: Case, args, dtype, device, on_cuda: bool) -> list[str]:
-    """Time every launch config in a small grid around the heuristic; one markdown row per config."""
-    inputs = build_paged_inputs(torch, case, args.page_size, dtype, device)
-    shape = mla.inputs.check_decode_inputs(*inputs[:5], None)
-    chosen = mla.choose_config(shape, dtype, inputs[2].device)
-    block_r = max(16, 1 << (case.rank - 1).bit_length())
-    cache_bytes = case.batch * case.context * (case.rank + case.rope_dim) * inputs[2].element_size()
-    rows = []
-    for block_h in (16, 32, 64):
-        # Beyond 16K accumulator elements the compile for sm_90 spills (see mla_decode_triton.compile_check).
-        if block_h * block_r > 16384 or block_h > max(16, 1 << (case.heads - 1).bit_length()):
-            continue
-        for block_n in (16, 32, 64):
-            for num_warps in (4, 8, 16):
-                for num_splits in sorted({chosen.num_splits, chosen.num_splits * 2}):
-                    config = mla.DecodeConfig(block_h, block_n, num_splits, num_warps, 2)
-                    label = format_config(config) + (" (heuristic)" if config == chosen else "")
-                    try:
-                        ms = time_ms(torch, lambda: mla.mla_decode(*inputs, config=config), on_cuda, args.rep_ms)
-                    except Exception as error:  # e.g. out of shared memory for this tile: report and go on
-                        rows.append(f"| {describe(case)} | {label} | failed: {type(error).__name__} | |")
-                        continue
-                    bandwidth = cache_bytes / (ms * 1e-3)
-                    rows.append(f"| {describe(case)} | {label} | {ms * 1e3:.1f} | {bandwidth / 1e9:.0f} |")
-    return rows
+# ----------------------------------------------------------------------------------------- rendering
+def _peak_tflops(device_name: str) -> float | None:
+    for name, peak in TENSOR_PEAK_TFLOPS.items():
+        if re.search(rf"\b{name}\b", device_name):
+            return peak
+    return None
 
 
-def describe(case: Case) -> str:
-    return f"{case.rank}+{case.rope_dim}, {case.heads} heads, batch {case.batch}, ctx {case.context}"
-
-
-def format_config(config) -> str:
-    return f"H{config.block_h} N{config.block_n} w{config.num_warps} s{config.num_splits}"
-
-
-def format_table(results: list[Result], copy_bandwidth: float, error_limit: float) -> str:
+def format_table(results: dict) -> str:
+    meta = results["meta"]
+    peak = meta.get("tensor_peak_tflops")
     header = (
-        "| R+D | heads | batch | context | config | kernel µs | GB/s | % of copy | TFLOP/s "
+        "| R+D | heads | batch | context | tile, splits | kernel µs | GB/s | % of copy | % of roofline | TFLOP/s "
         "| torch dense µs | speed-up | reference µs | speed-up | max abs err |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
-    for r in results:
-        bandwidth = r.bytes_read / (r.kernel_ms * 1e-3)
-        reference = "-" if r.reference_ms is None else f"{r.reference_ms * 1e3:.1f}"
-        reference_speedup = "-" if r.reference_ms is None else f"{r.reference_ms / r.kernel_ms:.1f}x"
+    for r in sorted(results["cases"], key=lambda r: (-r["rank"], r["heads"], r["batch"], r["context"])):
+        if "error" in r:
+            lines.append(f"| {r['rank']}+{r['rope_dim']} | {r['heads']} | {r['batch']} | {r['context']} "
+                         f"| failed: {r['error']} |" + " |" * 10)
+            continue
+        seconds = r["kernel_ms"] * 1e-3
+        bandwidth = r["bytes"] / seconds
+        copy_bandwidth = 2 * (r["bytes"]) / (r["copy_ms"] * 1e-3)  # copy moves its bytes twice
+        roofline = "-"
+        if peak:
+            bound = max(r["bytes"] / copy_bandwidth, r["flops"] / (peak * 1e12))
+            roofline = f"{100 * bound / seconds:.0f}%"
+        reference = "-" if r["reference_ms"] is None else f"{r['reference_ms'] * 1e3:.1f}"
+        reference_speedup = "-" if r["reference_ms"] is None else f"{r['reference_ms'] / r['kernel_ms']:.1f}x"
+        flag = "" if r["max_error"] <= ERROR_LIMIT[meta["dtype"]] else " **too large**"
         lines.append(
-            f"| {r.case.rank}+{r.case.rope_dim} | {r.case.heads} | {r.case.batch} | {r.case.context} "
-            f"| {format_config(r.config)} | {r.kernel_ms * 1e3:.1f} | {bandwidth / 1e9:.0f} "
-            f"| {100 * bandwidth / copy_bandwidth:.0f}% | {r.flops / (r.kernel_ms * 1e-3) / 1e12:.2f} "
-            f"| {r.dense_ms * 1e3:.1f} | {r.dense_ms / r.kernel_ms:.1f}x | {reference} | {reference_speedup} "
-            f"| {r.max_error:.1e}{' **too large**' if not r.max_error <= error_limit else ''} |"
+            f"| {r['rank']}+{r['rope_dim']} | {r['heads']} | {r['batch']} | {r['context']} "
+            f"| {r['config']['tile']}, s{r['config']['splits']} | {r['kernel_ms'] * 1e3:.1f} | {bandwidth / 1e9:.0f} "
+            f"| {100 * bandwidth / copy_bandwidth:.0f}% | {roofline} | {r['flops'] / seconds / 1e12:.1f} "
+            f"| {r['dense_ms'] * 1e3:.1f} | {r['dense_ms'] / r['kernel_ms']:.1f}x | {reference} | {reference_speedup} "
+            f"| {r['max_error']:.1e}{flag} |"
         )
     return header + "\n".join(lines) + "\n"
+
+
+def memory_bound_summary(results: dict) -> str:
+    """Worst and median % of copy per shape over the memory-bound cases (batch >= 16, context >= 4K)."""
+    lines = ["| R+D | heads | cases | min % of copy | median % of copy | median speed-up vs torch dense |",
+             "|---|---:|---:|---:|---:|---:|"]
+    shapes = sorted({(r["rank"], r["rope_dim"], r["heads"]) for r in results["cases"] if "error" not in r},
+                    key=lambda s: (-s[0], s[2]))
+    for rank, rope_dim, heads in shapes:
+        rows = [r for r in results["cases"] if "error" not in r and (r["rank"], r["rope_dim"], r["heads"]) ==
+                (rank, rope_dim, heads) and r["batch"] >= MEMORY_BOUND["min_batch"]
+                and r["context"] >= MEMORY_BOUND["min_context"]]
+        if not rows:
+            continue
+        percent = [100 * (r["bytes"] / r["kernel_ms"]) / (2 * r["bytes"] / r["copy_ms"]) for r in rows]
+        speedup = [r["dense_ms"] / r["kernel_ms"] for r in rows]
+        lines.append(f"| {rank}+{rope_dim} | {heads} | {len(rows)} | {min(percent):.0f}% "
+                     f"| {statistics.median(percent):.0f}% | {statistics.median(speedup):.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def tuning_table(results: dict) -> str:
+    if not results.get("tuning"):
+        return ""
+    lines = ["| shape | workload | candidate tile | splits | µs | |", "|---|---|---|---:|---:|---|"]
+    for entry in results["tuning"]:
+        if "error" in entry:
+            lines.append(f"| {entry['shape']} | | failed: {entry['error']} | | | |")
+            continue
+        for label, ms in sorted(entry["times_ms"].items(), key=lambda item: item[1]):
+            marks = ", ".join(m for m, on in (("chosen", label == entry["best"]), ("default", label == entry["default"]))
+                              if on)
+            lines.append(f"| {entry['shape']} | {entry['workload']} | {label} | {entry['splits'][label]} "
+                         f"| {ms * 1e3:.1f} | {marks} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(results: dict) -> str:
+    meta = results["meta"]
+    peak = f" = {meta['tensor_peak_tflops']:.0f} TFLOP/s" if meta.get("tensor_peak_tflops") else ""
+    body = (
+        f"Produced by `{meta['command']}` on {meta['device']} ({meta['date']}; torch {meta['torch']}, "
+        f"triton {meta['triton']}); {meta['dtype']} cache, page size {meta['page_size']}, every sequence at full "
+        f"context, times are do_bench medians with L2 flushed.  Large-copy bandwidth "
+        f"({meta.get('large_copy_bytes', 2 * 1024**3) / 1024**3:.3g} GiB device-to-device, "
+        f"bytes read + written / time): {meta['large_copy_gbps']:.0f} GB/s.\n\n"
+        "Kernel GB/s counts the cache bytes (each token once; payload R + D values, these caches have no row "
+        "padding) plus the query bytes; **% of copy** compares it "
+        "with a device-to-device copy of the same number of bytes timed the same way; **% of roofline** "
+        "compares the time with max(bytes / copy bandwidth, flops / dense tensor-core peak"
+        f"{peak}): with 128 "
+        "heads at 512+64 the products, not the bytes, bound the time.  Tile: rows per program (H), R split "
+        "(r), tokens per tile (N), warps (w), stages (st); s = splits.\n\n"
+        "Memory-bound regime (batch >= 16, context >= 4K), target >= 70 % of copy:\n\n"
+        + memory_bound_summary(results) + "\nAll cases:\n\n" + format_table(results)
+    )
+    if results.get("tuning"):
+        body += "\nAutotuning (`mla_decode_triton.autotune`, every candidate tile timed once per shape):\n\n"
+        body += tuning_table(results)
+    if results.get("skipped"):
+        body += f"\nSkipped (time budget): {', '.join(results['skipped'])}.\n"
+    body += f"\nTotal benchmark wall time: {meta.get('wall_s', 0):.0f} s.\n"
+    return body
 
 
 def write_section(path: Path, body: str) -> None:
@@ -241,76 +304,124 @@ def write_section(path: Path, body: str) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def write_tuned_table(results: dict, path: Path | None = None) -> Path:
+    """Store the measured winners in the package's table (mla_decode_triton/tuned_configs.json by default)."""
+    from mla_decode_triton.configs import TABLE_PATH, TileConfig, load_table, save_table
+
+    path = TABLE_PATH if path is None else path
+    table = load_table(path)
+    for entry in results.get("tuning", []):
+        if "best_tile" in entry:
+            table[entry["key"]] = TileConfig(**entry["best_tile"])
+    meta = results["meta"]
+    save_table(table, f"{meta['device']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}, "
+               f"scripts/bench_mla_decode.py at batch {TUNE_BATCH}, context {TUNE_CONTEXT}", path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------- main
+def _save(results: dict, args) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def measure(args, argv) -> dict:
     if args.dry_run:
-        # Before triton is imported: without a GPU the kernel can only run in the interpreter.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import torch
 
     on_cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     if not on_cuda and not args.dry_run:
         reason = "no CUDA device" if not torch.cuda.is_available() else "TRITON_INTERPRET is set"
-        print(f"bench_mla_decode: needs a CUDA GPU with compiled Triton kernels ({reason}); "
-              "use --dry-run for a CPU plumbing check", file=sys.stderr)
-        return 2
-    import mla_decode_triton as mla  # also loads mla.inputs (check_decode_inputs)
+        raise SystemExit(f"bench_mla_decode: needs a CUDA GPU with compiled Triton kernels ({reason}); "
+                         "use --dry-run for a CPU plumbing check, or --from-json to render a GPU run")
+    import mla_decode_triton as mla
+    import mla_decode_triton.inputs  # noqa: F401  (mla.inputs.check_decode_inputs)
     import triton
 
     device = torch.device("cuda" if on_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     batches = args.batches or (DRY_BATCHES if args.dry_run else BATCHES)
     contexts = args.contexts or (DRY_CONTEXTS if args.dry_run else CONTEXTS)
-    page_size = args.page_size if not args.dry_run else min(args.page_size, 16)
-    args.page_size = page_size
+    if args.dry_run:
+        args.page_size = min(args.page_size, 16)
     started = time.perf_counter()
-
-    copy_bandwidth = measure_copy_bandwidth(torch, device, on_cuda, args.rep_ms)
     device_name = torch.cuda.get_device_name(device) if on_cuda else "CPU (dry run, Triton interpreter)"
-    print(f"# {device_name}: copy bandwidth {copy_bandwidth / 1e9:.0f} GB/s (read + write)", file=sys.stderr)
-
-    results = []
-    for rank, rope_dim, heads in LATENT_SHAPES:
-        for batch in batches:
-            for context in contexts:
-                case = Case(rank, rope_dim, heads if not args.dry_run else min(heads, 3), batch, context)
-                result = run_case(torch, mla, case, args, dtype, device, on_cuda)
-                results.append(result)
-                print(f"# {describe(case)}: {result.kernel_ms * 1e3:.1f} us", file=sys.stderr)
-                if not result.max_error <= ERROR_LIMIT[args.dtype]:
-                    print(f"# WARNING: max |kernel - reference| = {result.max_error:.3g}", file=sys.stderr)
-                if on_cuda:
-                    torch.cuda.empty_cache()
-
-    sweep_rows = []
-    if args.sweep:
-        sweep_cases = [Case(512, 64, 128, 16, 4096), Case(512, 64, 16, 1, 16384), Case(128, 64, 9, 64, 4096)]
-        if args.dry_run:
-            sweep_cases = [Case(32, 16, 3, 1, 40)]
-        for case in sweep_cases:
-            sweep_rows += sweep_case(torch, mla, case, args, dtype, device, on_cuda)
-
+    large = LARGE_COPY_BYTES if on_cuda else 8 * 1024**2
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
-    body = (
-        f"Produced by `{command}` on {device_name} ({datetime.date.today().isoformat()}; torch "
-        f"{torch.__version__}, triton {triton.__version__}); {args.dtype} cache, page size {page_size}, "
-        f"every sequence at full context, times are do_bench medians with L2 flushed.\n\n"
-        f"Device copy bandwidth (large device-to-device copy, bytes read + written / time): "
-        f"{copy_bandwidth / 1e9:.0f} GB/s.  Kernel GB/s counts the cache bytes (each token once) plus "
-        f"the query bytes; config = rows per program (H), tokens per tile (N), warps (w), splits (s).\n\n"
-        + format_table(results, copy_bandwidth, ERROR_LIMIT[args.dtype])
+    results = dict(
+        meta=dict(device=device_name, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  triton=triton.__version__, dtype=args.dtype, page_size=args.page_size, command=command,
+                  large_copy_bytes=large,
+                  large_copy_gbps=2 * large / (copy_ms(torch, large, device, on_cuda, args.rep_ms) * 1e-3) / 1e9,
+                  tensor_peak_tflops=_peak_tflops(device_name) if on_cuda else None),
+        tuning=[], cases=[], skipped=[],
     )
-    if sweep_rows:
-        body += (
-            "\nLaunch-config sweep (tuning aid):\n\n| case | config | kernel µs | cache GB/s |\n"
-            "|---|---|---|---|\n" + "\n".join(sweep_rows) + "\n"
-        )
-    body += f"\nTotal benchmark wall time: {time.perf_counter() - started:.0f} s.\n"
+    print(f"# {device_name}: large-copy bandwidth {results['meta']['large_copy_gbps']:.0f} GB/s", file=sys.stderr)
+    shapes = [(r, d, h if not args.dry_run else min(h, 3)) for r, d, h in LATENT_SHAPES]
+
+    def out_of_time() -> bool:
+        return args.time_budget is not None and time.perf_counter() - started > args.time_budget
+
+    if not args.no_autotune:
+        for rank, rope_dim, heads in shapes:
+            if out_of_time():
+                results["skipped"].append(f"tuning {rank}+{rope_dim} x{heads}")
+                continue
+            try:
+                entry = tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device)
+            except Exception as error:  # report and go on: the launcher's default tile is then used
+                entry = dict(shape=f"{rank}+{rope_dim} x{heads}", error=f"{type(error).__name__}: {error}"[:200])
+            results["tuning"].append(entry)
+            print(f"# tuned {entry['shape']}: {entry.get('best', entry.get('error'))}", file=sys.stderr)
+            _save(results, args)
+    # The memory-bound cases (the 70 %-of-copy target) first, so that a run cut short by the time budget
+    # loses the least informative cases; the table is sorted back afterwards.
+    grid = [(shape, batch, context) for shape in shapes for batch in batches for context in contexts]
+    grid.sort(key=lambda item: not (item[1] >= MEMORY_BOUND["min_batch"] and item[2] >= MEMORY_BOUND["min_context"]))
+    for (rank, rope_dim, heads), batch, context in grid:
+        label = f"{rank}+{rope_dim} x{heads} b{batch} ctx{context}"
+        if out_of_time():
+            results["skipped"].append(label)
+            continue
+        try:
+            row = run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, on_cuda)
+            print(f"# {label}: {row['kernel_ms'] * 1e3:.1f} us ({row['config']['tile']}, "
+                  f"s{row['config']['splits']}), err {row['max_error']:.2g}", file=sys.stderr)
+        except Exception as error:  # e.g. out of memory: report the case and go on
+            row = dict(rank=rank, rope_dim=rope_dim, heads=heads, batch=batch, context=context,
+                       error=f"{type(error).__name__}: {error}"[:200])
+            print(f"# {label}: FAILED {row['error']}", file=sys.stderr)
+        results["cases"].append(row)
+        if on_cuda:
+            torch.cuda.empty_cache()
+        results["meta"]["wall_s"] = time.perf_counter() - started
+        _save(results, args)
+    order = {(shape, batch, context): index for index, (shape, batch, context) in
+             enumerate((shape, b, c) for shape in shapes for b in batches for c in contexts)}
+    results["cases"].sort(key=lambda r: order[((r["rank"], r["rope_dim"], r["heads"]), r["batch"], r["context"])])
+    results["meta"]["wall_s"] = time.perf_counter() - started
+    _save(results, args)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+    else:
+        results = measure(args, argv)
+    body = render(results)
     print(body)
+    if args.markdown:
+        args.markdown.write_text(body)
     if args.write_benchmarks:
         write_section(args.write_benchmarks, body)
         print(f"# wrote '{SECTION_TITLE}' to {args.write_benchmarks}", file=sys.stderr)
-    return 0
+    if args.write_tuned_table:
+        print(f"# wrote the tuned tiles to {write_tuned_table(results)}", file=sys.stderr)
+    bad = [r for r in results["cases"] if "error" in r or r["max_error"] > ERROR_LIMIT[results["meta"]["dtype"]]]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -268,54 +268,95 @@ def test_kernel_rows_spread_over_several_row_blocks():
     )
 
 
-def test_choose_config_shares_tiles_across_heads():
-    shape = check_decode_inputs(*make_decode_inputs(1, 9, 128, 64, [4], page_size=4).args()[:5], None)
-    smollm = choose_config(shape, torch.bfloat16, torch.device("cpu"))
-    assert smollm.block_h == 16  # all 9 heads in one program: the cache is read once per split
-    assert smollm.block_n == 64
-    deepseek = check_decode_inputs(*make_decode_inputs(1, 128, 512, 64, [4], page_size=4).args()[:5], None)
-    config = choose_config(deepseek, torch.bfloat16, torch.device("cpu"))
-    assert config.block_h == 16 and config.block_n == 32  # fp32 accumulator of 16 x 512 fits registers
-    assert config.num_splits == 1  # a 4-token context is not worth splitting
-    assert choose_config(deepseek, torch.bfloat16, torch.device("cpu"), num_splits=5).num_splits == 5
-    with pytest.raises(MLADecodeInputError, match="num_splits must be at least 1"):
-        choose_config(deepseek, torch.bfloat16, torch.device("cpu"), num_splits=0)
-
-
-def _shape(batch, heads, rank, rope_dim, context, page_size=64):
+def _shape(batch, heads, rank, rope_dim, context, page_size=64, q_len=1):
     from mla_decode_triton.inputs import DecodeShape
 
-    return DecodeShape(batch=batch, q_len=1, heads=heads, kv_lora_rank=rank, rope_dim=rope_dim,
+    return DecodeShape(batch=batch, q_len=q_len, heads=heads, kv_lora_rank=rank, rope_dim=rope_dim,
                        page_size=page_size, max_pages=context // page_size)
 
 
-@pytest.mark.parametrize("batch, heads, context", [(1, 16, 16384), (1, 16, 1024), (16, 16, 4096), (4, 9, 4096)])
+def test_choose_config_shares_tiles_across_heads():
+    """All rows of a sequence up to 64 in one row block; a 64 x 512 accumulator is split over two programs."""
+    cpu = torch.device("cpu")
+    smollm = choose_config(_shape(1, 9, 144, 48, 64, page_size=4), torch.bfloat16, cpu)
+    assert (smollm.block_h, smollm.r_split) == (16, 1)  # all 9 heads in one program: one read per split
+    assert smollm.block_n == 64
+    for heads, block_h, r_split in [(1, 16, 1), (16, 16, 1), (32, 32, 1), (64, 64, 2), (128, 64, 2)]:
+        config = choose_config(_shape(1, heads, 512, 64, 64, page_size=4), torch.bfloat16, cpu)
+        assert (config.block_h, config.r_split) == (block_h, r_split), heads
+        assert config.block_n == 32 and config.num_warps == 8
+    # speculative decoding: 4 tokens x 16 heads = 64 rows share one row block
+    multi = choose_config(_shape(1, 16, 512, 64, 64, page_size=4, q_len=4), torch.bfloat16, cpu)
+    assert (multi.block_h, multi.r_split) == (64, 2)
+    # an fp32 cache (CUDA-core products) stays at 16-row tiles, the only ones that compile spill-free
+    assert choose_config(_shape(1, 128, 512, 64, 64), torch.float32, cpu).block_h == 16
+    config = choose_config(_shape(1, 128, 512, 64, 16, page_size=4), torch.bfloat16, cpu)
+    assert config.num_splits == 1  # a 16-token context is not worth splitting
+    assert choose_config(_shape(1, 128, 512, 64, 64), torch.bfloat16, cpu, num_splits=5).num_splits == 5
+    with pytest.raises(MLADecodeInputError, match="num_splits must be at least 1"):
+        choose_config(_shape(1, 128, 512, 64, 64), torch.bfloat16, cpu, num_splits=0)
+
+
+def _gpu_splits(shape, max_seq_len=None, mean_seq_len=None, dtype=torch.bfloat16):
+    from mla_decode_triton.configs import choose_tile
+    from mla_decode_triton.launcher import splits_for_gpu
+
+    tile = choose_tile(shape.kv_lora_rank, shape.rope_dim, shape.rows, shape.page_size, dtype)
+    return splits_for_gpu(shape, tile, 2, 132, max_seq_len, mean_seq_len), tile
+
+
+@pytest.mark.parametrize("batch, heads, context", [(1, 16, 16384), (1, 16, 1024), (16, 16, 4096), (4, 9, 4096),
+                                                   (1, 128, 16384), (2, 64, 4096)])
 def test_split_count_fills_the_multiprocessors(batch, heads, context):
     """Small batches are split until ~2 programs per multiprocessor run (132 SMs, like an H100/H200)."""
-    from mla_decode_triton.launcher import MIN_TOKENS_PER_SPLIT, splits_for_gpu
+    from mla_decode_triton.launcher import MAX_SPLITS, min_split_tokens_for
 
-    splits = splits_for_gpu(_shape(batch, heads, 512, 64, context), 16, 2, multiprocessors=132)
-    programs = batch * splits  # one row block: heads <= 16
+    shape = _shape(batch, heads, 512, 64, context)
+    splits, tile = _gpu_splits(shape)
+    programs = batch * splits * -(-heads // tile.block_h) * tile.r_split
     fills = programs >= 2 * 132 * 0.9
-    limited_by_length = splits == context // MIN_TOKENS_PER_SPLIT
-    limited_by_cap = splits == 64
-    # one more split would write more fp32 partials than a quarter of the cache bytes read
-    limited_by_merge_traffic = heads * 512 * 4 * 2 * (splits + 1) > 0.25 * context * 576 * 2
-    assert fills or limited_by_length or limited_by_cap or limited_by_merge_traffic, splits
+    min_tokens = min_split_tokens_for(shape, 2)
+    limited_by_chunk_floor = splits == -(-context // min_tokens)
+    assert fills or limited_by_chunk_floor or splits == MAX_SPLITS, splits
     assert splits > 1 or fills
-    assert context / splits >= MIN_TOKENS_PER_SPLIT
+    assert splits <= -(-context // min_tokens)  # no more splits than chunks of the minimum length
 
 
 def test_split_count_is_one_when_the_batch_already_fills_the_gpu():
-    from mla_decode_triton.launcher import splits_for_gpu
+    assert _gpu_splits(_shape(128, 128, 512, 64, 4096))[0] == 1
+    assert _gpu_splits(_shape(512, 16, 512, 64, 16384))[0] == 1
+    # 128 heads x 512 fp32 partials per split: longer chunks, so fewer splits than with 16 heads
+    assert _gpu_splits(_shape(1, 128, 512, 64, 16384))[0] < _gpu_splits(_shape(1, 16, 512, 64, 16384))[0]
 
-    assert splits_for_gpu(_shape(128, 128, 512, 64, 4096), 16, 2, multiprocessors=132) == 1
-    assert splits_for_gpu(_shape(512, 16, 512, 64, 16384), 16, 2, multiprocessors=132) == 1
-    # 128 heads x 512 fp32 partials per split: capped so merge traffic stays small next to the cache.
-    few_rows = splits_for_gpu(_shape(1, 16, 512, 64, 16384), 16, 2, multiprocessors=132)
-    many_rows = splits_for_gpu(_shape(1, 128, 512, 64, 16384), 16, 2, multiprocessors=132)
-    assert many_rows < few_rows
-    assert 128 * 512 * 8 * many_rows <= 0.25 * 16384 * 576 * 2
+
+def test_split_count_follows_the_real_lengths_not_the_table_capacity():
+    """A table preallocated for 64K tokens holding 1K-token sequences is split for 1K, not 64K."""
+    from mla_decode_triton.launcher import min_split_tokens_for
+
+    preallocated = _shape(1, 16, 512, 64, 65536)
+    capacity_splits, _ = _gpu_splits(preallocated)
+    real_splits, _ = _gpu_splits(preallocated, max_seq_len=1024, mean_seq_len=1024)
+    assert real_splits == -(-1024 // min_split_tokens_for(preallocated, 2)) < capacity_splits
+    # mixed batch: one 4096-token sequence among 31 of 7 tokens.  Sized from the batch's real total
+    # (4313 tokens) the long one is cut as finely as the chunk floor allows; sized as if every sequence
+    # were 4096 long (32 x 4096 tokens would nearly fill the GPU) it would get 9 splits.
+    mixed = _shape(32, 16, 512, 64, 65536)
+    uniform, _ = _gpu_splits(mixed, max_seq_len=4096, mean_seq_len=4096)
+    skewed, _ = _gpu_splits(mixed, max_seq_len=4096, mean_seq_len=(4096 + 31 * 7) / 32)
+    assert uniform == 9
+    assert skewed == -(-4096 // min_split_tokens_for(mixed, 2)) == 32
+
+
+def test_length_hints_are_checked_against_the_table():
+    cpu = torch.device("cpu")
+    shape = _shape(2, 16, 512, 64, 1024)
+    with pytest.raises(MLADecodeInputError, match="max_seq_len=2000 is outside the page table's range 0..1024"):
+        choose_config(shape, torch.bfloat16, cpu, max_seq_len=2000)
+    with pytest.raises(MLADecodeInputError, match="mean_seq_len=600 must lie between 0 and max_seq_len"):
+        choose_config(shape, torch.bfloat16, cpu, max_seq_len=500, mean_seq_len=600)
+    # on the interpreter the hint caps the default split count too: a 10-token batch gets one split
+    assert choose_config(shape, torch.bfloat16, cpu, max_seq_len=10).num_splits == 1
+    assert choose_config(shape, torch.bfloat16, cpu).num_splits == 2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -325,11 +366,14 @@ def test_split_count_is_one_when_the_batch_already_fills_the_gpu():
 @pytest.mark.gpu
 @needs_compiled_cuda
 @pytest.mark.parametrize(
-    "heads, rank, rope_dim",
-    [(16, 512, 64), (128, 512, 64), (9, 128, 64), (9, 64, 32), (9, 32, 16)],
+    "heads, rank, rope_dim, dtype",
+    [  # DeepSeek at 16 / 128 heads, SmolLM2 2x / 4x, stories260K 2x; fp16 once (same code path as bf16)
+        (16, 512, 64, torch.bfloat16), (128, 512, 64, torch.bfloat16), (128, 512, 64, torch.float16),
+        (9, 144, 48, torch.bfloat16), (9, 64, 32, torch.bfloat16), (8, 24, 8, torch.bfloat16),
+    ],
 )
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_kernel_matches_reference_at_realistic_sizes(heads, rank, rope_dim, dtype):
+    """Mixed lengths up to 4096 (pages of 64, NaN past each length), default, single and 16 splits."""
     lens = [1, 77, 1000, 4096, 2049, 64, 3000, 513]
     inputs = make_decode_inputs(len(lens), heads, rank, rope_dim, lens, page_size=64, dtype=dtype,
                                 device="cuda", seed=heads + rank)

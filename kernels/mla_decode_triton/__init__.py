@@ -5,15 +5,19 @@ TRITON_INTERPRET=1 is set before triton is imported); `mla_decode_reference` is 
 with the same signature.  `mla_decode_multi` / `mla_decode_multi_reference` take several causal query
 tokens per sequence (speculative decoding).
 
-Modules: `kernel` (the two @triton.jit kernels: split-KV attention and the LSE merge), `launcher`
-(block sizes, split count, launches), `reference` (pure-torch oracle), `inputs` (shared argument
-checks), `testing` (adversarial paged inputs), `compile_check` (compile for sm_90 without a GPU and
-report registers, spills, shared memory; `TRITON_INTERPRET=0 python -m mla_decode_triton.compile_check`).
+Modules: `kernel` (the two @triton.jit kernels: split-KV attention and the LSE merge), `configs` (the
+candidate tiles per shape and the measured table `tuned_configs.json`), `launcher` (tile, split count
+from the real lengths, launches), `autotune` (time the candidate tiles on a GPU, keep the fastest),
+`reference` (pure-torch oracle), `inputs` (shared argument checks), `testing` (adversarial paged
+inputs), `compile_check` (compile every candidate for sm_90 without a GPU and report registers, spills,
+instruction mix; `TRITON_INTERPRET=0 python -m mla_decode_triton.compile_check`).
 
-On a GPU machine: `TRITON_INTERPRET=0 pytest tests/test_mla_decode_kernel.py` (the conftest otherwise
-turns the interpreter on) and `python scripts/bench_mla_decode.py --write-benchmarks BENCHMARKS.md`.
+On a GPU machine: `scripts/device_kernel_check.sh` runs the GPU tests, the autotuner and the benchmark
+in one go (`TRITON_INTERPRET=0 pytest -m gpu tests/test_mla_decode_kernel.py`, then
+`python scripts/bench_mla_decode.py`).
 """
 
+from mla_decode_triton.configs import TileConfig, candidate_tiles
 from mla_decode_triton.errors import MLADecodeInputError
 from mla_decode_triton.launcher import DecodeConfig, choose_config, mla_decode, mla_decode_multi
 from mla_decode_triton.reference import mla_decode_multi_reference, mla_decode_reference
@@ -21,6 +25,8 @@ from mla_decode_triton.reference import mla_decode_multi_reference, mla_decode_r
 __all__ = [
     "DecodeConfig",
     "MLADecodeInputError",
+    "TileConfig",
+    "candidate_tiles",
     "choose_config",
     "mla_decode",
     "mla_decode_multi",

@@ -2,16 +2,22 @@
 
 The Triton interpreter checks what the kernels compute but not whether they compile for a GPU: the
 interpreter accepts dot shapes, layouts and shared-memory sizes that the compiler would reject, and it
-says nothing about register spills or whether the cache loads are pipelined.  Triton can compile
-ahead of time for a named target with the ptxas it ships, so this module builds exactly the launches
-`mla_decode` would make (same arguments through `plan_launches`, same launch config from
-`choose_config`), specialises them the way the JIT does at launch (integer arguments equal to 1
-become constants, pointers and integers divisible by 16 get that hint), compiles them for sm_90, and
-reports shared memory, registers, spills (stack frame, local loads/stores in the SASS), tensor-core
-instructions and asynchronous copies (cp.async, i.e. software-pipelined cache loads).
+says nothing about register spills, which tensor-core instructions are used, or how wide the cache
+loads are.  Triton can compile ahead of time for a named target with the ptxas it ships, so this module
+builds exactly the launches `mla_decode` would make (same arguments through `plan_launches`), for every
+candidate tile of every project shape (`configs.candidate_tiles`), specialises them the way the JIT
+does at launch (integer arguments equal to 1 become constants, pointers and integers divisible by 16
+get that hint), compiles them for sm_90 and reports:
+
+* registers per thread and stack frame (`cuobjdump --dump-resource-usage`), local loads/stores in the
+  SASS (LDL/STL: register spills), shared memory;
+* the instruction mix: HGMMA (wgmma, Hopper's warpgroup tensor-core MMA) and HMMA (mma.sync, the
+  Ampere-style one), LDGSTS (cp.async: pipelined global -> shared copies), and the width of every
+  global load (16, 8, 4 or 2 bytes per thread and instruction) - narrow loads are what an unaligned
+  cache row costs.
 
 Run with the interpreter off (the kernels must be real JIT functions):
-    TRITON_INTERPRET=0 python -m mla_decode_triton.compile_check [--json]
+    TRITON_INTERPRET=0 python -m mla_decode_triton.compile_check [--json] [--markdown]
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,8 +38,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla_decode_triton.inputs import check_decode_inputs
-from mla_decode_triton.launcher import INTERPRETED, DecodeConfig, choose_config, plan_launches
+from mla_decode_triton.configs import TileConfig, candidate_tiles
+from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
+from mla_decode_triton.launcher import INTERPRETED, DecodeConfig, min_split_tokens_for, plan_launches
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TAGS = {
@@ -42,15 +50,47 @@ POINTER_TAGS = {
     torch.int32: "*i32",
     torch.int64: "*i64",
 }
-# (R, D, heads, page size, cache dtype): the shapes the project decodes, plus the awkward ones.
+
+
+@dataclass(frozen=True)
+class Case:
+    """One decode shape: R + D, heads, page size, cache dtype, and the cache row's width in elements."""
+
+    rank: int
+    rope_dim: int
+    heads: int
+    page_size: int
+    dtype: torch.dtype
+    row_width: int | None = None  # None: R + D (unpadded); more: rows padded like PagedLatentCache's
+    note: str = ""
+    align_hint: bool = True  # False: ROW_ALIGN forced to 1, to show what the hint buys (never launched so)
+
+    def label(self) -> str:
+        pad = "" if self.row_width in (None, self.rank + self.rope_dim) else f" row {self.row_width}"
+        hint = "" if self.align_hint else " no-hint"
+        return (f"{self.rank}+{self.rope_dim} x{self.heads} page {self.page_size} "
+                f"{str(self.dtype).removeprefix('torch.')}{pad}{hint}")
+
+
+# The shapes the project decodes (DeepSeek's 512+64 at 16 / 64 / 128 heads, SmolLM2-135M's 9 heads at
+# 2x = 144+48 and 4x = 64+32, stories260K's 8 heads at 24+8 and 4+4), plus awkward ones.
 CASES = [
-    (512, 64, 16, 64, torch.bfloat16),
-    (512, 64, 128, 64, torch.float16),
-    (128, 64, 9, 16, torch.bfloat16),
-    (128, 64, 64, 16, torch.bfloat16),  # 64 rows per program, 8 warps
-    (64, 32, 9, 16, torch.bfloat16),
-    (32, 16, 9, 16, torch.bfloat16),
-    (100, 12, 3, 1, torch.float32),
+    Case(512, 64, 16, 64, torch.bfloat16, note="DeepSeek, 16 heads"),
+    Case(512, 64, 64, 64, torch.bfloat16, note="DeepSeek, 64 heads"),
+    Case(512, 64, 128, 64, torch.float16, note="DeepSeek, 128 heads: two row blocks"),
+    Case(512, 64, 32, 64, torch.bfloat16, note="32 rows (32 heads, or 2 tokens x 16 heads)"),
+    Case(144, 48, 9, 16, torch.bfloat16, note="SmolLM2-135M 2x"),
+    Case(144, 48, 36, 16, torch.bfloat16, note="SmolLM2 2x, 4 speculative tokens x 9 heads"),
+    Case(64, 32, 9, 16, torch.bfloat16, note="SmolLM2-135M 4x"),
+    Case(128, 64, 64, 16, torch.bfloat16, note="64 rows, R = 128"),
+    Case(24, 8, 8, 16, torch.bfloat16, note="stories260K 2x"),
+    Case(4, 4, 8, 16, torch.bfloat16, note="stories260K 8x: 16-byte rows"),
+    Case(4, 4, 8, 16, torch.bfloat16, note="same without the ROW_ALIGN hint (demonstration only)", align_hint=False),
+    Case(20, 6, 8, 16, torch.bfloat16, note="26-element rows, unpadded"),
+    Case(20, 6, 8, 16, torch.bfloat16, row_width=32, note="same, padded to 64 B"),
+    Case(100, 12, 3, 1, torch.float32, note="fp32 cache (no tensor cores)"),
+    Case(512, 64, 16, 64, torch.float32, note="fp32 cache, DeepSeek shape"),
+    Case(144, 48, 9, 16, torch.float32, note="fp32 cache, SmolLM2 2x (the runtime's fp32 compute)"),
 ]
 
 
@@ -63,8 +103,16 @@ class CompileReport:
     registers: int | None
     stack_bytes: int | None
     local_memory_ops: int  # LDL + STL in the SASS: register spills
-    tensor_core_ops: int  # HMMA + HGMMA
+    wgmma_ops: int  # HGMMA: Hopper warpgroup MMA
+    mma_sync_ops: int  # HMMA: warp-level mma.sync
     async_copies: int  # LDGSTS (cp.async): pipelined global -> shared loads
+    load_bytes: dict = field(default_factory=dict)  # global-load width in bytes -> instruction count
+    triton_version: str = triton.__version__
+    note: str = ""
+
+    @property
+    def tensor_core_ops(self) -> int:
+        return self.wgmma_ops + self.mma_sync_ops
 
 
 def _specialise(kernel, args: list, constexprs: dict) -> ASTSource:
@@ -111,56 +159,152 @@ def _inspect_cubin(cubin: bytes) -> tuple[int | None, int | None, str]:
     return (int(registers.group(1)) if registers else None, int(stack.group(1)) if stack else None, sass)
 
 
-def check_case(rank: int, rope_dim: int, heads: int, page_size: int, dtype: torch.dtype,
-               num_splits: int = 4, config: DecodeConfig | None = None) -> list[CompileReport]:
-    """Compile the split and merge launches of one decode shape for sm_90 and report on each."""
+def global_load_widths(sass: str) -> dict[int, int]:
+    """Bytes per thread of every global load (LDG) and cp.async (LDGSTS) in the SASS -> count.
+
+    The opcode's suffix carries the width: .128 / .64 (bytes 16 / 8), .U16 / .S16 (2), .U8 / .S8 (1),
+    none (4).
+    """
+    widths: Counter = Counter()
+    for opcode in re.findall(r"\b(LDGSTS(?:\.[\w]+)*|LDG(?:\.[\w]+)*)\b", sass):
+        suffixes = opcode.split(".")[1:]
+        if "128" in suffixes:
+            width = 16
+        elif "64" in suffixes:
+            width = 8
+        elif {"U16", "S16"} & set(suffixes):
+            width = 2
+        elif {"U8", "S8"} & set(suffixes):
+            width = 1
+        else:
+            width = 4
+        widths[width] += 1
+    return dict(sorted(widths.items(), reverse=True))
+
+
+def build_launches(case: Case, config: DecodeConfig, num_splits: int = 4):
+    """The launches `mla_decode` makes for a 2-sequence batch of this shape (CPU tensors, never run)."""
     batch, context = 2, 4 * 64
-    pages = context // page_size
-    q_latent = torch.zeros((batch, heads, rank), dtype=dtype)
-    q_rope = torch.zeros((batch, heads, rope_dim), dtype=dtype)
-    kv_cache = torch.zeros((batch * pages, page_size, rank + rope_dim), dtype=dtype)
+    pages = context // case.page_size
+    width = case.rank + case.rope_dim
+    q_latent = torch.zeros((batch, case.heads, case.rank), dtype=case.dtype)
+    q_rope = torch.zeros((batch, case.heads, case.rope_dim), dtype=case.dtype)
+    storage = torch.zeros((batch * pages, case.page_size, case.row_width or width), dtype=case.dtype)
+    kv_cache = storage[..., :width]  # (pages, page_size, R + D), a view when the rows are padded
     page_table = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)  # (batch, pages)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, None)
-    if config is None:
-        config = choose_config(shape, dtype, torch.device("cpu"), num_splits)
-    launches, _, _ = plan_launches(q_latent, q_rope, kv_cache, page_table, seq_lens, 0.1, shape, config, dtype)
-    label = f"{rank}+{rope_dim} x{heads} page {page_size} {str(dtype).removeprefix('torch.')}"
+    launches, _, _ = plan_launches(q_latent, q_rope, kv_cache, page_table, seq_lens, 0.1, shape, config, case.dtype)
+    if not case.align_hint:
+        launches[0].constexprs["ROW_ALIGN"] = 1
+    return launches
+
+
+def compile_launch(launch, label: str, note: str = "") -> CompileReport:
+    source = _specialise(launch.kernel, launch.args, launch.constexprs)
+    compiled = triton.compile(
+        source, target=HOPPER, options={"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    )
+    registers, stack, sass = _inspect_cubin(compiled.asm["cubin"])
+    keys = [key for key in launch.constexprs if key.startswith(("BLOCK", "R_SPLIT", "ROW_ALIGN"))]
+    return CompileReport(
+        case=label,
+        kernel=launch.kernel.fn.__name__,
+        config=" ".join(f"{key}={launch.constexprs[key]}" for key in keys)
+        + f" warps={launch.num_warps} stages={launch.num_stages}",
+        shared_bytes=int(compiled.metadata.shared),
+        registers=registers,
+        stack_bytes=stack,
+        local_memory_ops=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+        wgmma_ops=len(re.findall(r"\bHGMMA\b", sass)),
+        mma_sync_ops=len(re.findall(r"\bHMMA\b", sass)),
+        async_copies=len(re.findall(r"\bLDGSTS\b", sass)),
+        load_bytes=global_load_widths(sass),
+        note=note,
+    )
+
+
+def check_case(case: Case, tiles: list[TileConfig] | None = None, merge: bool = True) -> list[CompileReport]:
+    """Compile the split kernel for every candidate tile of one shape (and its merge kernel once)."""
+    if tiles is None:
+        tiles = candidate_tiles(case.rank, case.rope_dim, case.heads, case.dtype)
+    element_size = torch.empty((), dtype=case.dtype).element_size()
     reports = []
-    for launch in launches:
-        source = _specialise(launch.kernel, launch.args, launch.constexprs)
-        compiled = triton.compile(
-            source, target=HOPPER, options={"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-        )
-        registers, stack, sass = _inspect_cubin(compiled.asm["cubin"])
-        reports.append(
-            CompileReport(
-                case=label,
-                kernel=launch.kernel.fn.__name__,
-                config=" ".join(f"{key}={value}" for key, value in launch.constexprs.items() if key.startswith("BLOCK"))
-                + f" warps={launch.num_warps} stages={launch.num_stages}",
-                shared_bytes=int(compiled.metadata.shared),
-                registers=registers,
-                stack_bytes=stack,
-                local_memory_ops=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
-                tensor_core_ops=len(re.findall(r"\b(?:HMMA|HGMMA)\b", sass)),
-                async_copies=len(re.findall(r"\bLDGSTS\b", sass)),
-            )
-        )
+    for index, tile in enumerate(tiles):
+        # The chunk floor as on a GPU (the CPU default is 1, which the JIT would turn into a constant).
+        probe = DecodeShape(batch=1, q_len=1, heads=case.heads, kv_lora_rank=case.rank, rope_dim=case.rope_dim,
+                            page_size=case.page_size, max_pages=1)
+        config = DecodeConfig(tile.block_h, tile.block_n, 4, tile.num_warps, tile.num_stages, tile.r_split,
+                              min_split_tokens_for(probe, element_size))
+        launches = build_launches(case, config)
+        wanted = launches if (merge and index == 0) else launches[:1]
+        reports += [compile_launch(launch, case.label(), case.note) for launch in wanted]
     return reports
+
+
+def markdown_table(reports: list[CompileReport]) -> str:
+    """One row per compiled launch, for BENCHMARKS.md."""
+    lines = [
+        "| case | kernel | config | regs | stack B | spill ops | smem KB | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in reports:
+        loads = ", ".join(f"{width}: {count}" for width, count in r.load_bytes.items())
+        kernel = r.kernel.removeprefix("mla_decode_").removesuffix("_kernel")
+        lines.append(
+            f"| {r.case} | {kernel} | {r.config} | {r.registers} | {r.stack_bytes} | {r.local_memory_ops} "
+            f"| {r.shared_bytes / 1024:.0f} | {r.wgmma_ops} | {r.mma_sync_ops} | {r.async_copies} | {loads} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def side_by_side(runs: list[list[dict]]) -> str:
+    """One markdown row per launch, with registers and spills of every run (e.g. two Triton versions).
+
+    Instruction mix, shared memory and load widths are taken from the first run; the per-version
+    columns are what differs between compiler versions.
+    """
+    versions = [run[0]["triton_version"] for run in runs]
+    by_key = [{(r["case"], r["kernel"], r["config"]): r for r in run} for run in runs]
+    lines = [
+        "| case | kernel | config | " + " | ".join(f"regs {v}" for v in versions) + " | "
+        + " | ".join(f"spill B / ops {v}" for v in versions)
+        + " | smem KB | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
+        "|---|---|---|" + "---:|" * (2 * len(runs)) + "---:|---:|---:|---:|---|",
+    ]
+    for key, first in by_key[0].items():
+        others = [table.get(key) for table in by_key]
+        regs = " | ".join("-" if r is None else str(r["registers"]) for r in others)
+        spills = " | ".join("-" if r is None else f"{r['stack_bytes']} / {r['local_memory_ops']}" for r in others)
+        loads = ", ".join(f"{width}: {count}" for width, count in first["load_bytes"].items())
+        kernel = first["kernel"].removeprefix("mla_decode_").removesuffix("_kernel")
+        config = first["config"].replace(" BLOCK_", " ").replace("BLOCK_", "")
+        lines.append(f"| {first['case']} | {kernel} | {config} | {regs} | {spills} | {first['shared_bytes'] / 1024:.0f} "
+                     f"| {first['wgmma_ops']} | {first['mma_sync_ops']} | {first['async_copies']} | {loads} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument("--json", action="store_true", help="print the reports as one JSON line")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--cases", type=int, nargs="+", help="indices into CASES (default: all)")
+    parser.add_argument("--render", type=Path, nargs="+", metavar="JSON",
+                        help="render earlier --json outputs side by side (e.g. one per Triton version); no compile")
     args = parser.parse_args(argv)
+    if args.render:
+        print(side_by_side([json.loads(path.read_text().strip().splitlines()[-1]) for path in args.render]))
+        return 0
     if INTERPRETED:
         print("compile_check: TRITON_INTERPRET=1 is set; run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence Triton 3.9's default-change warning
-    reports = [report for case in CASES for report in check_case(*case)]
+    cases = CASES if args.cases is None else [CASES[index] for index in args.cases]
+    reports = [report for case in cases for report in check_case(case)]
     if args.json:
         print(json.dumps([asdict(report) for report in reports]))
+    elif args.markdown:
+        print(markdown_table(reports))
     else:
         for report in reports:
             print(report)

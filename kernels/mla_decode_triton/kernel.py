@@ -5,32 +5,48 @@ Only the `@triton.jit` functions live here; `launcher.py` picks the block sizes 
 Why this shape of kernel.  In absorbed MLA every head of a sequence attends over the *same* cache rows
 (one latent c of width R plus one shared RoPE key of width D per token, and c doubles as the value).
 Decode is therefore memory-bound on reading the cache once, and the kernel makes all heads (a block
-of BLOCK_H query rows) share each cache tile it loads: per tile it computes a (BLOCK_H, BLOCK_N) score
-block with two small matrix products and folds a (BLOCK_H, BLOCK_N) x (BLOCK_N, R) product into the
-output accumulator.  A batch of a few long sequences would leave most multiprocessors idle, so the
-context of each sequence is cut into `num_splits` chunks handled by separate programs
-("flash-decoding"); each writes a normalised partial output and its log-sum-exp, and a second kernel
-combines them: out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s.
+of BLOCK_H query rows, up to 64) share each cache tile it loads: per tile it computes a
+(BLOCK_H, BLOCK_N) score block with small matrix products and folds a (BLOCK_H, BLOCK_N) x (BLOCK_N, R)
+product into the output accumulator.  A batch of a few long sequences would leave most
+multiprocessors idle, so the context of each sequence is cut into up to `num_splits` chunks handled by
+separate programs ("flash-decoding"); each writes a normalised partial output and its log-sum-exp, and
+a second kernel combines them: out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s.
+
+Many heads, wide latent (R_SPLIT).  With 64 query rows and R = 512 the fp32 output accumulator alone
+is 64 x 512 x 4 B = 128 KB, half of a multiprocessor's register file; compiled for sm_90 it spills
+(see `compile_check`).  With R_SPLIT = 2 the accumulator's R columns are split over two programs that
+share a (row block, split): each computes the full scores (the product over all R + D columns needs the
+whole row) but accumulates only its own half of the output columns.  Both programs read the same tile
+at the same time (adjacent program ids), so the second read comes from L2; a 64-head sequence then
+costs one HBM read of its cache, where 16-row programs would read it four times.  The price is that
+both programs compute the scores (1.5x the tensor-core work at 512+64), which is why `configs` also
+offers 32-row tiles without the split for these shapes and lets the autotuner choose.
 
 Query rows.  A row is one (query token, head) pair; rows are numbered token-major, row = i * heads + h,
 so a single decode token is just q_len = 1.  With several query tokens per sequence (speculative
 decoding) query i sits at position seq_len - q_len + i and may only see tokens below
 seq_len - q_len + i + 1; rows of the same sequence still share every cache tile.
 
+Splits are sized per sequence, from its own length.  `split_extent` gives every sequence chunks of at
+least `min_split_tokens` tokens (whole tiles), so in a mixed batch a short sequence uses one split
+and a long one many; programs whose split holds no token of their sequence return at once without
+touching memory, and the merge only reads the splits that hold tokens.
+
 Masking rules that keep garbage out.  Every cache load is masked by `token < split_end <= seq_len`
 with `other=0`, and the page-table load is masked the same way, so neither slots past a sequence's end
-nor unused page-table entries are ever read: NaN poison there cannot reach the arithmetic.  Padding
-lanes (rows >= number of rows, columns >= R or D when those are not powers of two) are zero-filled,
-which leaves every dot product unchanged, and are never stored.
+nor unused page-table entries (nor any padding columns past R + D in the cache rows) are ever read:
+NaN poison there cannot reach the arithmetic.  Padding lanes (rows >= number of rows, columns >= R or
+D when those are not powers of two) are zero-filled, which leaves every dot product unchanged, and are
+never stored.
 
 Numerics.  Products run on the cache's dtype (tensor cores for fp16/bf16; exact fp32 FMAs for an fp32
 cache, where TF32 would lose precision the caller asked for) and accumulate in fp32.  The queries and
 the softmax probabilities are rounded to the cache dtype before their products.  Under the Triton
 interpreter a bf16 `tl.dot` is not supported (it multiplies the raw bit patterns, triton-lang/triton
 #11584), so the launcher then passes DOT_DTYPE = fp32: the operands are still rounded to bf16 first,
-so the interpreter checks the same rounding the GPU applies.  The online
-softmax works in base 2 (scores are pre-multiplied by softmax_scale * log2(e)) because exp2 is the
-native instruction; the stored lse is converted back to natural log.
+so the interpreter checks the same rounding the GPU applies.  The online softmax works in base 2
+(scores are pre-multiplied by softmax_scale * log2(e)) because exp2 is the native instruction; the
+stored lse is converted back to natural log.
 """
 
 from __future__ import annotations
@@ -44,10 +60,24 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def split_extent(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Tokens per split of one sequence and how many of its splits hold tokens.
+
+    A split covers ceil(seq_len / num_splits) tokens, raised to `min_split_tokens` (so that a short
+    sequence in a long batch does not pay a query load and a partial-output write for a few tokens) and
+    rounded up to whole tiles (so only the last tile of a split is ragged).  The split and the merge
+    kernels both call this, so they agree on which partials exist.  seq_len = 0 gives 0 used splits.
+    """
+    per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split_tokens)
+    per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+    return per_split, tl.cdiv(seq_len, per_split)
+
+
+@triton.jit
 def mla_decode_split_kernel(
     q_latent_ptr,  # (batch, rows, R)
     q_rope_ptr,  # (batch, rows, D)
-    kv_cache_ptr,  # (num_pages, PAGE_SIZE, R + D)
+    kv_cache_ptr,  # (num_pages, PAGE_SIZE, >= R + D): latent in columns [0, R), rope key in [R, R + D)
     page_table_ptr,  # (batch, max_pages)
     seq_lens_ptr,  # (batch,)
     part_out_ptr,  # (batch, rows, num_splits, R): normalised partial outputs (fp32, or the final output)
@@ -56,6 +86,7 @@ def mla_decode_split_kernel(
     num_rows,  # q_len * heads
     heads,
     q_len,
+    min_split_tokens,  # >= 1, see split_extent
     stride_qlat_b, stride_qlat_r, stride_qlat_c,
     stride_qrope_b, stride_qrope_r, stride_qrope_c,
     stride_kv_page, stride_kv_tok, stride_kv_c,
@@ -69,41 +100,53 @@ def mla_decode_split_kernel(
     BLOCK_N: tl.constexpr,  # cache tokens per tile
     BLOCK_R: tl.constexpr,  # next power of two >= R (>= 16)
     BLOCK_D: tl.constexpr,  # next power of two >= D (>= 16)
+    R_SPLIT: tl.constexpr,  # 1 or 2: programs that share one (row block, split), each owning BLOCK_R / R_SPLIT columns
+    ROW_ALIGN: tl.constexpr,  # power of two dividing the page and token strides (vectorisation hint)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the products: the cache dtype, or fp32 (see launcher)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32 rounding), else irrelevant
 ):
-    """One program: BLOCK_H query rows of one sequence over one split of its context.
+    """One program: BLOCK_H query rows of one sequence, its own BLOCK_R / R_SPLIT output columns, one split.
 
-    Grid = (row blocks, splits, batch).  Row blocks vary fastest so the programs that read the same
-    cache chunk for different heads are scheduled together and share it through L2.
+    Grid = (row blocks x R_SPLIT, splits, batch).  The R parts of a row block vary fastest, then the row
+    blocks, so the programs that read the same cache chunk run next to each other and share it in L2.
     """
-    pid_rows = tl.program_id(0)
+    pid_cols = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)  # 64-bit so batch offsets into large buffers cannot overflow
     num_splits = tl.num_programs(1)
+    pid_rows = pid_cols // R_SPLIT
+    r_part = pid_cols % R_SPLIT
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # Chunks are whole tiles long so only the last tile of a split is ragged; a short sequence may
-    # leave the trailing splits empty (they then store out = 0, lse = -inf, which the merge ignores).
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    tokens_per_split, used_splits = split_extent(seq_len, num_splits, min_split_tokens, BLOCK_N)
+    # A split past the sequence's last chunk has nothing to do; the merge never reads its partial.
+    # Split 0 always runs: with one split it writes the final output (out = 0, lse = -inf if empty).
+    if (split > 0) & (split >= used_splits):
+        return
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
 
+    BLOCK_RC: tl.constexpr = BLOCK_R // R_SPLIT  # output columns owned by this program
     rows = pid_rows * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
     row_ok = rows < num_rows
     query_index = rows // heads
     key_limit = seq_len - q_len + query_index + 1  # (BLOCK_H,): row sees tokens t < key_limit
-    cols_r = tl.arange(0, BLOCK_R)
+    cols_own = r_part * BLOCK_RC + tl.arange(0, BLOCK_RC)  # (BLOCK_RC,) latent columns accumulated here
+    cols_other = (1 - r_part) * BLOCK_RC + tl.arange(0, BLOCK_RC)  # the other half (used when R_SPLIT == 2)
     cols_d = tl.arange(0, BLOCK_D)
-    r_ok = cols_r < KV_LORA_RANK
+    own_ok = cols_own < KV_LORA_RANK
+    other_ok = cols_other < KV_LORA_RANK
     d_ok = cols_d < ROPE_DIM
 
     cache_dtype = kv_cache_ptr.dtype.element_ty
-    q_lat = tl.load(
-        q_latent_ptr + seq * stride_qlat_b + rows[:, None] * stride_qlat_r + cols_r[None, :] * stride_qlat_c,
-        mask=row_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_H, BLOCK_R): rounded like the cache
+    q_base = q_latent_ptr + seq * stride_qlat_b + rows[:, None] * stride_qlat_r
+    q_own = tl.load(
+        q_base + cols_own[None, :] * stride_qlat_c, mask=row_ok[:, None] & own_ok[None, :], other=0.0
+    ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_H, BLOCK_RC): rounded like the cache
+    if R_SPLIT == 2:
+        q_other = tl.load(
+            q_base + cols_other[None, :] * stride_qlat_c, mask=row_ok[:, None] & other_ok[None, :], other=0.0
+        ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_H, BLOCK_RC)
     q_rope = tl.load(
         q_rope_ptr + seq * stride_qrope_b + rows[:, None] * stride_qrope_r + cols_d[None, :] * stride_qrope_c,
         mask=row_ok[:, None] & d_ok[None, :],
@@ -112,7 +155,7 @@ def mla_decode_split_kernel(
 
     running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # base-2 max score per row
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of exp2(score - running_max)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)  # unnormalised sum of p_t * c_t
+    acc = tl.zeros([BLOCK_H, BLOCK_RC], dtype=tl.float32)  # unnormalised sum of p_t * c_t, own columns
 
     for tile_start in range(split_start, split_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
@@ -123,18 +166,25 @@ def mla_decode_split_kernel(
             page_table_ptr + seq * stride_pt_b + (tokens // PAGE_SIZE) * stride_pt_p, mask=token_ok, other=0
         ).to(tl.int64)
         row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        # The launcher guarantees both strides are multiples of ROW_ALIGN; saying so lets the compiler
+        # use vector loads for rows whose width is not a multiple of 16 elements.
+        row_offset = tl.multiple_of(row_offset, ROW_ALIGN)
+        row_ptr = kv_cache_ptr + row_offset[:, None]  # (BLOCK_N, 1)
         latent = tl.load(
-            kv_cache_ptr + row_offset[:, None] + cols_r[None, :] * stride_kv_c,
-            mask=token_ok[:, None] & r_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_R): keys (nope side) and values at once
+            row_ptr + cols_own[None, :] * stride_kv_c, mask=token_ok[:, None] & own_ok[None, :], other=0.0
+        ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_RC): keys (nope side) and values at once
         rope_key = tl.load(
-            kv_cache_ptr + row_offset[:, None] + (KV_LORA_RANK + cols_d[None, :]) * stride_kv_c,
+            row_ptr + (KV_LORA_RANK + cols_d[None, :]) * stride_kv_c,
             mask=token_ok[:, None] & d_ok[None, :],
             other=0.0,
         ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_D)
 
-        scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
+        scores = tl.dot(q_own, tl.trans(latent), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
+        if R_SPLIT == 2:
+            latent_other = tl.load(
+                row_ptr + cols_other[None, :] * stride_kv_c, mask=token_ok[:, None] & other_ok[None, :], other=0.0
+            ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_RC): only for the scores
+            scores += tl.dot(q_other, tl.trans(latent_other), input_precision=DOT_PRECISION)
         scores += tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)
         scores = scores * scale_log2
         visible = token_ok[None, :] & (tokens[None, :] < key_limit[:, None])
@@ -161,67 +211,78 @@ def mla_decode_split_kernel(
         + seq * stride_po_b
         + rows[:, None] * stride_po_r
         + split * stride_po_s
-        + cols_r[None, :] * stride_po_c,
+        + cols_own[None, :] * stride_po_c,
         out.to(part_out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & r_ok[None, :],
+        mask=row_ok[:, None] & own_ok[None, :],
     )
-    tl.store(part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r + split * stride_pl_s, lse, mask=row_ok)
+    if r_part == 0:  # every R part computed the same lse; one of them stores it
+        tl.store(part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r + split * stride_pl_s, lse, mask=row_ok)
 
 
 @triton.jit
 def mla_decode_merge_kernel(
     part_out_ptr,  # (batch, rows, num_splits, R) fp32
     part_lse_ptr,  # (batch, rows, num_splits) fp32
+    seq_lens_ptr,  # (batch,)
     out_ptr,  # (batch, rows, R)
     lse_ptr,  # (batch, rows) fp32
+    num_rows,
     num_splits,
+    min_split_tokens,
     stride_po_b, stride_po_r, stride_po_s, stride_po_c,
     stride_pl_b, stride_pl_r, stride_pl_s,
     stride_out_b, stride_out_r, stride_out_c,
     stride_lse_b, stride_lse_r,
     KV_LORA_RANK: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
-    SPLITS_PER_STEP: tl.constexpr,  # partials folded per loop step
+    SPLIT_BLOCK_N: tl.constexpr,  # the split kernel's BLOCK_N (split_extent depends on it)
+    BLOCK_ROWS: tl.constexpr,  # query rows per program
     BLOCK_C: tl.constexpr,  # output columns per program
 ):
-    """One program: one query row of one sequence, BLOCK_C output columns, all splits.
+    """One program: BLOCK_ROWS query rows of one sequence, BLOCK_C output columns, the used splits.
 
-    Grid = (column blocks, rows, batch).  Empty splits carry lse = -inf, hence weight 0; the row's lse
-    is finite whenever any split saw a token, which the decode contract (seq_len >= q_len) guarantees.
+    Grid = (column blocks, row blocks, batch).  Only the sequence's used splits (`split_extent`) were
+    written, so only they are read, one (BLOCK_ROWS, BLOCK_C) partial tile per split, folded in with a
+    running maximum (the same online log-sum-exp as the split kernel's softmax, so no split-count-sized
+    tile is ever held).  A row's lse is finite unless it saw no token at all, which the decode contract
+    (seq_len >= q_len) rules out except for seq_len = 0 (out = 0, lse = -inf).
     """
     col_block = tl.program_id(0)
-    row = tl.program_id(1)
+    row_block = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
 
-    lse_base = part_lse_ptr + seq * stride_pl_b + row * stride_pl_r
-    all_splits = tl.arange(0, BLOCK_SPLITS)
-    split_lse = tl.load(lse_base + all_splits * stride_pl_s, mask=all_splits < num_splits, other=float("-inf"))
-    max_lse = tl.max(split_lse, axis=0)
-    shift = tl.where(max_lse == float("-inf"), 0.0, max_lse)
-    total = tl.sum(tl.exp(split_lse - shift), axis=0)  # >= 1 unless every split was empty
-
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    _, used_splits = split_extent(seq_len, num_splits, min_split_tokens, SPLIT_BLOCK_N)
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (BLOCK_ROWS,)
+    row_ok = rows < num_rows
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < KV_LORA_RANK
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    out_base = part_out_ptr + seq * stride_po_b + row * stride_po_r
-    for first in range(0, num_splits, SPLITS_PER_STEP):
-        splits = first + tl.arange(0, SPLITS_PER_STEP)  # (SPLITS_PER_STEP,)
-        split_ok = splits < num_splits
-        weight = tl.exp(tl.load(lse_base + splits * stride_pl_s, mask=split_ok, other=float("-inf")) - shift)
+    lse_rows = part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r  # (BLOCK_ROWS,) pointers
+    out_rows = part_out_ptr + seq * stride_po_b + rows[:, None] * stride_po_r + cols[None, :] * stride_po_c
+
+    running_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)  # sum of exp(lse_s - running_max)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)  # sum of exp(lse_s - running_max) * out_s
+    for split in range(0, used_splits):
+        split_lse = tl.load(lse_rows + split * stride_pl_s, mask=row_ok, other=float("-inf"))
+        new_max = tl.maximum(running_max, split_lse)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - shift)  # (BLOCK_ROWS,)
+        weight = tl.exp(split_lse - shift)  # (BLOCK_ROWS,), 0 for a split that saw no token of this row
         partial = tl.load(
-            out_base + splits[:, None] * stride_po_s + cols[None, :] * stride_po_c,
-            mask=split_ok[:, None] & col_ok[None, :] & (weight > 0.0)[:, None],
-            other=0.0,
-        )  # (SPLITS_PER_STEP, BLOCK_C)
-        acc += tl.sum(partial * weight[:, None], axis=0)
+            out_rows + split * stride_po_s, mask=(row_ok & (weight > 0.0))[:, None] & col_ok[None, :], other=0.0
+        )  # (BLOCK_ROWS, BLOCK_C)
+        acc = acc * rescale[:, None] + partial * weight[:, None]
+        total = total * rescale + weight
+        running_max = new_max
 
     has_tokens = total > 0.0
-    out = acc / tl.where(has_tokens, total, 1.0)
+    out = acc / tl.where(has_tokens, total, 1.0)[:, None]
     tl.store(
-        out_ptr + seq * stride_out_b + row * stride_out_r + cols * stride_out_c,
+        out_ptr + seq * stride_out_b + rows[:, None] * stride_out_r + cols[None, :] * stride_out_c,
         out.to(out_ptr.dtype.element_ty),
-        mask=col_ok,
+        mask=row_ok[:, None] & col_ok[None, :],
     )
-    # Only one column block writes the row's lse.
-    lse = tl.where(has_tokens, shift + tl.log(tl.where(has_tokens, total, 1.0)), float("-inf"))
-    tl.store(lse_ptr + seq * stride_lse_b + row * stride_lse_r, lse, mask=col_block == 0)
+    if col_block == 0:  # one column block writes the rows' lse
+        shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+        lse = tl.where(has_tokens, shift + tl.log(tl.where(has_tokens, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lse_b + rows * stride_lse_r, lse, mask=row_ok)

@@ -1,33 +1,32 @@
-"""Launch the Triton MLA decode kernels: pick block sizes and the split count, allocate, launch.
+"""Launch the Triton MLA decode kernels: pick the tile, the split count, allocate, launch.
 
 Choices and why (none of this changes results beyond fp rounding; tests pin that down):
 
-* BLOCK_R / BLOCK_D: next power of two >= R / D (at least 16, the smallest `tl.dot` operand).  R and D
-  need not be powers of two; the padding columns are masked to zero.
-* BLOCK_H (query rows per program): as many rows as the sequence has, rounded up to a power of two and
-  at least 16 (tl.dot's minimum M), so that all heads share each cache tile - the whole point of the
-  absorbed layout.  It is capped so the fp32 output accumulator (BLOCK_H x BLOCK_R) stays within
-  ~8K elements (32 KB of registers across the program): 16 rows at R = 512, 64 rows at R <= 128.
-  With more rows than the cap (128 heads at R = 512) several row-block programs read the same chunk;
-  the grid orders them next to each other so the re-reads come from L2, not HBM.  Compiled for sm_90
-  (`python -m mla_decode_triton.compile_check`), 16 rows x 512 with 8 warps takes ~100 registers per
-  thread and no spills (two programs per multiprocessor); 32 rows need 16 warps to stay unspilled and
-  64 rows spill, which is why the cap shrinks as R grows.
-* num_warps: 8 once the accumulator reaches that budget, else 4 (registers per thread stay ~100-130).
-* BLOCK_N (cache tokens per tile): the largest power of two in [16, 64] whose tile (BLOCK_N x (R + D)
-  cache values) fits ~48 KB, so two pipeline stages fit in shared memory with room for a second
-  program on the multiprocessor: 32 at 512+64 bf16, 64 for the small SmolLM2 shapes.
+* The tile (rows per program BLOCK_H, R split, tokens per tile BLOCK_N, warps, pipeline stages) comes
+  from `configs.py`: the measured table when it has the shape, else the first of the shape's candidate
+  tiles, every one of which `compile_check` proves spill-free on sm_90.  BLOCK_H covers every query row
+  of a sequence up to 64, so all heads share each cache tile.
 * num_splits (flash-decoding): decode with a small batch has far fewer (sequence, row block) programs
   than multiprocessors, so each context is cut into chunks handled in parallel and merged afterwards.
   On CUDA the target is ~2 programs per multiprocessor (one to run, one to hide the next one's
-  start-up), limited so that each split covers at least MIN_TOKENS_PER_SPLIT tokens (a split that
-  only loads the queries and writes a partial is pure overhead) and so that the fp32 partial outputs
-  written and re-read by the merge stay below ~25 % of the cache bytes read.  The context length used
-  is the page table's capacity (max_pages * page_size), a bound known without reading seq_lens back
-  from the device, so the launcher never synchronises and stays CUDA-graph friendly.  On CPU (the
-  Triton interpreter, used by the tests) every program is slow Python, so at most 2 splits are used:
-  enough to exercise the merge stage by default.
+  start-up).  The count is sized from the real lengths the caller passes (`max_seq_len`,
+  `mean_seq_len`: plain Python numbers it already knows, so the launcher never reads seq_lens back
+  from the device and stays CUDA-graph friendly): the longest sequence is cut into chunks of the size
+  that would spread the batch's total tokens evenly over the target programs.  Without them the page
+  table's capacity stands in for both, which over-splits a preallocated table.
+* min_split_tokens: a split costs a query load, and with several splits a partial output (fp32, rows x
+  R) written and read back by the merge.  Each chunk is made long enough that this partial traffic
+  stays below PARTIAL_TRAFFIC_FRACTION of the cache bytes the chunk reads (and at least
+  MIN_TOKENS_PER_SPLIT); the kernel applies it per sequence, so a short sequence in a long batch uses
+  one split and its other split programs return at once.
+* On CPU (the Triton interpreter, used by the tests) every program is slow Python, so at most 2 splits
+  are used by default: enough to exercise the merge stage.
 * With one split the first kernel writes the final output directly and the merge is skipped.
+* ROW_ALIGN: the largest power of two (<= 16 elements) dividing the cache's page and token strides and
+  its base address, passed as a vectorisation hint.  Triton only infers alignment itself for integer
+  arguments divisible by 16, so a 4+4 bf16 cache row (8 elements, 16 bytes) would otherwise be read
+  with 2-byte loads.  `mla_convert.runtime.PagedLatentCache` pads its rows to a 16-byte multiple so
+  that every shape gets at least 16-byte aligned rows.
 """
 
 from __future__ import annotations
@@ -40,40 +39,42 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_decode_triton.configs import TileConfig, choose_tile, pow2_at_least
 from mla_decode_triton.errors import MLADecodeInputError
 from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
 from mla_decode_triton.kernel import LOG2E, mla_decode_merge_kernel, mla_decode_split_kernel
 
-ACCUMULATOR_BUDGET = 8192  # fp32 elements of BLOCK_H x BLOCK_R per program
-TILE_BYTES_BUDGET = 48 * 1024  # bytes of one BLOCK_N x (R + D) cache tile
-MAX_BLOCK_H = 64
 MIN_TOKENS_PER_SPLIT = 128
+PARTIAL_TRAFFIC_FRACTION = 0.5
 MAX_SPLITS = 64
-PARTIAL_TRAFFIC_FRACTION = 0.25
+PROGRAMS_PER_MULTIPROCESSOR = 2
 CPU_MAX_SPLITS = 2
 MERGE_BLOCK_C = 128
-MERGE_SPLITS_PER_STEP = 8
+MERGE_BLOCK_ROWS = 16
+MAX_ROW_ALIGN = 16
 
 INTERPRETED = type(mla_decode_split_kernel).__name__ == "InterpretedFunction"
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of one decode call (see the module docstring for how they are chosen)."""
+    """Launch parameters of one decode call (see the module docstring for how they are chosen).
+
+    `r_split` = 2 splits the output accumulator's R columns over two programs (see kernel.py);
+    `min_split_tokens` is the shortest chunk a split may get (1: any whole tile).
+    """
 
     block_h: int
     block_n: int
     num_splits: int
     num_warps: int
     num_stages: int
+    r_split: int = 1
+    min_split_tokens: int = 1
 
-
-def _pow2_at_least(value: int, minimum: int = 16) -> int:
-    return max(minimum, triton.next_power_of_2(value))
-
-
-def _pow2_at_most(value: int) -> int:
-    return 1 << max(0, int(value).bit_length() - 1)
+    @property
+    def tile(self) -> TileConfig:
+        return TileConfig(self.block_h, self.r_split, self.block_n, self.num_warps, self.num_stages)
 
 
 @functools.cache
@@ -81,47 +82,76 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def splits_for_gpu(shape: DecodeShape, block_h: int, cache_element_size: int, multiprocessors: int) -> int:
-    """Splits per sequence so that batch x row blocks x splits is ~2 programs per multiprocessor.
+def min_split_tokens_for(shape: DecodeShape, cache_element_size: int) -> int:
+    """Shortest chunk worth a split: partial-output traffic <= PARTIAL_TRAFFIC_FRACTION of its cache bytes."""
+    partial_bytes = shape.rows * shape.kv_lora_rank * 4 * 2  # fp32, written by the split, read by the merge
+    bytes_per_token = (shape.kv_lora_rank + shape.rope_dim) * cache_element_size
+    tokens = max(MIN_TOKENS_PER_SPLIT, math.ceil(partial_bytes / (PARTIAL_TRAFFIC_FRACTION * bytes_per_token)))
+    return -(-tokens // 16) * 16  # a multiple of 16, so the JIT compiles one specialisation for all shapes
 
-    Capped by MIN_TOKENS_PER_SPLIT, by the partial-output traffic budget and by MAX_SPLITS (see the
-    module docstring).  A pure function of the sizes, so it is testable without a GPU.
+
+def splits_for_gpu(shape: DecodeShape, tile: TileConfig, cache_element_size: int, multiprocessors: int,
+                   max_seq_len: int | None = None, mean_seq_len: float | None = None) -> int:
+    """Splits per sequence so that the batch's work spreads over ~2 programs per multiprocessor.
+
+    The batch holds batch x mean tokens; spread over the target number of programs, each program should
+    get `batch * mean / target` tokens, so the longest sequence is cut into max / that many chunks.
+    With uniform lengths this is target / (batch x row programs), the classic flash-decoding count.
+    Capped by the shortest worthwhile chunk (`min_split_tokens_for`) and MAX_SPLITS.  A pure function of
+    sizes (no tensor is read), so it is testable without a GPU.
     """
-    row_blocks = math.ceil(shape.rows / block_h)
-    wanted = math.ceil(2 * multiprocessors / (shape.batch * row_blocks))
-    useful = max(1, math.ceil(shape.max_context / MIN_TOKENS_PER_SPLIT))
-    cache_bytes = shape.max_context * (shape.kv_lora_rank + shape.rope_dim) * cache_element_size
-    partial_bytes_per_split = shape.rows * shape.kv_lora_rank * 4 * 2  # fp32, written then read
-    traffic_cap = max(1, int(PARTIAL_TRAFFIC_FRACTION * cache_bytes / partial_bytes_per_split))
-    return max(1, min(wanted, useful, traffic_cap, MAX_SPLITS))
+    longest = max(1, shape.max_context if max_seq_len is None else int(max_seq_len))
+    mean = float(longest if mean_seq_len is None else min(max(mean_seq_len, 1.0), longest))
+    row_programs = math.ceil(shape.rows / tile.block_h) * tile.r_split
+    target = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors
+    wanted = math.ceil(target * longest / (row_programs * shape.batch * mean))
+    useful = max(1, math.ceil(longest / min_split_tokens_for(shape, cache_element_size)))
+    return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def choose_num_splits(
-    shape: DecodeShape, block_h: int, cache_element_size: int, device: torch.device
-) -> int:
-    """The split count for this device: `splits_for_gpu` on CUDA, at most CPU_MAX_SPLITS on CPU."""
-    if device.type != "cuda":
-        return min(CPU_MAX_SPLITS, max(1, math.ceil(shape.max_context / 16)))
-    return splits_for_gpu(shape, block_h, cache_element_size, _multiprocessor_count(device.index or 0))
+def _check_length_hints(shape: DecodeShape, max_seq_len: int | None, mean_seq_len: float | None) -> None:
+    if max_seq_len is not None and not 0 <= int(max_seq_len) <= shape.max_context:
+        raise MLADecodeInputError(
+            f"max_seq_len={max_seq_len} is outside the page table's range 0..{shape.max_context} "
+            f"({shape.max_pages} pages of {shape.page_size} tokens)"
+        )
+    if mean_seq_len is not None and not 0 <= float(mean_seq_len) <= (
+        shape.max_context if max_seq_len is None else int(max_seq_len)
+    ):
+        raise MLADecodeInputError(f"mean_seq_len={mean_seq_len} must lie between 0 and max_seq_len")
 
 
 def choose_config(
-    shape: DecodeShape, cache_dtype: torch.dtype, device: torch.device, num_splits: int | None = None
+    shape: DecodeShape,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    mean_seq_len: float | None = None,
 ) -> DecodeConfig:
-    """Block sizes, warps and split count for one call; `num_splits` overrides the heuristic."""
-    block_r = _pow2_at_least(shape.kv_lora_rank)
-    block_d = _pow2_at_least(shape.rope_dim)
+    """Tile, split count and chunk floor for one call; `num_splits` overrides the split heuristic.
+
+    `max_seq_len` / `mean_seq_len` are the batch's real longest and mean lengths, if the caller knows
+    them (they only size the split count; every length is still read from seq_lens on the device).
+    """
+    _check_length_hints(shape, max_seq_len, mean_seq_len)
     element_size = torch.empty((), dtype=cache_dtype).element_size()
-    row_cap = min(MAX_BLOCK_H, max(16, ACCUMULATOR_BUDGET // block_r))
-    block_h = min(_pow2_at_least(shape.rows), row_cap)
-    tokens_in_budget = TILE_BYTES_BUDGET // ((block_r + block_d) * element_size)
-    block_n = min(64, max(16, _pow2_at_most(tokens_in_budget)))
-    if num_splits is None:
-        num_splits = choose_num_splits(shape, block_h, element_size, device)
-    elif int(num_splits) < 1:
+    tile = choose_tile(shape.kv_lora_rank, shape.rope_dim, shape.rows, shape.page_size, cache_dtype)
+    if device.type == "cuda":
+        min_tokens = min_split_tokens_for(shape, element_size)
+        if num_splits is None:
+            num_splits = splits_for_gpu(shape, tile, element_size, _multiprocessor_count(device.index or 0),
+                                        max_seq_len, mean_seq_len)
+    else:
+        min_tokens = 1
+        if num_splits is None:
+            longest = shape.max_context if max_seq_len is None else max(1, int(max_seq_len))
+            num_splits = min(CPU_MAX_SPLITS, max(1, math.ceil(longest / 16)))
+    if int(num_splits) < 1:
         raise MLADecodeInputError(f"num_splits must be at least 1, got {num_splits}")
-    num_warps = 8 if block_h * block_r >= ACCUMULATOR_BUDGET else 4
-    return DecodeConfig(block_h=block_h, block_n=block_n, num_splits=int(num_splits), num_warps=num_warps, num_stages=2)
+    return DecodeConfig(block_h=tile.block_h, block_n=tile.block_n, num_splits=int(num_splits),
+                        num_warps=tile.num_warps, num_stages=tile.num_stages, r_split=tile.r_split,
+                        min_split_tokens=min_tokens)
 
 
 def _dot_dtype(cache_dtype: torch.dtype):
@@ -135,6 +165,22 @@ def _dot_dtype(cache_dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[cache_dtype]
 
 
+def row_alignment(kv_cache: torch.Tensor) -> int:
+    """Largest power of two (<= MAX_ROW_ALIGN elements) dividing the row and page strides and the base.
+
+    Every cache row then starts at a multiple of that many elements, which the kernel passes on to the
+    compiler (`tl.multiple_of`) so it can use vector loads.
+    """
+    if kv_cache.stride(2) != 1:
+        return 1
+    element = kv_cache.element_size()
+    address_elements = kv_cache.data_ptr() // element if kv_cache.data_ptr() % element == 0 else 1
+    align = MAX_ROW_ALIGN
+    while align > 1 and (kv_cache.stride(0) % align or kv_cache.stride(1) % align or address_elements % align):
+        align //= 2
+    return align
+
+
 def _check_runnable(device: torch.device) -> None:
     if device.type == "cuda" and INTERPRETED:
         raise MLADecodeInputError(
@@ -145,6 +191,22 @@ def _check_runnable(device: torch.device) -> None:
             f"the Triton MLA decode kernel needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 "
             "before importing triton, or use mla_decode_reference"
         )
+
+
+def _check_config(config: DecodeConfig, shape: DecodeShape) -> None:
+    """Reject configs the kernel cannot run correctly (they come from callers, benchmarks and tuners)."""
+    block_r = pow2_at_least(shape.kv_lora_rank)
+    problems = []
+    if config.block_h < 16 or config.block_h & (config.block_h - 1):
+        problems.append(f"block_h={config.block_h} is not a power of two >= 16")
+    if config.block_n < 16 or config.block_n & (config.block_n - 1):
+        problems.append(f"block_n={config.block_n} is not a power of two >= 16")
+    if config.r_split not in (1, 2) or block_r // config.r_split < 16:
+        problems.append(f"r_split={config.r_split} must be 1 or 2 with at least 16 columns per part")
+    if config.num_splits < 1 or config.min_split_tokens < 1:
+        problems.append("num_splits and min_split_tokens must be at least 1")
+    if problems:
+        raise MLADecodeInputError("bad decode config: " + "; ".join(problems))
 
 
 @dataclass
@@ -178,6 +240,7 @@ def plan_launches(
     Queries are (batch, rows, ·).  Returns the launches and out (batch, rows, R), lse (batch, rows),
     which hold the result once every launch has run.
     """
+    _check_config(config, shape)
     device = kv_cache.device
     batch, rows, rank, rope_dim = shape.batch, shape.rows, shape.kv_lora_rank, shape.rope_dim
     out = torch.empty((batch, rows, rank), dtype=out_dtype, device=device)
@@ -194,11 +257,11 @@ def plan_launches(
     launches = [
         KernelLaunch(
             kernel=mla_decode_split_kernel,
-            grid=(triton.cdiv(rows, config.block_h), splits, batch),
+            grid=(triton.cdiv(rows, config.block_h) * config.r_split, splits, batch),
             args=[
                 rows_latent, rows_rope, kv_cache, page_table, seq_lens, part_out, part_lse,
                 float(softmax_scale) * LOG2E,
-                rows, shape.heads, shape.q_len,
+                rows, shape.heads, shape.q_len, config.min_split_tokens,
                 *rows_latent.stride(), *rows_rope.stride(), *kv_cache.stride(), *page_table.stride(),
                 *part_out.stride(), *part_lse.stride(),
             ],
@@ -208,8 +271,10 @@ def plan_launches(
                 PAGE_SIZE=shape.page_size,
                 BLOCK_H=config.block_h,
                 BLOCK_N=config.block_n,
-                BLOCK_R=_pow2_at_least(rank),
-                BLOCK_D=_pow2_at_least(rope_dim),
+                BLOCK_R=pow2_at_least(rank),
+                BLOCK_D=pow2_at_least(rope_dim),
+                R_SPLIT=config.r_split,
+                ROW_ALIGN=row_alignment(kv_cache),
                 DOT_DTYPE=dot_dtype,
                 DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
             ),
@@ -218,20 +283,20 @@ def plan_launches(
         )
     ]
     if splits > 1:
-        block_c = min(MERGE_BLOCK_C, _pow2_at_least(rank))
-        block_splits = triton.next_power_of_2(splits)
+        block_c = min(MERGE_BLOCK_C, pow2_at_least(rank))
+        block_rows = min(MERGE_BLOCK_ROWS, pow2_at_least(rows, minimum=1))
         launches.append(
             KernelLaunch(
                 kernel=mla_decode_merge_kernel,
-                grid=(triton.cdiv(rank, block_c), rows, batch),
+                grid=(triton.cdiv(rank, block_c), triton.cdiv(rows, block_rows), batch),
                 args=[
-                    part_out, part_lse, out, lse, splits,
+                    part_out, part_lse, seq_lens, out, lse, rows, splits, config.min_split_tokens,
                     *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 ],
                 constexprs=dict(
                     KV_LORA_RANK=rank,
-                    BLOCK_SPLITS=block_splits,
-                    SPLITS_PER_STEP=min(MERGE_SPLITS_PER_STEP, block_splits),
+                    SPLIT_BLOCK_N=config.block_n,
+                    BLOCK_ROWS=block_rows,
                     BLOCK_C=block_c,
                 ),
                 num_warps=4,
@@ -239,6 +304,18 @@ def plan_launches(
             )
         )
     return launches, out, lse
+
+
+def _maybe_autotune(shape: DecodeShape, args: tuple, q_len_dim: bool, max_seq_len, mean_seq_len) -> None:
+    """With MLA_DECODE_AUTOTUNE=1 on CUDA, time the candidate tiles of a shape the first time it is seen."""
+    from mla_decode_triton import autotune, configs
+
+    kv_cache = args[2]
+    if not autotune.autotune_enabled(kv_cache.device):
+        return
+    key = configs.table_key(shape.kv_lora_rank, shape.rope_dim, shape.rows, shape.page_size, kv_cache.dtype)
+    if key not in configs.measured_tiles():
+        autotune.autotune(*args, max_seq_len=max_seq_len, mean_seq_len=mean_seq_len, q_len_dim=q_len_dim)
 
 
 def _launch(*plan_args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,20 +336,26 @@ def mla_decode(
     kv_lora_rank: int | None = None,
     num_splits: int | None = None,
     *,
+    max_seq_len: int | None = None,
+    mean_seq_len: float | None = None,
     config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode (one query token per sequence) with the Triton split-KV kernel.
 
     Same inputs and outputs as `mla_decode_reference`: q_latent (batch, heads, R), q_rope (batch,
-    heads, D), kv_cache (num_pages, page_size, R + D), page_table (batch, max_pages) int, seq_lens
-    (batch,) int >= 1.  Returns out (batch, heads, R) in q_latent's dtype and lse (batch, heads) fp32.
-    `num_splits` forces the split count; `config` (keyword only, for benchmarks and tuning) forces every
-    launch parameter.
+    heads, D), kv_cache (num_pages, page_size, R + D) (a column slice of wider, padded rows is fine),
+    page_table (batch, max_pages) int, seq_lens (batch,) int (0 gives out = 0, lse = -inf).  Returns out
+    (batch, heads, R) in q_latent's dtype and lse (batch, heads) fp32.  `max_seq_len` / `mean_seq_len`
+    (keyword only): the batch's real longest / mean length, which size the split count without a device
+    read.  `num_splits` forces the split count; `config` forces every launch parameter.
     """
     shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank)
     _check_runnable(kv_cache.device)
+    if config is None and num_splits is None:
+        _maybe_autotune(shape, (q_latent, q_rope, kv_cache, page_table, seq_lens, softmax_scale), False,
+                        max_seq_len, mean_seq_len)
     if config is None:
-        config = choose_config(shape, kv_cache.dtype, kv_cache.device, num_splits)
+        config = choose_config(shape, kv_cache.dtype, kv_cache.device, num_splits, max_seq_len, mean_seq_len)
     return _launch(q_latent, q_rope, kv_cache, page_table, seq_lens, softmax_scale, shape, config, q_latent.dtype)
 
 
@@ -286,6 +369,8 @@ def mla_decode_multi(
     kv_lora_rank: int | None = None,
     num_splits: int | None = None,
     *,
+    max_seq_len: int | None = None,
+    mean_seq_len: float | None = None,
     config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode with q_len causal query tokens per sequence (speculative decoding).
@@ -297,8 +382,11 @@ def mla_decode_multi(
     """
     shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank, q_len_dim=True)
     _check_runnable(kv_cache.device)
+    if config is None and num_splits is None:
+        _maybe_autotune(shape, (q_latent, q_rope, kv_cache, page_table, seq_lens, softmax_scale), True,
+                        max_seq_len, mean_seq_len)
     if config is None:
-        config = choose_config(shape, kv_cache.dtype, kv_cache.device, num_splits)
+        config = choose_config(shape, kv_cache.dtype, kv_cache.device, num_splits, max_seq_len, mean_seq_len)
     batch, q_len, heads = shape.batch, shape.q_len, shape.heads
     rows_latent = q_latent.reshape(batch, q_len * heads, shape.kv_lora_rank)  # (batch, q_len * heads, R)
     rows_rope = q_rope.reshape(batch, q_len * heads, shape.rope_dim)  # (batch, q_len * heads, D)

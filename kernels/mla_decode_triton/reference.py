@@ -83,12 +83,18 @@ def mla_decode_reference(
     seq_lens: torch.Tensor,
     softmax_scale: float,
     kv_lora_rank: int | None = None,
+    num_splits: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    mean_seq_len: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode, one query token per sequence.
 
     q_latent (batch, heads, R), q_rope (batch, heads, D), kv_cache (num_pages, page_size, R + D),
-    page_table (batch, max_pages) int, seq_lens (batch,) int with every length >= 1.
-    Returns out (batch, heads, R) in q_latent's dtype and lse (batch, heads) float32.
+    page_table (batch, max_pages) int, seq_lens (batch,) int (a length of 0 gives out = 0, lse = -inf).
+    Returns out (batch, heads, R) in q_latent's dtype and lse (batch, heads) float32.  `num_splits`,
+    `max_seq_len` and `mean_seq_len` only tune the Triton kernel's launch; they are accepted (and
+    ignored) so that the two functions are interchangeable.
     """
     shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank)
     dense, token_valid = gather_paged_cache(kv_cache, page_table, seq_lens)
@@ -105,12 +111,17 @@ def mla_decode_multi_reference(
     seq_lens: torch.Tensor,
     softmax_scale: float,
     kv_lora_rank: int | None = None,
+    num_splits: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    mean_seq_len: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode with q_len query tokens per sequence (speculative decoding), causal.
 
     q_latent (batch, q_len, heads, R), q_rope (batch, q_len, heads, D).  The q_len new tokens are
     already written to the cache, so seq_lens counts them: query i (0-based) sits at position
-    seq_len - q_len + i and sees tokens t <= that position.  Requires seq_len >= q_len.
+    seq_len - q_len + i and sees tokens t <= that position.  Requires seq_len >= q_len.  The launch
+    arguments (`num_splits`, `max_seq_len`, `mean_seq_len`) are ignored, as in `mla_decode_reference`.
     Returns out (batch, q_len, heads, R) in q_latent's dtype and lse (batch, q_len, heads) float32.
     """
     shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank, q_len_dim=True)

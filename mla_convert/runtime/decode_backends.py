@@ -1,8 +1,9 @@
 """Which absorbed-MLA decode attention runs: the Triton kernel or its pure-torch reference.
 
 Both come from `mla_decode_triton` and share one signature, (q_latent, q_rope, kv_cache, page_table,
-seq_lens, softmax_scale, kv_lora_rank) -> (out (B, H, R), lse (B, H)), so the model calls whichever
-is chosen here without knowing which.  "auto" picks the kernel on CUDA and the reference elsewhere;
+seq_lens, softmax_scale, kv_lora_rank, *, max_seq_len, mean_seq_len) -> (out (B, H, R), lse (B, H)), so
+the model calls whichever is chosen here without knowing which (the length hints only size the
+kernel's split count; the reference ignores them).  "auto" picks the kernel on CUDA and the reference elsewhere;
 "triton" on CPU runs the kernel in the Triton interpreter (only when TRITON_INTERPRET=1 was set before
 triton was imported) - slow, but it checks the runtime/kernel contract on any machine.
 """

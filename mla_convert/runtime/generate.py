@@ -62,7 +62,9 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     _check_settings(prompts, model.embed_tokens.shape[0], max_new_tokens, do_sample, temperature, top_p)
     if num_pages is None:
         num_pages = PagedLatentCache.pages_needed([len(p) + max_new_tokens - 1 for p in prompts], page_size)
-    cache = model.new_cache(num_pages, page_size)
+    longest = max(len(p) for p in prompts) + max_new_tokens - 1
+    cache = model.new_cache(num_pages, page_size, max_sequences=len(prompts),
+                            max_pages_per_sequence=-(-longest // page_size))
     seq_ids = [cache.add_sequence() for _ in prompts]
     generators = ([torch.Generator(device=model.device).manual_seed(seed + index) for index in range(len(prompts))]
                   if do_sample else None)

@@ -12,14 +12,18 @@ latent cache:
   sum_t p_t v_h,t = W_UV[h] (sum_t p_t c_t): the kernel returns the attention-weighted latent
   (H, R), and W_UV[h] then o_proj map it to the hidden size.
 
-Why W_UK / W_UV stay separate per-head matrices instead of being multiplied into q_proj / o_proj once:
-per decoded token, the value side costs H*v*R (W_UV) + H*v*hidden (o_proj) multiply-adds separately,
-but H*R*hidden as one fused (H, R, hidden) matrix; fused is dearer whenever R > v*hidden/(hidden - v),
-roughly whenever R > v, which is the case at the usual compressions (SmolLM2 at 2x: R = 128, v = 64,
-hidden = 576: 406K vs 664K; stories260K at 2x: R = 24, v = 8).  The query side is the same count with
-nope for v (q_proj then W_UK versus a fused (H*R, hidden) q_proj).  Only at extreme compression
-(R < v) would fusing pay; one layout keeps the runtime simple.  So "absorbing at load" means laying
-kv_b_proj out once as contiguous per-head W_UK (H, nope, R) and W_UV^T (H, R, v) for batched matmuls.
+Where W_UK / W_UV live (`absorption.py`): kept as contiguous per-head W_UK (H, nope, R) and W_UV^T
+(H, R, v) for batched matmuls, or multiplied into the query / output projections once at load.  Fusing
+saves two batched matmuls per layer and step but reads more weights whenever R exceeds nope (resp. v),
+so `absorb="auto"` (the default) fuses each side only where it reads no more weights than the separate
+form (e.g. SmolLM2 at 4x, R = 64: both sides; at 2x, R = 144: neither).
+
+Per-step overhead (`decode`): the step's host inputs (token ids, positions, cache slots, page-table
+rows) go to the device as one packed int64 tensor; the page table is the cache's device table, updated
+in place (`PagedLatentCache.device_table`); seq_lens is positions + 1 on the device; the batch's longest
+and mean lengths are passed to the kernel as plain numbers (they size its split count, no device read).
+On CUDA the whole step is captured once per batch size and length bucket and replayed as a CUDA graph
+(`cuda_graphs.py`), which removes the per-kernel launch cost of small batches.
 
 Prefill uses the expanded form instead (keys and values materialised from the prompt's latents, then
 ordinary causal attention): its T^2 part costs H*T^2*(nope + D + v) versus H*T^2*(2R + D) absorbed, so
@@ -34,6 +38,7 @@ is computed for padding and no mask is needed; the per-sequence attention loop i
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 
 from ..convert import target as T
 from ..source.model import rms_norm
+from .absorption import AbsorptionPlan, fuse_output_weight, fuse_query_weight, plan_absorption
 from .decode_backends import DecodeAttention, decode_attention
 from .errors import GenerationSettingsError, RuntimeModelError
 from .loading import ExportedFolder, compute_dtype, read_exported_folder
@@ -65,6 +71,8 @@ class AbsorbedAttention:
     w_uv_t: torch.Tensor  # (H, R, v): applied to the attention-weighted latent
     o_proj: torch.Tensor  # (hidden, H*v)
     o_bias: torch.Tensor | None  # (hidden,)
+    q_decode: torch.Tensor | None = None  # (H*(R+D), q_in): W_UK folded into the query projection (decode only)
+    o_decode: torch.Tensor | None = None  # (hidden, H*R): W_UV folded into o_proj (decode only)
 
 
 @dataclass
@@ -95,7 +103,8 @@ class AbsorbedMLAModel:
     """An exported dense DeepseekV3 MLA model in memory, decoding through a `PagedLatentCache`."""
 
     def __init__(self, folder: ExportedFolder, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, decode_backend: str = "auto"):
+                 dtype: torch.dtype | None = None, decode_backend: str = "auto", absorb: str = "auto",
+                 cuda_graphs: bool | None = None):
         from transformers.activations import ACT2FN
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
@@ -125,6 +134,15 @@ class AbsorbedMLAModel:
         self.softmax_scale = float(hf.yarn_apply_mscale(config.rope_parameters, (self.nope_dim + self.rope_dim) ** -0.5))
         self.backend_name = decode_backend
         self.decode_attention: DecodeAttention = decode_attention(decode_backend, self.device)
+        q_in = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
+        self.absorption: AbsorptionPlan = plan_absorption(absorb, self.num_heads, self.nope_dim, self.rope_dim,
+                                                          self.v_dim, self.kv_lora_rank, q_in, self.hidden_size)
+        # CUDA graphs for the decode step: on by default on CUDA (`cuda_graphs.py`); the graphs of each
+        # cache are kept with it (weakly, so a finished generation's cache and graphs can be freed).
+        self.use_cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if self.use_cuda_graphs and self.device.type != "cuda":
+            raise GenerationSettingsError(f"CUDA graphs need a CUDA device (device is {self.device})")
+        self._graphs = weakref.WeakKeyDictionary()
 
         tensors = folder.tensors
         take = self._taker(tensors)
@@ -138,8 +156,9 @@ class AbsorbedMLAModel:
 
     @classmethod
     def from_folder(cls, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    decode_backend: str = "auto") -> AbsorbedMLAModel:
-        return cls(read_exported_folder(path), device, dtype, decode_backend)
+                    decode_backend: str = "auto", absorb: str = "auto",
+                    cuda_graphs: bool | None = None) -> AbsorbedMLAModel:
+        return cls(read_exported_folder(path), device, dtype, decode_backend, absorb, cuda_graphs)
 
     # ------------------------------------------------------------------ loading
     def _taker(self, tensors: dict[str, torch.Tensor]):
@@ -180,6 +199,16 @@ class AbsorbedMLAModel:
             o_proj=take(attn + T.O_PROJ),
             o_bias=take(attn + T.O_BIAS, optional=True),
         )
+        # W_UK / W_UV folded into the projections (absorption.py), in float32 from the stored weights
+        stored_per_head = tensors[attn + T.KV_B_PROJ].float().view(heads, nope + v, rank)  # (H, nope+v, R)
+        if self.absorption.fuse_query:
+            q_weight = tensors[attn + (T.Q_B_PROJ if use_q_lora else T.Q_PROJ)]
+            fused = fuse_query_weight(q_weight, stored_per_head[:, :nope, :], nope, self.rope_dim)
+            attention.q_decode = fused.to(device=self.device, dtype=self.dtype)  # (H*(R+D), q_in)
+        if self.absorption.fuse_output:
+            w_uv_t = stored_per_head[:, nope:, :].transpose(1, 2)  # (H, R, v)
+            fused = fuse_output_weight(tensors[attn + T.O_PROJ], w_uv_t)
+            attention.o_decode = fused.to(device=self.device, dtype=self.dtype)  # (hidden, H*R)
         return DenseLayer(
             input_norm=take(prefix + "input_layernorm.weight"),
             attention=attention,
@@ -190,9 +219,11 @@ class AbsorbedMLAModel:
         )
 
     # ------------------------------------------------------------------ cache
-    def new_cache(self, num_pages: int, page_size: int) -> PagedLatentCache:
+    def new_cache(self, num_pages: int, page_size: int, max_sequences: int | None = None,
+                  max_pages_per_sequence: int | None = None) -> PagedLatentCache:
+        """A page pool for this model; the sizes of its device page table are hints (it grows if needed)."""
         return PagedLatentCache(self.num_layers, num_pages, page_size, self.kv_lora_rank, self.rope_dim,
-                                self.dtype, self.device)
+                                self.dtype, self.device, max_sequences, max_pages_per_sequence)
 
     # ------------------------------------------------------------------ building blocks
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,20 +234,27 @@ class AbsorbedMLAModel:
         sin = emb.sin() * self.attention_scaling
         return cos.to(self.dtype), sin.to(self.dtype)
 
+    def query_input(self, x: torch.Tensor, attention: AbsorbedAttention) -> torch.Tensor:
+        """What the query projection reads: x itself, or the normalised q_a projection (q_lora models)."""
+        if attention.q_proj is not None:
+            return x
+        return rms_norm(F.linear(x, attention.q_a_proj, attention.q_a_bias), attention.q_a_norm, self.latent_norm_eps)
+
+    def latent_and_key(self, x: torch.Tensor, attention: AbsorbedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised latent (N, R) and un-rotated shared key (N, D) of x (N, hidden)."""
+        compressed = F.linear(x, attention.kv_a_proj, attention.kv_a_bias)  # (N, R + D), in the compute dtype
+        latent, k_rope = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return rms_norm(latent, attention.kv_a_norm, self.latent_norm_eps), k_rope  # fp32 variance, like transformers
+
     def attention_inputs(self, x: torch.Tensor, attention: AbsorbedAttention, cos: torch.Tensor,
                          sin: torch.Tensor) -> AttentionInputs:
         """Queries, normalised latent and shared RoPE key of N normalised hidden states x (N, hidden)."""
         count = x.shape[0]
-        if attention.q_proj is not None:
-            q = F.linear(x, attention.q_proj)
-        else:
-            q_small = F.linear(x, attention.q_a_proj, attention.q_a_bias)
-            q = F.linear(rms_norm(q_small, attention.q_a_norm, self.latent_norm_eps), attention.q_b_proj)
+        q_weight = attention.q_proj if attention.q_proj is not None else attention.q_b_proj
+        q = F.linear(self.query_input(x, attention), q_weight)
         q = q.view(count, self.num_heads, self.nope_dim + self.rope_dim)  # (N, H, nope + D)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        compressed = F.linear(x, attention.kv_a_proj, attention.kv_a_bias)  # (N, R + D), in the compute dtype
-        latent, k_rope = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = rms_norm(latent, attention.kv_a_norm, self.latent_norm_eps)  # fp32 variance, like transformers
+        latent, k_rope = self.latent_and_key(x, attention)
         # heads on dim 1 (k as a single head) so transformers' rotation broadcasts cos/sin (N, 1, D/2)
         q_rope, k_rope = self.rotate(q_rope, k_rope[:, None, :], cos, sin, unsqueeze_dim=1)
         return AttentionInputs(q_nope, q_rope, latent, k_rope[:, 0, :])  # k_rope (N, D)
@@ -278,36 +316,75 @@ class AbsorbedMLAModel:
         return self.logits(hidden[last])
 
     # ------------------------------------------------------------------ decode
-    def absorbed_attention(self, inputs: AttentionInputs, attention: AbsorbedAttention, kv_cache: torch.Tensor,
-                           page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence, attending over its cached latents -> (B, H*v)."""
-        batch = inputs.q_nope.shape[0]
-        q_latent = torch.bmm(inputs.q_nope.transpose(0, 1), attention.w_uk)  # (H, B, nope) @ (H, nope, R) -> (H, B, R)
-        out, _ = self.decode_attention(
-            q_latent.transpose(0, 1), inputs.q_rope, kv_cache, page_table, seq_lens,  # (B, H, R), (B, H, D)
-            self.softmax_scale, self.kv_lora_rank,
-        )  # out (B, H, R): attention-weighted latent per head
+    def decode_queries(self, x: torch.Tensor, attention: AbsorbedAttention, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Absorbed queries of B new tokens: q_latent (B, H, R), rotated q_rope (B, H, D), cache rows (B, R + D)."""
+        batch = x.shape[0]
+        q_in = self.query_input(x, attention)
+        if attention.q_decode is not None:  # W_UK folded in at load: one projection gives q_latent and q_rope
+            q = F.linear(q_in, attention.q_decode).view(batch, self.num_heads, self.kv_lora_rank + self.rope_dim)
+            q_latent, q_rope = q.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, H, R), (B, H, D)
+        else:
+            q_weight = attention.q_proj if attention.q_proj is not None else attention.q_b_proj
+            q = F.linear(q_in, q_weight).view(batch, self.num_heads, self.nope_dim + self.rope_dim)  # (B, H, nope + D)
+            q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), attention.w_uk).transpose(0, 1)  # (H,B,nope)@(H,nope,R) -> (B,H,R)
+        latent, k_rope = self.latent_and_key(x, attention)
+        q_rope, k_rope = self.rotate(q_rope, k_rope[:, None, :], cos, sin, unsqueeze_dim=1)
+        return q_latent, q_rope, torch.cat([latent, k_rope[:, 0, :]], dim=-1)  # cache rows (B, R + D)
+
+    def attention_output(self, out: torch.Tensor, attention: AbsorbedAttention) -> torch.Tensor:
+        """(B, H, R) attention-weighted latents -> (B, hidden) through W_UV and o_proj (or their product)."""
+        batch = out.shape[0]
+        if attention.o_decode is not None:
+            return F.linear(out.reshape(batch, self.num_heads * self.kv_lora_rank), attention.o_decode, attention.o_bias)
         values = torch.bmm(out.transpose(0, 1), attention.w_uv_t)  # (H, B, R) @ (H, R, v) -> (H, B, v)
-        return values.transpose(0, 1).reshape(batch, self.num_heads * self.v_dim)  # (B, H*v)
+        values = values.transpose(0, 1).reshape(batch, self.num_heads * self.v_dim)  # (B, H*v)
+        return F.linear(values, attention.o_proj, attention.o_bias)
+
+    def decode_step(self, cache: PagedLatentCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    page_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                    mean_seq_len: float) -> torch.Tensor:
+        """One decode step on device tensors only (capturable as a CUDA graph) -> (B, vocab) logits.
+
+        ids, positions, slots (B,) int64; page_table (B, pages) int32; seq_lens (B,) int32 counting the
+        new token; max_seq_len / mean_seq_len: the batch's longest / mean length or upper bounds of them.
+        """
+        cos, sin = self.rope_cos_sin(positions)
+        hidden = F.embedding(ids, self.embed_tokens)  # (B, hidden)
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, self.rms_norm_eps)
+            q_latent, q_rope, cache_rows = self.decode_queries(x, layer.attention, cos, sin)
+            cache.write(index, slots, cache_rows)
+            out, _ = self.decode_attention(
+                q_latent, q_rope, cache.layer(index), page_table, seq_lens, self.softmax_scale, self.kv_lora_rank,
+                max_seq_len=max_seq_len, mean_seq_len=mean_seq_len,
+            )  # out (B, H, R): attention-weighted latent per head
+            hidden = hidden + self.attention_output(out, layer.attention)
+            hidden = hidden + self.mlp(rms_norm(hidden, layer.post_attention_norm, self.rms_norm_eps), layer)
+        return self.logits(hidden)
 
     @torch.no_grad()
     def decode(self, cache: PagedLatentCache, seq_ids: list[int], tokens: list[int]) -> torch.Tensor:
         """Feed one token per sequence, append its latent to the cache; returns (B, vocab) logits."""
-        positions, slots = [], []
+        positions, slots, rows = [], [], []
         for seq_id in seq_ids:
             seq_positions, seq_slots = cache.append(seq_id, 1)
             positions += seq_positions
             slots += seq_slots
-        page_table = cache.page_table(seq_ids)  # (B, max_pages), after the appends: shared by every layer
-        seq_lens = cache.seq_lens(seq_ids)  # (B,), counting the new token
-        slots_t = torch.tensor(slots, device=self.device)  # (B,)
-        cos, sin = self.rope_cos_sin(torch.tensor(positions, device=self.device))
-        hidden = F.embedding(torch.tensor(tokens, device=self.device), self.embed_tokens)  # (B, hidden)
-        for index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, self.rms_norm_eps)
-            inputs = self.attention_inputs(x, layer.attention, cos, sin)
-            cache.write(index, slots_t, inputs.cache_rows)
-            attended = self.absorbed_attention(inputs, layer.attention, cache.layer(index), page_table, seq_lens)
-            hidden = hidden + F.linear(attended, layer.attention.o_proj, layer.attention.o_bias)
-            hidden = hidden + self.mlp(rms_norm(hidden, layer.post_attention_norm, self.rms_norm_eps), layer)
-        return self.logits(hidden)
+            rows.append(cache.row(seq_id))
+        max_len = max(positions) + 1  # lengths after the append
+        mean_len = sum(positions) / len(positions) + 1
+        step_host = torch.tensor([tokens, positions, slots, rows], dtype=torch.int64)  # (4, B)
+        if self.use_cuda_graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            graphs = self._graphs.get(cache)
+            if graphs is None:
+                graphs = self._graphs[cache] = DecodeGraphs()
+            return graphs.run(self, cache, step_host, max_len, mean_len)
+        ids, positions_t, slots_t, rows_t = step_host.to(self.device).unbind(0)  # one host-to-device copy
+        pages = -(-max_len // cache.page_size)  # the table's columns the longest sequence uses
+        page_table = cache.device_table()[:, :pages].index_select(0, rows_t)  # (B, pages)
+        seq_lens = (positions_t + 1).to(torch.int32)  # (B,), counting the new token
+        return self.decode_step(cache, ids, positions_t, slots_t, page_table, seq_lens, max_len, mean_len)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU checks of the MLA decode kernel and the runtime's decode path, in one go (< 4 minutes on one H200:
+# the three parts are capped at 100 + 75 + 50 s).
+#
+#   OUT=/some/folder scripts/device_kernel_check.sh      (OUT unset: ./device-kernel-check)
+#
+# Parts, each under its own timeout so that one failing or hanging part does not stop the others:
+#   1. bench_kernel   scripts/bench_mla_decode.py: autotune + kernel vs torch, batch {1,16,64,128} x context
+#                     {1K,4K,16K} x (512+64 at 16/128 heads, SmolLM2 144+48 / 64+32 at 9 heads), bf16
+#   2. pytest_gpu     the `gpu`-marked kernel / runtime tests, plus the tiling tests compiled for the GPU
+#   3. bench_runtime  scripts/bench_runtime_decode.py: end-to-end decode tok/s, transformers vs our runtime
+# Results in $OUT: bench_mla_decode.{json,md}, bench_runtime_decode.{json,md}, pytest_gpu.{log,xml},
+# <part>.log, summary.txt (one line per part: exit code and seconds), versions.txt, device_kernel_check.md
+# (all tables).  Needs only torch, triton, transformers, numpy, pytest (no install, no network).
+# Render the JSON into BENCHMARKS.md afterwards, on any machine:
+#   python scripts/bench_mla_decode.py --from-json $OUT/bench_mla_decode.json --write-benchmarks BENCHMARKS.md
+#   python scripts/bench_runtime_decode.py --from-json $OUT/bench_runtime_decode.json --write-benchmarks BENCHMARKS.md
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/device-kernel-check}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_INTERPRET=0              # compile the kernels (the test conftest would otherwise interpret them)
+export TRITON_DEFAULT_FP_FUSION=1
+export TOKENIZERS_PARALLELISM=false
+: > "$OUT/summary.txt"
+status=0
+
+part() {  # part NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.log, record rc and time
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "== $name (limit ${limit}s): $*"
+  timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
+  tail -n 5 "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv 2>&1
+  python -c 'import sys, torch, triton, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__)' 2>&1
+} > "$OUT/versions.txt"
+cat "$OUT/versions.txt"
+
+part bench_kernel 100 python scripts/bench_mla_decode.py --time-budget 75 --rep-ms 15 \
+  --json "$OUT/bench_mla_decode.json" --markdown "$OUT/bench_mla_decode.md"
+
+part pytest_gpu 75 python -m pytest -v -p no:cacheprovider -o addopts="" --junitxml "$OUT/pytest_gpu.xml" \
+  tests/test_mla_decode_kernel.py tests/test_runtime_decode_path.py tests/test_mla_decode_tiling.py \
+  -k "gpu or mixed_lengths_with_a_preallocated_table or empty_splits or idle_slots or heads_share or padded_rows" \
+  -rs
+
+part bench_runtime 50 python scripts/bench_runtime_decode.py --batches 1 16 --prompt 512 --new-tokens 32 \
+  --json "$OUT/bench_runtime_decode.json" --markdown "$OUT/bench_runtime_decode.md"
+
+{
+  echo "# Device kernel check ($(date -u +%Y-%m-%dT%H:%MZ))"; echo
+  echo '```'; cat "$OUT/versions.txt" "$OUT/summary.txt"; echo '```'; echo
+  for f in bench_mla_decode.md bench_runtime_decode.md; do
+    [ -f "$OUT/$f" ] && { echo "## $f"; echo; cat "$OUT/$f"; echo; }
+  done
+  echo "## pytest_gpu (tail)"; echo; echo '```'; tail -n 25 "$OUT/pytest_gpu.log" 2>/dev/null; echo '```'
+} > "$OUT/device_kernel_check.md"
+echo "results in $OUT (status $status)"
+exit $status

@@ -1,0 +1,103 @@
+"""The kernel benchmark's offline half: rendering a GPU run's JSON into BENCHMARKS.md and the tuned table.
+
+A GPU run (scripts/device_kernel_check.sh) only brings back JSON; these steps happen on a machine
+without a GPU, so they are tested here on a synthetic run with the structure `measure` writes.  The
+measuring half is exercised end to end by `--dry-run` (slow: the kernel runs in the interpreter).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_mla_decode.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_mla_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic_run():
+    """Two cases of 512+64 x16 (one memory-bound) and a failed one, as `measure` writes them."""
+    def case(batch, context, kernel_ms, copy_ms):
+        element = 2
+        cache = batch * context * 576 * element
+        return dict(rank=512, rope_dim=64, heads=16, batch=batch, context=context,
+                    config=dict(tile="H16 r1 N32 w8 st2", splits=4, min_split_tokens=240),
+                    bytes=cache + batch * 16 * 576 * element, flops=2 * batch * 16 * context * 1088,
+                    max_error=3e-3, kernel_ms=kernel_ms, copy_ms=copy_ms, dense_ms=4 * kernel_ms, reference_ms=None)
+
+    return dict(
+        meta=dict(device="NVIDIA H200", date="2026-12-01", torch="2.11.0+cu130", triton="3.6.0", dtype="bf16",
+                  page_size=64, command="python scripts/bench_mla_decode.py", large_copy_bytes=2 * 1024**3,
+                  large_copy_gbps=8000.0, tensor_peak_tflops=989.4, wall_s=95.0),
+        tuning=[dict(shape="512+64 x16", key="512+64/rows16/page64/bf16", workload="batch 64, context 4096",
+                     best="H16 r1 N64 w8 st2", default="H16 r1 N32 w8 st2",
+                     best_tile=dict(block_h=16, r_split=1, block_n=64, num_warps=8, num_stages=2),
+                     times_ms={"H16 r1 N32 w8 st2": 0.05, "H16 r1 N64 w8 st2": 0.04}, splits={"H16 r1 N32 w8 st2": 1,
+                                                                                           "H16 r1 N64 w8 st2": 1})],
+        cases=[case(16, 4096, 0.020, 0.030), case(1, 1024, 0.010, 0.004),
+               dict(rank=512, rope_dim=64, heads=128, batch=128, context=16384, error="OutOfMemoryError: ...")],
+        skipped=["64+32 x9 b1 ctx1024"],
+    )
+
+
+def test_render_reports_percent_of_copy_and_roofline(bench):
+    body = bench.render(synthetic_run())
+    # 16 x 4096 x 576 x 2 B + queries in 20 us vs the same bytes copied (read + written) in 30 us
+    row = next(line for line in body.splitlines() if line.startswith("| 512+64 | 16 | 16 | 4096 "))
+    cells = [cell.strip() for cell in row.split("|")]
+    bytes_read = 16 * 4096 * 576 * 2 + 16 * 16 * 576 * 2
+    assert cells[7] == f"{bytes_read / 20e-6 / 1e9:.0f}"
+    assert cells[8] == f"{100 * (bytes_read / 20e-6) / (2 * bytes_read / 30e-6):.0f}%" == "75%"
+    # roofline: the bytes bound (30 us / 2) beats the flops bound (~0.15 us), so 15 us of 20 us
+    assert cells[9] == "75%"
+    assert "| 512+64 | 16 | 1 | 75% | 75% | 4.0x |" in body  # memory-bound summary: the batch-16 case only
+    assert "failed: OutOfMemoryError" in body and "Skipped (time budget): 64+32 x9 b1 ctx1024" in body
+    assert "| 512+64 x16 | batch 64, context 4096 | H16 r1 N64 w8 st2 | 1 | 40.0 | chosen |" in body
+
+
+def test_write_section_replaces_only_its_own_section(bench, tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## MLA decode kernel (GPU)\n\nold\n\n## Later\n\nalso kept\n")
+    bench.write_section(path, "new body")
+    text = path.read_text()
+    assert "old" not in text and "new body" in text and "kept" in text and "also kept" in text
+    assert text.index("## Other") < text.index("new body") < text.index("## Later")
+
+
+def test_tuned_table_from_a_gpu_run_is_used_by_the_launcher(bench, tmp_path):
+    from mla_decode_triton import configs
+
+    path = bench.write_tuned_table(synthetic_run(), tmp_path / "tuned.json")
+    stored = json.loads(path.read_text())
+    assert "NVIDIA H200" in stored["source"]
+    table = configs.load_table(path)
+    saved, configs._TABLE = configs._TABLE, table
+    try:
+        tile = configs.choose_tile(512, 64, 16, 64, torch.bfloat16)
+        assert (tile.block_n, tile.num_warps) == (64, 8)
+    finally:
+        configs._TABLE = saved
+
+
+@pytest.mark.slow
+def test_dry_run_measures_renders_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--batches", "2", "--contexts", "40",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert len(results["cases"]) == 4 and all("error" not in case for case in results["cases"])
+    assert {entry["shape"] for entry in results["tuning"]} == {"512+64 x3", "144+48 x3", "64+32 x3"}
+    assert "## " not in done.stdout and "| 144+48 | 3 | 2 | 40 |" in done.stdout

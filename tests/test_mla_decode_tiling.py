@@ -1,0 +1,219 @@
+"""The kernel's tiling and split paths against the torch reference: many heads, R split, per-sequence
+splits from real lengths, empty splits, idle slots, padded rows, every candidate tile, the autotuner.
+
+Runs in the Triton interpreter on CPU (the conftest default) and, with TRITON_INTERPRET=0 on a GPU,
+compiled on CUDA.  Every cache is adversarial (`mla_decode_triton.testing`): shuffled pages, NaN in
+every slot past a sequence's length, in spare pages and in row padding, and out-of-range page-table
+entries past each sequence's last page.  Shapes are kept small where the interpreter is slow (R = 512
+with 128 heads only at lengths of a few tiles); heavier variants are marked `slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mla_decode_triton import DecodeConfig, candidate_tiles, choose_config, mla_decode, mla_decode_multi, mla_decode_multi_reference, mla_decode_reference
+from mla_decode_triton.configs import TileConfig, choose_tile, load_table, save_table, table_key
+from mla_decode_triton.inputs import check_decode_inputs
+from mla_decode_triton.launcher import INTERPRETED, plan_launches, row_alignment
+from mla_decode_triton.testing import make_decode_inputs
+
+DEVICE = "cpu" if INTERPRETED else "cuda"
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
+
+pytestmark = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run here",
+)
+
+
+def assert_matches(actual, expected, dtype):
+    out, lse = actual
+    ref_out, ref_lse = expected
+    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **TOLERANCE[dtype])
+    torch.testing.assert_close(lse.cpu(), ref_lse.float().cpu(), **LSE_TOLERANCE)
+
+
+def config_from_tile(tile: TileConfig, num_splits: int, min_split_tokens: int = 1) -> DecodeConfig:
+    return DecodeConfig(tile.block_h, tile.block_n, num_splits, tile.num_warps, tile.num_stages, tile.r_split,
+                        min_split_tokens)
+
+
+# ------------------------------------------------------------------------------------- many heads
+@pytest.mark.parametrize("heads, block_h, r_split", [(1, 16, 1), (16, 16, 1), (64, 64, 2), (128, 64, 2)])
+def test_heads_share_one_tile_at_512_plus_64(heads, block_h, r_split):
+    """1, 16, 64 and 128 heads at R = 512, D = 64: one row block up to 64 heads, R split in two above 16."""
+    inputs = make_decode_inputs(2, heads, 512, 64, [5, 40], page_size=16, dtype=torch.bfloat16, device=DEVICE,
+                                seed=heads)
+    shape = check_decode_inputs(*inputs.args()[:5], None)
+    config = choose_config(shape, torch.bfloat16, torch.device(DEVICE), num_splits=2)
+    assert (config.block_h, config.r_split) == (block_h, r_split)
+    assert_matches(mla_decode(*inputs.args(), config=config), mla_decode_reference(*inputs.args()), torch.bfloat16)
+
+
+def test_r_split_with_a_ragged_half_rows_over_blocks_and_several_query_tokens():
+    """R = 48 split as 32 + 16 real columns, 3 tokens x 9 heads = 27 rows over two 16-row blocks."""
+    inputs = make_decode_inputs(2, 9, 48, 24, [4, 45], page_size=8, q_len=3, dtype=torch.float16, device=DEVICE,
+                                seed=31)
+    for config in (DecodeConfig(16, 16, 3, 4, 2, r_split=2), DecodeConfig(32, 16, 1, 4, 2, r_split=2)):
+        assert_matches(mla_decode_multi(*inputs.args(), config=config), mla_decode_multi_reference(*inputs.args()),
+                       torch.float16)
+
+
+# ------------------------------------------------------------------------------------- splits
+def _mixed_inputs(heads, rank, rope_dim, dtype, seed=40):
+    """Lengths {1, 7, 4096} in one batch, table preallocated for 4x the longest (like a runtime's)."""
+    lens = [1, 7, 4096]
+    inputs = make_decode_inputs(3, heads, rank, rope_dim, lens, page_size=64, dtype=dtype, device=DEVICE, seed=seed,
+                                table_pages=4 * 4096 // 64)
+    assert inputs.page_table.shape == (3, 256)
+    return inputs, lens
+
+
+def test_mixed_lengths_with_a_preallocated_table():
+    """Per-sequence splits: the 4096-token sequence is cut in 16 chunks, the short ones use one split."""
+    inputs, lens = _mixed_inputs(8, 64, 32, torch.bfloat16)
+    expected = mla_decode_reference(*inputs.args())
+    tile = candidate_tiles(64, 32, 8, torch.bfloat16)[0]
+    config = config_from_tile(tile, num_splits=16, min_split_tokens=128)
+    assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)
+    # the default path, told the real lengths (no device read), gives the same answer
+    hinted = mla_decode(*inputs.args(), max_seq_len=max(lens), mean_seq_len=sum(lens) / len(lens))
+    assert_matches(hinted, expected, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_mixed_lengths_with_a_preallocated_table_at_512_plus_64_and_128_heads():
+    inputs, _ = _mixed_inputs(128, 512, 64, torch.bfloat16, seed=41)
+    tile = candidate_tiles(512, 64, 128, torch.bfloat16)[0]
+    assert (tile.block_h, tile.r_split) == (64, 2)
+    config = config_from_tile(tile, num_splits=8, min_split_tokens=256)
+    assert_matches(mla_decode(*inputs.args(), config=config), mla_decode_reference(*inputs.args()), torch.bfloat16)
+
+
+def test_empty_splits_are_neither_written_nor_read():
+    """Splits past a sequence's last chunk return at once; the merge reads only the written partials.
+
+    The partial buffers are filled with NaN before the launch: any read of an unwritten partial would
+    poison the output, and the unused splits' lse must still be NaN afterwards.
+    """
+    lens = [1, 7, 300]
+    inputs = make_decode_inputs(3, 4, 32, 16, lens, page_size=16, device=DEVICE, seed=42)
+    shape = check_decode_inputs(*inputs.args()[:5], None)
+    config = DecodeConfig(16, 16, num_splits=8, num_warps=4, num_stages=2, min_split_tokens=48)
+    launches, out, lse = plan_launches(*inputs.args(), shape, config, torch.float32)
+    part_out, part_lse = launches[0].args[5], launches[0].args[6]  # (3, 4, 8, 32), (3, 4, 8)
+    part_out.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    for launch in launches:
+        launch.run()
+    assert_matches((out, lse), mla_decode_reference(*inputs.args()), torch.float32)
+    # per split: max(ceil(len / 8), 48) tokens rounded up to 16-token tiles -> 300 tokens use 7 splits of 48
+    used = [1, 1, 7]
+    for seq, count in enumerate(used):
+        assert torch.isfinite(part_lse[seq, :, :count]).all()
+        assert torch.isnan(part_lse[seq, :, count:]).all()
+
+
+def test_idle_slots_with_length_zero_give_zero_output():
+    """A length-0 slot (a finished sequence left in a captured batch) yields out = 0, lse = -inf."""
+    inputs = make_decode_inputs(3, 4, 32, 16, [0, 20, 0], page_size=8, device=DEVICE, seed=43)
+    expected = mla_decode_reference(*inputs.args())
+    for num_splits in (1, 3):
+        out, lse = mla_decode(*inputs.args(), num_splits=num_splits)
+        assert torch.equal(out[[0, 2]].cpu(), torch.zeros(2, 4, 32))
+        assert torch.isinf(lse[[0, 2]]).all() and (lse[[0, 2]] < 0).all()
+        torch.testing.assert_close(out[1].cpu(), expected[0][1].cpu(), **TOLERANCE[torch.float32])
+        torch.testing.assert_close(lse[1].cpu(), expected[1][1].cpu(), **LSE_TOLERANCE)
+    assert torch.equal(expected[0][[0, 2]].cpu(), torch.zeros(2, 4, 32))
+
+
+# ------------------------------------------------------------------------------------- padded rows
+@pytest.mark.parametrize("rank, rope_dim, row_width, alignment", [(4, 4, 8, 8), (20, 6, 32, 16), (10, 6, 16, 16)])
+def test_padded_rows_give_identical_results_and_are_never_read(rank, rope_dim, row_width, alignment):
+    """Rows padded to 16 bytes (NaN in the padding) decode bit-identically to unpadded ones."""
+    kwargs = dict(page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=rank)
+    plain = make_decode_inputs(2, 8, rank, rope_dim, [3, 50], **kwargs)
+    padded = make_decode_inputs(2, 8, rank, rope_dim, [3, 50], row_width=row_width, **kwargs)
+    assert padded.kv_cache.stride(1) == row_width and torch.isnan(padded.kv_cache.as_strided(
+        (1,), (1,), padded.kv_cache.storage_offset() + rank + rope_dim)).all() == (row_width > rank + rope_dim)
+    assert row_alignment(padded.kv_cache) == alignment
+    result = mla_decode(*padded.args(), num_splits=2)
+    assert all(torch.equal(a, b) for a, b in zip(result, mla_decode(*plain.args(), num_splits=2)))
+    assert_matches(result, mla_decode_reference(*plain.args()), torch.bfloat16)
+
+
+def test_row_alignment_is_the_largest_power_of_two_dividing_the_strides():
+    storage = torch.zeros(4, 16, 32, dtype=torch.bfloat16)
+    assert row_alignment(storage) == 16
+    assert row_alignment(storage[..., :26]) == 16  # a column slice keeps the 32-element stride
+    assert row_alignment(torch.zeros(4, 16, 26, dtype=torch.bfloat16)) == 2
+    assert row_alignment(torch.zeros(4, 16, 8, dtype=torch.bfloat16)) == 8
+    assert row_alignment(storage[:, :, 1:27]) == 1  # base address off by one element
+
+
+# ------------------------------------------------------------------------------------- every tile
+TILE_SHAPES = [
+    (512, 64, 16, torch.bfloat16),
+    (512, 64, 64, torch.bfloat16),
+    (144, 48, 9, torch.bfloat16),
+    (64, 32, 9, torch.bfloat16),
+    (24, 8, 8, torch.bfloat16),
+    (4, 4, 8, torch.bfloat16),
+    (100, 12, 3, torch.float32),
+]
+
+
+@pytest.mark.parametrize("rank, rope_dim, heads, dtype", TILE_SHAPES)
+def test_every_candidate_tile_matches_the_reference(rank, rope_dim, heads, dtype):
+    """Whatever tile the autotuner picks, the answer is the reference's (within the dtype's rounding)."""
+    inputs = make_decode_inputs(2, heads, rank, rope_dim, [9, 70], page_size=16, dtype=dtype, device=DEVICE,
+                                seed=rank + heads)
+    expected = mla_decode_reference(*inputs.args())
+    tiles = candidate_tiles(rank, rope_dim, heads, dtype)
+    assert tiles
+    for tile in tiles:
+        assert_matches(mla_decode(*inputs.args(), config=config_from_tile(tile, num_splits=2)), expected, dtype)
+
+
+def test_autotune_times_every_candidate_and_the_launcher_then_uses_the_winner():
+    from mla_decode_triton import autotune, configs
+
+    inputs = make_decode_inputs(2, 9, 64, 32, [9, 70], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=50)
+    result = autotune.autotune(*inputs.args(), rep_ms=5)
+    tiles = candidate_tiles(64, 32, 9, torch.bfloat16)
+    assert set(result.times_ms) == {tile.label() for tile in tiles}
+    assert result.best in tiles and result.times_ms[result.best.label()] == min(result.times_ms.values())
+    try:
+        assert choose_tile(64, 32, 9, 16, torch.bfloat16) == result.best
+        assert choose_config(check_decode_inputs(*inputs.args()[:5], None), torch.bfloat16,
+                             torch.device(DEVICE)).tile == result.best
+    finally:
+        configs._MEASURED.pop(result.key)
+    assert choose_tile(64, 32, 9, 16, torch.bfloat16) == tiles[0]
+
+
+def test_tuned_table_round_trip_and_stale_entries_are_ignored(tmp_path):
+    from mla_decode_triton import configs
+
+    tiles = candidate_tiles(144, 48, 9, torch.bfloat16)
+    key = table_key(144, 48, 9, 16, torch.bfloat16)
+    stale = table_key(64, 32, 9, 16, torch.bfloat16)
+    path = tmp_path / "tuned.json"
+    save_table({key: tiles[-1], stale: TileConfig(64, 1, 128, 4, 2)}, "test", path)
+    table = load_table(path)
+    assert table[key] == tiles[-1]
+    saved, configs._TABLE = configs._TABLE, table
+    try:
+        assert choose_tile(144, 48, 9, 16, torch.bfloat16) == tiles[-1]
+        assert choose_tile(144, 48, 9, 64, torch.bfloat16) == tiles[0]  # another page size: not in the table
+        assert choose_tile(64, 32, 9, 16, torch.bfloat16) == candidate_tiles(64, 32, 9, torch.bfloat16)[0]
+    finally:
+        configs._TABLE = saved
