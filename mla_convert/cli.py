@@ -209,19 +209,33 @@ def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
     sample: bool = typer.Option(False, help="Sample instead of greedy decoding."),
-    temperature: float = typer.Option(1.0, help="Sampling temperature."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature (> 0)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold, in (0, 1]."),
     seed: int = typer.Option(0, help="Sampling seed."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda if available)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)."),
+    dtype: str = typer.Option("auto", help="Compute dtype: auto (the stored one), bf16 or fp32; fp16 is refused."),
     page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
+    allow_long_context: bool = typer.Option(False, help="Allow prompt + new tokens beyond max_position_embeddings."),
 ):
     """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU)."""
-    from .runtime import generate_text
+    from .errors import PreflightError
+    from .runtime.checks import generation_problems
 
-    outputs = generate_text(model, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,
-                            top_p=top_p, seed=seed, device=device, page_size=page_size)
-    for prompt, text in zip(prompts, outputs):
-        console.print(f"[bold]{prompt}[/]{text}", highlight=False)
+    problems, facts = generation_problems(model, prompts, max_new_tokens, temperature if sample else None,
+                                          top_p if sample else None, device, dtype, page_size, allow_long_context)
+    if problems:
+        raise PreflightError(list(dict.fromkeys(problems)))
+    from .runtime import generate_text
+    from .units import human_bytes, parse_dtype
+
+    result = generate_text(facts.path, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,
+                           top_p=top_p, seed=seed, device=device, page_size=page_size,
+                           dtype=None if dtype == "auto" else parse_dtype(dtype))
+    for prompt, text in zip(prompts, result.texts):
+        console.print(escape(prompt) + "[bold]" + escape(text) + "[/]", highlight=False, soft_wrap=True)
+    err_console.print(f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tokens/s); "
+                      f"latent cache {human_bytes(result.cache_bytes_in_use)} in use of {human_bytes(result.cache_bytes_allocated)} "
+                      "allocated (R + D values per token and layer)", highlight=False, soft_wrap=True)
 
 
 @app.command()

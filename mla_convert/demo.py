@@ -10,13 +10,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .convert.pipeline import ConversionResult, ConvertOptions, Progress, convert
+from .errors import MLAConvertError, PreflightError
 from .io.assets import default_cache_dir, fetch_smollm2
+from .io.writer import prepare_output_path
 from .options import CalibrationOptions
 
 DEMO_PROMPTS = ("The capital of France is", "Photosynthesis is the process by which")
@@ -41,6 +44,18 @@ def self_sampled_perplexity(models: dict, sampler, num: int = 4, length: int = 2
             for name, model in models.items()}
 
 
+def demo_problems(compression: float, output: Path | None) -> list[str]:
+    problems = []
+    if not (math.isfinite(compression) and compression >= 1):
+        problems.append(f"--compression {compression}: must be a number of at least 1 (how many times smaller the KV cache gets)")
+    if output is not None:
+        try:
+            prepare_output_path(output, overwrite=True)  # the demo replaces its own earlier output, nothing else
+        except MLAConvertError as error:
+            problems.append(str(error))
+    return problems
+
+
 def run_demo(
     compression: float = 2.0,
     output: Path | None = None,
@@ -54,9 +69,13 @@ def run_demo(
     from .eval.textdata import load_text
     from .io.hf_loading import load_causal_lm, load_tokenizer
 
+    problems = demo_problems(compression, output)
+    if problems:  # before the download: a bad setting must not cost a model fetch
+        raise PreflightError(problems)
+    if output is None:
+        output = default_cache_dir() / "demo" / f"SmolLM2-135M-Instruct-mla-{compression:g}x"
+        output.parent.mkdir(parents=True, exist_ok=True)
     source = fetch_smollm2()
-    output = output or default_cache_dir() / "demo" / f"SmolLM2-135M-Instruct-mla-{compression:g}x"
-    output.parent.mkdir(parents=True, exist_ok=True)
     options = options or ConvertOptions(compression=compression, overwrite=True,
                                         calibration=CalibrationOptions())
     conversion = convert(source, output, options, progress)

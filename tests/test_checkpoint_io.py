@@ -314,18 +314,30 @@ def test_kill_9_mid_write_leaves_only_the_partial_folder_and_next_run_recovers(t
 
 
 def test_partial_folder_of_a_live_writer_is_left_alone(tmp_path):
+    """A live writer holds the flock of its owner file: a second writer refuses, naming its pid."""
+    output = tmp_path / "out"
+    first = CheckpointWriter(output)
+    try:
+        with pytest.raises(OutputExistsError, match=f"pid {os.getpid()}"):
+            CheckpointWriter(output)
+        assert (first.partial / OWNER_FILE).exists()
+    finally:
+        first.abort()
+
+
+@pytest.mark.parametrize("owner", ["99999999999999999999", "1", "not a pid", ""])
+def test_partial_folder_whose_owner_is_gone_is_removed_whatever_its_pid_file_says(tmp_path, owner):
+    """Liveness is the lock, not the pid: a huge pid (once an OverflowError) or the pid of an unrelated live
+    process (pid 1) in a folder nobody holds is a leftover, cleaned by the next run."""
     output = tmp_path / "out"
     partial = partial_path_for(output)
     partial.mkdir()
-    other = subprocess.Popen(["sleep", "60"])
-    try:
-        (partial / OWNER_FILE).write_text(str(other.pid))
-        with pytest.raises(OutputExistsError, match=f"pid {other.pid}"):
-            CheckpointWriter(output)
-        assert (partial / OWNER_FILE).exists()
-    finally:
-        other.kill()
-        other.wait()
+    (partial / OWNER_FILE).write_text(owner)
+    with CheckpointWriter(output) as writer:
+        assert "left behind by an interrupted run" in writer.cleanup_message
+        writer.add("w", torch.ones(3))
+        writer.commit()
+    assert (output / "model.safetensors").exists()
 
 
 def test_existing_output_refused_without_overwrite_and_replaced_with_it(tmp_path):
@@ -336,8 +348,12 @@ def test_existing_output_refused_without_overwrite_and_replaced_with_it(tmp_path
         CheckpointWriter(output)
     assert os.listdir(output) == ["old-result.txt"]
     assert not partial_path_for(output).exists()
+    # --overwrite replaces only an earlier mla-convert output: a folder of other files needs --force too
+    with pytest.raises(OutputExistsError, match="not an earlier mla-convert output"):
+        CheckpointWriter(output, overwrite=True)
+    assert os.listdir(output) == ["old-result.txt"]
 
-    with CheckpointWriter(output, overwrite=True) as writer:
+    with CheckpointWriter(output, overwrite=True, force=True) as writer:
         writer.add("w", torch.ones(3))
         writer.write_json("config.json", {"answer": 42})
         assert (output / "old-result.txt").exists(), "the old output stays until the new one is complete"
@@ -347,15 +363,34 @@ def test_existing_output_refused_without_overwrite_and_replaced_with_it(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["out"], "no backup or partial folder left beside the output"
 
 
-def test_output_appearing_during_the_run_is_not_clobbered(tmp_path):
+def test_output_appearing_during_the_run_is_not_clobbered_and_the_result_is_kept(tmp_path):
+    """Inside the writer's `with` block, as the pipeline uses it: the result survives and the message says where."""
     output = tmp_path / "out"
-    writer = CheckpointWriter(output)
-    writer.add("w", torch.ones(3))
-    output.mkdir()  # someone else created it meanwhile
-    with pytest.raises(OutputExistsError, match="kept in"):
-        writer.commit()
+    with pytest.raises(OutputExistsError, match="kept in") as caught:
+        with CheckpointWriter(output) as writer:
+            writer.add("w", torch.ones(3))
+            output.mkdir()  # someone else created it meanwhile
+            writer.commit()
     assert os.listdir(output) == []
-    assert (writer.partial / "model.safetensors").exists(), "the finished result is kept in the partial folder"
+    kept = Path(str(caught.value).rsplit("kept in ", 1)[1])
+    assert kept.name == "out.mla-convert-result" and (kept / "model.safetensors").exists(), "the finished result is kept"
+    assert not partial_path_for(output).exists()
+
+
+def test_overwrite_onto_a_symlink_needs_force_and_replaces_the_link_not_its_target(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "precious.txt").write_text("not ours")
+    output = tmp_path / "out"
+    output.symlink_to(target)
+    with pytest.raises(OutputExistsError, match="is a symlink"):
+        CheckpointWriter(output, overwrite=True)
+    with CheckpointWriter(output, overwrite=True, force=True) as writer:
+        writer.add("w", torch.ones(3))
+        writer.commit()
+    assert not output.is_symlink() and (output / "model.safetensors").exists()
+    assert os.listdir(target) == ["precious.txt"], "the link's target is untouched"
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "out"]
 
 
 def test_writer_rejects_duplicate_tensor_names(tmp_path):

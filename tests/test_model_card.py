@@ -191,12 +191,15 @@ def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():
     text = str(card)
 
     assert metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert metadata["base_model_relation"] == BASE_MODEL_RELATION
+    # fine-tuned after the conversion: the Hub's "finetune" relation (a plain conversion is "quantized"-like)
+    assert metadata["base_model_relation"] == "finetune"
     assert BASE_MODEL_RELATION in HUB_BASE_MODEL_RELATIONS
+    unfinetuned = validate_card(build_model_card({**report, "finetuning": None}, repo_id="alice/smollm2-mla"))
+    assert unfinetuned["base_model_relation"] == BASE_MODEL_RELATION
     assert metadata["license"] == "apache-2.0"
     assert "| bytes per token, all 30 layers (bf16) | 23,040 | 5,760 |" in text
     assert "| original | 24.46 |" in text and "| MLA (this model) | 150 |" in text
-    assert "- steps: 200" in text and "- final loss: 2.91" in text
+    assert "| steps | 200 |" in text and "| final loss | 2.91 |" in text
     # Loading needs nothing but stock transformers.
     assert 'AutoModelForCausalLM.from_pretrained("alice/smollm2-mla", dtype=torch.bfloat16)' in text
     assert "trust_remote_code=True" not in text

@@ -505,11 +505,14 @@ def _(ws):
 @case("live-partial", "another run is writing the same output", "`out.mla-convert-partial` owned by a live process",
       "another mla-convert process")
 def _(ws):
-    sleeper = subprocess.Popen(["sleep", "120"])
-    ws.cleanups.append(lambda: (sleeper.kill(), sleeper.wait()))
     partial = partial_path_for(ws.out)
     partial.mkdir()
-    (partial / OWNER_FILE).write_text(str(sleeper.pid))
+    # a live writer holds the flock of its owner file (what CheckpointWriter does), here in another process
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mla_convert.io.writer import claim_owner_file; "
+                               "h = claim_owner_file(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
+                               "time.sleep(120)", str(partial / OWNER_FILE)], stdout=subprocess.PIPE, text=True)
+    ws.cleanups.append(lambda: (holder.kill(), holder.wait()))
+    assert holder.stdout.readline().strip() == "held"
     return []
 
 

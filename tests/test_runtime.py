@@ -198,10 +198,17 @@ def test_generate_text_decodes_the_greedy_continuation(stories_mla):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(stories_mla))
-    texts = generate_text(stories_mla, PROMPTS[:2], max_new_tokens=12, device="cpu")
-    reference = transformers_greedy(stories_mla, [tokenizer(p)["input_ids"] for p in PROMPTS[:2]], new_tokens=12)
-    assert texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in reference]
-    assert all(text.strip() for text in texts)
+    result = generate_text(stories_mla, PROMPTS[:2], max_new_tokens=12, device="cpu")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    reference = transformers_greedy(stories_mla, prompts, new_tokens=12)
+    # the continuation reads as the whole sequence decodes: prompt text + continuation == decode(prompt + new)
+    for prompt, text, prompt_ids, new_ids in zip(PROMPTS[:2], result.texts, prompts, reference):
+        assert tokenizer.decode(prompt_ids, skip_special_tokens=True) + text == tokenizer.decode(prompt_ids + new_ids,
+                                                                                                skip_special_tokens=True)
+        assert text.startswith(" ") and text.strip(), text  # "Once upon a time" + " there was...", not "timethere"
+    assert result.new_tokens == 24 and result.tokens_per_second > 0
+    longest = max(len(p) for p in prompts) + 12 - 1
+    assert result.cache_bytes_in_use == longest * 5 * (24 + 8) * 4  # 5 layers, R + D = 24 + 8 values, fp32
 
 
 @pytest.mark.real_model

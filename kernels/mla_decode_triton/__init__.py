@@ -17,10 +17,23 @@ in one go (`TRITON_INTERPRET=0 pytest -m gpu tests/test_mla_decode_kernel.py`, t
 `python scripts/bench_mla_decode.py`).
 """
 
-from mla_decode_triton.configs import TileConfig, candidate_tiles
-from mla_decode_triton.errors import MLADecodeInputError
-from mla_decode_triton.launcher import DecodeConfig, choose_config, mla_decode, mla_decode_multi
-from mla_decode_triton.reference import mla_decode_multi_reference, mla_decode_reference
+from __future__ import annotations
+
+import importlib
+
+# Imported on first use: the torch reference must work where triton is not installed (decoding on a CPU).
+_WHERE = {
+    "TileConfig": "configs", "candidate_tiles": "configs", "MLADecodeInputError": "errors",
+    "DecodeConfig": "launcher", "choose_config": "launcher", "mla_decode": "launcher", "mla_decode_multi": "launcher",
+    "mla_decode_multi_reference": "reference", "mla_decode_reference": "reference",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(name)
+
 
 __all__ = [
     "DecodeConfig",

@@ -589,27 +589,33 @@ def run_sweep(
     base = dataclasses.replace(options or ConvertOptions(), kv_lora_rank=None, rope_dim=None, overwrite=False)
     if calibration is not None:
         base = dataclasses.replace(base, calibration=calibration)
-    if batch_size < 1:
-        raise SweepError(f"--batch-size {batch_size}: must be at least 1")
+    problems = [f"{flag} {value}: must be at least {low}" for flag, value, low in
+                (("--batch-size", batch_size, 1), ("--context", context_length, 2), ("--max-windows", max_windows, 1))
+                if value is not None and value < low]
     out = None if out_dir is None else Path(out_dir)
     if out is not None:
-        if out.exists() and not out.is_dir():
-            raise SweepError(f"--out-dir {out}: exists and is not a folder")
-        out.mkdir(parents=True, exist_ok=True)
+        if out.is_symlink():
+            problems.append(f"--out-dir {out}: is a symlink; give a real folder (or a new path)")
+        elif out.exists() and not out.is_dir():
+            problems.append(f"--out-dir {out}: exists and is not a folder")
+        elif not out.exists() and not out.parent.is_dir():
+            problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
     if models_dir is not None and not Path(models_dir).is_dir():
-        raise SweepError(f"--models-dir {models_dir}: no such folder")
+        problems.append(f"--models-dir {models_dir}: no such folder")
     if keep_models and out is None and models_dir is None:
-        raise SweepError("--keep-models: say where to keep them (an output folder or a models folder)")
+        problems.append("--keep-models: say where to keep them (an output folder or a models folder)")
+    if problems:
+        raise PreflightError(problems)
 
     keep_root = None
     if keep_models:
         keep_root = (out / "models") if out is not None else Path(models_dir)
-        keep_root.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-", dir=models_dir)
     try:
         with Converter(source, base, progress) as converter:
             # everything that can fail cheaply fails before the slow calibration and evaluations
-            _preflight_all(converter, base, ratios, methods, keep_root or Path(scratch.name))
+            # (kept models' folder does not exist yet: its exports are checked in the scratch folder)
+            _preflight_all(converter, base, ratios, methods, keep_root if keep_root and keep_root.exists() else Path(scratch.name))
             if base.calibration.data is not None:
                 load_text(base.calibration.data, text_column=base.calibration.text_column, max_chars=1000)
             progress.phase("reading and tokenizing the evaluation text")
@@ -619,6 +625,9 @@ def run_sweep(
             max_positions = converter.config.max_position_embeddings
             if context_length > max_positions:
                 raise SweepError(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
+            for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
+                if folder is not None:
+                    folder.mkdir(parents=True, exist_ok=True)
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
                              f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
 

@@ -237,13 +237,20 @@ def load_yaml_config(path: str | Path) -> dict:
     return loaded
 
 
+class SettingsParser(HfArgumentParser):
+    """A bad flag is one `error:` line and exit status 2, like every other mla-convert error (not a usage dump)."""
+
+    def error(self, message: str):
+        raise FinetuneConfigError(f"{message} (see --help)")
+
+
 def build_parser(prog: str | None = None) -> HfArgumentParser:
     """`--config FILE` plus one flag per field (`--max-steps` and `--max_steps`), help from each field's metadata.
 
     Flag defaults are SUPPRESS, so only the flags actually given reach the namespace and YAML
     values survive the ones not given.
     """
-    parser = HfArgumentParser(
+    parser = SettingsParser(
         FinetuneConfig,
         prog=prog,
         description="Fine-tune a converted MLA model (distillation from its source model) and save a stock DeepseekV3 folder.",

@@ -42,9 +42,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def decode_attention(backend: str, device: torch.device) -> DecodeAttention:
     """The decode attention function for `backend` on `device`, checked to be runnable there."""
     name = resolve_backend(backend, device)
+    if name == "reference":  # pure torch: no triton needed (a CPU-only install decodes with this)
+        from mla_decode_triton.reference import mla_decode_reference
+
+        return mla_decode_reference
     kernels = _import_kernels()
-    if name == "reference":
-        return kernels.mla_decode_reference
     from mla_decode_triton.launcher import INTERPRETED
 
     if device.type == "cuda" and INTERPRETED:

@@ -110,14 +110,51 @@ def generate_ids(model_or_dir: AbsorbedMLAModel | str | Path, prompt_ids: list[l
     return run_generation(model, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, page_size).sequences
 
 
+@dataclass
+class TextGeneration:
+    """What `generate_text` produced and what it cost."""
+
+    texts: list[str]  # each prompt's continuation, spaced as the tokenizer decodes the whole sequence
+    new_tokens: int
+    seconds: float  # prefill + decode
+    cache_bytes_in_use: int  # the latent cache's payload at the end of the longest sequence
+    cache_bytes_allocated: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / max(self.seconds, 1e-9)
+
+
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The new text as it reads after the prompt: the whole sequence decoded, minus the decoded prompt.
+
+    Decoding the new ids alone drops the space a SentencePiece/BPE tokenizer puts at the boundary ("The
+    dog" + "named" instead of "The dog named").
+    """
+    whole = tokenizer.decode(prompt_ids + new_ids, skip_special_tokens=True)
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return whole[len(prompt):] if whole.startswith(prompt) else tokenizer.decode(new_ids, skip_special_tokens=True)
+
+
 def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int, do_sample: bool = False,
                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, device: str | torch.device | None = None,
-                  page_size: int = DEFAULT_PAGE_SIZE, decode_backend: str = "auto") -> list[str]:
+                  page_size: int = DEFAULT_PAGE_SIZE, decode_backend: str = "auto",
+                  dtype: torch.dtype | None = None) -> TextGeneration:
     """Continuations of text prompts, tokenised and detokenised with the folder's own tokenizer."""
-    from transformers import AutoTokenizer
+    import time
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    from ..io.hf_loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
-    sequences = generate_ids(model_dir, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, device,
-                             page_size, decode_backend)
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+    model = AbsorbedMLAModel.from_folder(model_dir, device=device, dtype=dtype, decode_backend=decode_backend)
+    started = time.perf_counter()
+    output = run_generation(model, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, page_size)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    seconds = time.perf_counter() - started
+    longest = max(len(p) + len(s) - 1 for p, s in zip(prompt_ids, output.sequences))
+    return TextGeneration(
+        texts=[continuation(tokenizer, p, s) for p, s in zip(prompt_ids, output.sequences)],
+        new_tokens=sum(len(s) for s in output.sequences), seconds=seconds,
+        cache_bytes_in_use=longest * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated)

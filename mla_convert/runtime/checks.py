@@ -1,0 +1,77 @@
+"""Pre-flight of `generate`: every problem listed before the model is loaded.
+
+The folder must be an export (a DeepseekV3 folder, safe to load), the prompts plus the new tokens must fit
+the model's positions (beyond them it decodes garbage for minutes), the sampling settings must mean
+something, and the latent cache the run allocates must fit in the memory of the device it runs on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..convert import target as T
+from ..devices import device_problems, resolve_device
+from ..errors import MLAConvertError
+from ..eval.checks import ModelFacts, dtype_problems, model_facts, positive_problems
+from ..io.hf_loading import load_config, load_tokenizer
+from .paged_cache import PagedLatentCache
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new allocations on `device` (host: MemAvailable), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int, temperature: float | None,
+                        top_p: float | None, device: str | None, dtype: str, page_size: int,
+                        allow_long_context: bool) -> tuple[list[str], ModelFacts | None]:
+    problems: list[str] = []
+    facts = model_facts(model, None, False, problems)
+    problems += positive_problems({"--max-new-tokens": max_new_tokens, "--page-size": page_size})
+    if temperature is not None and not temperature > 0:
+        problems.append(f"--temperature {temperature}: must be > 0 when sampling")
+    if top_p is not None and not 0 < top_p <= 1:
+        problems.append(f"--top-p {top_p}: must be in (0, 1]")
+    if not prompts or any(not p.strip() for p in prompts):
+        problems.append("every prompt needs some text")
+    problems += device_problems(device)
+    if facts is None:
+        return problems, None
+    problems += dtype_problems(dtype, [facts])
+    if not facts.converted:
+        problems.append(f"{facts.path}: is not a model written by `mla-convert convert` (config.json is not {T.MODEL_TYPE}); "
+                        "generate decodes exported MLA models")
+        return problems, facts
+    if problems:
+        return problems, facts
+    try:
+        tokenizer = load_tokenizer(facts.path)
+        config = load_config(facts.path)
+    except MLAConvertError as error:
+        return problems + [str(error)], facts
+    lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    longest = max(lengths) + max_new_tokens
+    if facts.max_positions and longest > facts.max_positions and not allow_long_context:
+        problems.append(f"--max-new-tokens {max_new_tokens}: the longest prompt ({max(lengths)} tokens) plus the new tokens "
+                        f"({longest}) exceed the model's max_position_embeddings ({facts.max_positions}); generate fewer "
+                        "tokens or pass --allow-long-context")
+    element = 2 if dtype in ("bf16", "bfloat16") else 4
+    per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * element
+    pages = PagedLatentCache.pages_needed([n + max_new_tokens - 1 for n in lengths], page_size)
+    needed = pages * page_size * per_token
+    free = available_memory(resolve_device(device))
+    if free is not None and needed > free:
+        problems.append(f"the latent cache for {len(prompts)} prompts of up to {longest} tokens needs {needed / 2**30:.1f} GiB, "
+                        f"more than the {free / 2**30:.1f} GiB free on {resolve_device(device)}")
+    return problems, facts
