@@ -76,16 +76,22 @@ class ConvertOptions:
                          "Weights stream from disk one layer at a time either way.", flag="--device")
     sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "
                               "(--no-sequential: on the source's).", flag="--sequential")
+    effort: str = option("default", "How much measured search a conversion spends (costs and gains in BENCHMARKS.md): fast "
+                         "(closed form, no K/V balance search, one RoPE grid measured), default (refinement only where "
+                         "a layer's refinement is cheap, K/V balance search, two RoPE grids), thorough (200 refinement "
+                         "steps on every layer, four RoPE grids).  --refine-steps, --kv-balance-search and "
+                         "--rope-finalists override it.", flag="--effort", choices=("fast", "default", "thorough"))
     refine_steps: Optional[int] = option(None, "Adam steps per layer on the attention-output error, kept only where a "
-                                         "held-out window improves (0: closed form only; default: 200 steps where one layer's refinement "
-                                         "costs at most 50 GFLOP, e.g. stories260K; off for larger layers).", flag="--refine-steps", minimum=0, maximum=1 << 20)
+                                         "held-out window improves (0: closed form only; default: from --effort).",
+                                         flag="--refine-steps", minimum=0, maximum=1 << 20)
     refine_lr: float = option(1e-3, "Refinement learning rate, relative to each tensor's scale.", flag="--refine-lr",
                               positive=True, maximum=1.0)
-    rope_finalists: int = option(2, "RoPE grids measured on calibration data after ranking all by estimate "
-                                 "(the runners-up only when their estimate is within 1.5x of the best).",
-                                 flag="--rope-finalists", minimum=1, maximum=64)
-    kv_balance_search: bool = option(True, "Search the K/V balance of the activation-aware factorization per layer "
-                                     "by measured attention error (5 factorizations per layer).", flag="--kv-balance-search")
+    rope_finalists: Optional[int] = option(None, "RoPE grids measured on calibration data after ranking all by estimate "
+                                           "(the runners-up only when their estimate is within 1.5x of the best; "
+                                           "default: from --effort).", flag="--rope-finalists", minimum=1, maximum=64)
+    kv_balance_search: Optional[bool] = option(None, "Search the K/V balance of the activation-aware factorization per "
+                                               "layer by measured attention error (5 factorizations per layer; "
+                                               "default: from --effort).", flag="--kv-balance-search")
     max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest output shard, e.g. 5GB or 500MB.", flag="--max-shard-size")
     overwrite: bool = option(False, "Replace an existing output folder written by mla-convert.", flag="--overwrite")
     force: bool = option(False, "With --overwrite: also replace a folder that is not an mla-convert output, or a symlink "
@@ -165,7 +171,7 @@ def _flags(cls: type, exclude: frozenset[str], path: tuple[str, ...] = ()) -> li
         meta = spec.metadata
         flag = meta.get("flag") or "--" + spec.name.replace("_", "-")
         names = [flag] + ([meta["short"]] if meta.get("short") else [])
-        if annotation is bool:  # a switch both ways: --sequential / --no-sequential
+        if annotation in (bool, Optional[bool]):  # a switch both ways: --sequential / --no-sequential (None: unset)
             names[0] = f"{flag}/--no-{flag[2:]}"
         default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
         help_text = meta.get("help", "")

@@ -236,8 +236,14 @@ def test_existing_output_is_refused_without_overwrite(tmp_path):
     with pytest.raises(MLAConvertError, match="already exists"):
         convert(source, tmp_path / "out", fast_options(kv_lora_rank=16, rope_dim=8))
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    convert(source, tmp_path / "out", fast_options(kv_lora_rank=16, rope_dim=8, overwrite=True))
+    with pytest.raises(MLAConvertError, match="not an earlier mla-convert output"):  # --overwrite alone: not someone's files
+        convert(source, tmp_path / "out", fast_options(kv_lora_rank=16, rope_dim=8, overwrite=True))
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    convert(source, tmp_path / "out", fast_options(kv_lora_rank=16, rope_dim=8, overwrite=True, force=True))
     assert (tmp_path / "out" / "mla_convert.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+    # an earlier mla-convert output is replaced by --overwrite alone
+    convert(source, tmp_path / "out", fast_options(kv_lora_rank=12, rope_dim=8, overwrite=True))
+    assert json.loads((tmp_path / "out" / "mla_convert.json").read_text())["options"]["kv_lora_rank"] == 12
 
 
 # ----------------------------------------------------------------------------- real model
@@ -267,9 +273,10 @@ def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp
         assert after <= before
 
 
-def test_auto_refinement_follows_the_cost_of_a_layer():
-    """On for stories260K-sized layers, off (and saying how to turn it on) for SmolLM2-sized ones."""
-    from mla_convert.convert.decisions import AUTO_REFINE_STEPS, RefinePolicy
+def test_refinement_follows_the_effort_and_the_cost_of_a_layer():
+    """Default: a budget of steps on stories260K-sized layers, none (saying how to get it) on SmolLM2-sized ones;
+    fast: none; thorough: every layer; explicit settings win over the effort."""
+    from mla_convert.convert.decisions import AUTO_REFINE_STEPS, DEFAULT_REFINE_MIN_STEPS, RefinePolicy, effort_of
     from mla_convert.source.config import SourceConfig
 
     def shape(hidden, heads, kv_heads):
@@ -278,9 +285,15 @@ def test_auto_refinement_follows_the_cost_of_a_layer():
                                         "num_hidden_layers": 2, "intermediate_size": 4 * hidden, "vocab_size": 512})
 
     small = RefinePolicy.of(ConvertOptions(), shape(64, 8, 4))
-    assert small.steps == AUTO_REFINE_STEPS and small.patience and small.decision.startswith("auto: on")
+    assert DEFAULT_REFINE_MIN_STEPS <= small.steps < AUTO_REFINE_STEPS and small.patience is None and "GFLOP" in small.decision
     large = RefinePolicy.of(ConvertOptions(), shape(576, 9, 3))
-    assert large.steps == 0 and f"--refine-steps {AUTO_REFINE_STEPS}" in large.decision
-    assert RefinePolicy.of(ConvertOptions(method="svd"), shape(64, 8, 4)).steps == 0  # the baseline stays data-free
-    given = RefinePolicy.of(ConvertOptions(refine_steps=7), shape(576, 9, 3))
+    assert large.steps == 0 and "--effort thorough" in large.decision
+    assert RefinePolicy.of(ConvertOptions(effort="fast"), shape(64, 8, 4)).steps == 0
+    thorough = RefinePolicy.of(ConvertOptions(effort="thorough"), shape(576, 9, 3))
+    assert (thorough.steps, thorough.patience) == (AUTO_REFINE_STEPS, 2)
+    assert RefinePolicy.of(ConvertOptions(method="svd", effort="thorough"), shape(64, 8, 4)).steps == 0  # data-free baseline
+    given = RefinePolicy.of(ConvertOptions(refine_steps=7, effort="fast"), shape(576, 9, 3))
     assert (given.steps, given.patience) == (7, None)
+    assert (effort_of(ConvertOptions(effort="fast")).kv_balance_search, effort_of(ConvertOptions()).rope_finalists) == (False, 2)
+    explicit = effort_of(ConvertOptions(effort="fast", kv_balance_search=True, rope_finalists=3))
+    assert (explicit.kv_balance_search, explicit.rope_finalists) == (True, 3)

@@ -33,15 +33,42 @@ METHOD_NAMES = {"output": "activation-aware", "input": "input", "weight": "svd"}
 # K/V balance: multiplies the equal-energy weighting of NoPE-key errors against value errors; measured
 # per layer.  SmolLM2 layers mostly chose the top of (0.25 .. 4), so the search spans 1/8 .. 32.
 KV_BALANCE_COARSE = (0.25, 1.0, 4.0, 16.0)
-# Layer refinement by default (refine_steps=None) where it is cheap: when AUTO_REFINE_STEPS steps of one
-# layer cost at most AUTO_REFINE_FLOPS.  Measured gains: stories260K (28 GFLOP per layer) 2x 6.80 -> 6.45,
-# 4x 15.3 -> 12.3, 8x 58.7 -> 44.4 perplexity; SmolLM2-135M (725 GFLOP per layer) 2x 41.5 -> 38.1 on 10
-# windows, but at twice the conversion time (258 s instead of ~125-170 s on 2 cores), so there it is
-# opt-in (--refine-steps 200).  Each layer stops after AUTO_REFINE_PATIENCE held-out checks without a new
-# best, and keeps the closed form when refinement never beat it.
-AUTO_REFINE_STEPS = 200
+# Layer refinement is Adam on each layer's attention-output error, kept where a held-out window improves.
+# What it buys and costs, measured on stories260K 2x (process CPU seconds, 1 thread; 60-window perplexity):
+# closed form 9.8 s 6.78, 30 steps 13.7 s 6.44, 50 steps 17.1 s 6.43, 200 steps with patience 2 33.5 s 6.44;
+# at 8x: 50 steps 50.2, 100 steps 48.0, 200 with patience 44.5.  SmolLM2-135M (3.6 GFLOP per step per layer):
+# 200 steps 2x 41.5 -> 38.1 on 10 windows at twice the conversion time.  With the K/V balance search on (while
+# another job shared the 2 cores): 12 steps 14.7 s 6.448, 20 steps 16.3 s 6.467, 32 steps 16.5 s 6.442; without
+# it, 12 steps 6.620.  The default keeps a first conversion of a tiny model near 15 CPU seconds; thorough buys
+# the rest at 4x / 8x (BENCHMARKS.md, `--effort`).  Hence the efforts below.
+AUTO_REFINE_STEPS = 200  # thorough: every layer
 AUTO_REFINE_PATIENCE = 2  # held-out checks (25 steps each) without a new best before a layer stops
-AUTO_REFINE_FLOPS = 50e9
+DEFAULT_REFINE_FLOPS = 2.25e9  # default: the steps a layer gets within this budget (stories260K: 16) ...
+DEFAULT_REFINE_MIN_STEPS = 12  # ... or none, when fewer would fit (SmolLM2: 0)
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much measured search one `--effort` level spends."""
+
+    refine: str  # "off", "budget" (DEFAULT_REFINE_FLOPS per layer) or "all" (AUTO_REFINE_STEPS, every layer)
+    kv_balance_search: bool
+    rope_finalists: int
+
+
+EFFORTS = {
+    "fast": Effort("off", False, 1),
+    "default": Effort("budget", True, 2),
+    "thorough": Effort("all", True, 4),
+}
+
+
+def effort_of(options: ConvertOptions) -> Effort:
+    """The effort level with every explicit option applied on top."""
+    level = EFFORTS[options.effort]
+    return Effort(level.refine,
+                  level.kv_balance_search if options.kv_balance_search is None else options.kv_balance_search,
+                  level.rope_finalists if options.rope_finalists is None else options.rope_finalists)
 REFINE_BATCH_WINDOWS = 2  # calibration windows per refinement step (refine_layer's default)
 # RoPE grid: finalists whose estimated error is within this factor of the best are measured (the estimate
 # ranks well when the gap is wide: SmolLM2 2x, 69.8 vs 121, the measurement agreed)
@@ -201,13 +228,20 @@ class RefinePolicy:
         if options.refine_steps is not None:
             return cls(options.refine_steps, None, f"{options.refine_steps} steps per layer (given)")
         if METHOD_ALIASES.get(options.method) == "weight":  # the baseline stays free of calibration data
-            return cls(0, None, "auto: off (weight-only SVD uses no calibration data)")
-        cost = refine_flops(source, options.calibration.seq_len, AUTO_REFINE_STEPS)
-        if cost <= AUTO_REFINE_FLOPS:
-            return cls(AUTO_REFINE_STEPS, AUTO_REFINE_PATIENCE,
-                       f"auto: on ({cost / 1e9:.1f} GFLOP per layer <= {AUTO_REFINE_FLOPS / 1e9:.0f})")
-        return cls(0, None, f"auto: off ({cost / 1e9:.0f} GFLOP per layer > {AUTO_REFINE_FLOPS / 1e9:.0f}; "
-                            f"--refine-steps {AUTO_REFINE_STEPS} turns it on)")
+            return cls(0, None, "off (weight-only SVD uses no calibration data)")
+        effort = effort_of(options)
+        if effort.refine == "off":
+            return cls(0, None, f"off (--effort {options.effort})")
+        if effort.refine == "all":
+            return cls(AUTO_REFINE_STEPS, AUTO_REFINE_PATIENCE, f"{AUTO_REFINE_STEPS} steps per layer, stopping early "
+                       f"(--effort {options.effort})")
+        per_step = refine_flops(source, options.calibration.seq_len, 1)
+        steps = min(AUTO_REFINE_STEPS, int(DEFAULT_REFINE_FLOPS // per_step))
+        if steps >= DEFAULT_REFINE_MIN_STEPS:
+            return cls(steps, None, f"{steps} steps per layer ({per_step / 1e9:.2f} GFLOP each within "
+                                    f"{DEFAULT_REFINE_FLOPS / 1e9:g} per layer; --effort thorough: {AUTO_REFINE_STEPS})")
+        return cls(0, None, f"off ({per_step / 1e9:.2f} GFLOP per step: fewer than {DEFAULT_REFINE_MIN_STEPS} steps fit "
+                            f"{DEFAULT_REFINE_FLOPS / 1e9:g} GFLOP per layer; --effort thorough or --refine-steps N turn it on)")
 
 
 def refine_flops(source: SourceConfig, seq_len: int, steps: int) -> float:
@@ -244,7 +278,7 @@ def convert_layer(layer, stats: LayerInputStats, mla: MLAShape, plan: SlotPlan, 
             best = (weights, report)
         return report.attention_error
 
-    if method == "output" and options.kv_balance_search:
+    if method == "output" and effort_of(options).kv_balance_search:
         # coarse (x4 apart), then the x2 step from the best towards its better coarse neighbour (beyond the
         # end of the grid when the best is at an end): 1/8 .. 32 in 5 conversions
         errors = [attempt(balance) for balance in KV_BALANCE_COARSE]
