@@ -31,3 +31,20 @@ def device_problems(device: str | None, flag: str = "--device") -> list[str]:
         if parsed.index is not None and parsed.index >= count:
             return [f"{flag} {device}: there are {count} CUDA devices (cuda:0 .. cuda:{count - 1})"]
     return []
+
+
+# Share of a GPU's free memory that may hold source weights across the conversion's passes (the rest is for
+# activations, the calibration KV cache, statistics and factorizations).
+RESIDENT_WEIGHT_SHARE = 0.5
+
+
+def resident_weight_budget(device: torch.device) -> int:
+    """Bytes of source weights a conversion keeps on `device` instead of streaming them again each pass.
+
+    0 on the CPU: there the operating system's page cache already keeps re-read shards, and the promise is
+    a peak RSS of about one layer.  On a GPU, a share of the free memory.
+    """
+    if device.type != "cuda":
+        return 0
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * RESIDENT_WEIGHT_SHARE)

@@ -13,15 +13,18 @@ from mla_convert.source.config import SourceConfig
 from mla_convert.source.model import StreamedSourceModel, rope_inv_freq
 
 
+def forward(model, ids):
+    hidden = model.embed(ids)
+    cos, sin = model.cos_sin(ids.shape[1])
+    for index in range(model.shape.num_layers):
+        hidden, _ = model.layer_forward(hidden, model.load_layer(index), cos, sin)
+    return model.logits(model.final_norm(hidden))
+
+
 def streamed_logits(folder, ids):
     shape = SourceConfig.from_folder(folder)
     with CheckpointReader(folder) as reader:
-        model = StreamedSourceModel(reader, shape)
-        hidden = model.embed(ids)
-        cos, sin = model.cos_sin(ids.shape[1])
-        for index in range(shape.num_layers):
-            hidden, _ = model.layer_forward(hidden, model.load_layer(index), cos, sin)
-        return model.logits(model.final_norm(hidden))
+        return forward(StreamedSourceModel(reader, shape), ids)
 
 
 @pytest.mark.parametrize(
@@ -67,3 +70,26 @@ def test_rope_inv_freq_matches_llama_rotary_embedding(rope):
     config = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_parameters=dict(rope), max_position_embeddings=131072)
     expected = LlamaRotaryEmbedding(config).inv_freq
     assert torch.equal(rope_inv_freq(rope, 128), expected)
+
+
+def test_resident_weights_are_kept_within_their_budget_and_give_the_same_logits(tmp_path):
+    """With a residency budget (what a GPU conversion gets) weights read once are kept, in their stored dtype:
+    the forward still equals streaming, a whole-model budget needs the files no more, a small one keeps less."""
+    folder = save_tiny_model(tmp_path / "m", max_shard_size="40KB", weight_scale=4.0, family="llama", num_heads=4, num_kv_heads=2)
+    ids = torch.randint(0, 128, (2, 17))
+    expected = streamed_logits(folder, ids)
+    shape = SourceConfig.from_folder(folder)
+    with CheckpointReader(folder) as reader:
+        total = reader.total_bytes()
+        small = StreamedSourceModel(reader, shape, resident_bytes=total // 3)
+        torch.testing.assert_close(forward(small, ids), expected, rtol=0, atol=0)
+        assert 0 < small.resident_tensor_bytes <= total // 3
+        whole = StreamedSourceModel(reader, shape, resident_bytes=total)
+        torch.testing.assert_close(forward(whole, ids), expected, rtol=0, atol=0)
+        assert whole.resident_tensor_bytes == total
+        for shard in folder.glob("*.safetensors"):
+            shard.rename(shard.with_suffix(".moved"))  # every weight now comes from the kept copies
+        reader.close()
+        torch.testing.assert_close(forward(whole, ids), expected, rtol=0, atol=0)
+        with pytest.raises(Exception):
+            forward(small, ids)

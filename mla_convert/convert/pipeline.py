@@ -15,6 +15,7 @@ Phases:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import resident_weight_budget
 from ..errors import CheckpointError, ConversionError, MLAConvertError, PreflightError
 from ..io.reader import CheckpointReader
 from ..io.resolve import resolve_model_path
@@ -44,6 +46,7 @@ from .decisions import (
     check_statistics,
     choose_rope_grid,
     convert_layer,
+    effort_of,
 )
 from .layer import LayerReport
 from .memory import pin_mmap_threshold
@@ -82,7 +85,8 @@ class Converter:
             raise PreflightError(problems)
         self.config = SourceConfig.from_dict(raw)
         self.device = _device(self.options.device)
-        self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device)
+        self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
+                                         resident_bytes=resident_weight_budget(self.device))
         self.store: StatsStore | None = None
         self.ids: torch.Tensor | None = None
         self.calibration_description = ""
@@ -149,7 +153,7 @@ class Converter:
         attention_bias = source.qkv_bias or source.o_bias
         grid, plans, grid_table = choose_rope_grid(
             self.rope_stats, model.load_layer, lambda i: LayerInputStats.from_tensors(store.load(i, model.device)), model, mla,
-            options.rope_finalists, progress,
+            effort_of(options).rope_finalists, progress,
         )
         rope_parameters = deepseek_rope_parameters(source.rope_parameters, grid, source.head_dim)
         rope_error = T.verify_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, model.inv_freq))
@@ -203,6 +207,7 @@ class Converter:
             report = build_report(ConversionFacts(
                 source_name=str(self.source), source_folder=self.source_path, output=output, source=source, mla=mla, options=options,
                 calibration_description=self.calibration_description, calibration_tokens=int(self.ids.numel()),
+                calibration_fingerprint=hashlib.sha256(self.ids.cpu().to(torch.int64).numpy().tobytes()).hexdigest(),
                 grid=grid, rope_parameters=rope_parameters, grid_table=grid_table, layer_reports=layer_reports,
                 export_dtype=export_dtype, seconds=time.time() - started + self.calibration_seconds,
                 q_lora_rank=q_lora_rank, attention_bias=attention_bias, command=command,
@@ -216,6 +221,7 @@ class Converter:
             report["summary"]["device"] = describe_device(model.device)
             if model.device.type == "cuda":
                 report["summary"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(model.device)
+                report["summary"]["resident_source_bytes"] = model.resident_tensor_bytes
             writer.write_json(REPORT_FILE, report)
             _write_card(writer, report)
             result_path = writer.commit()

@@ -39,6 +39,8 @@ class ConversionFacts:
     options: ConvertOptions
     calibration_description: str
     calibration_tokens: int
+    # of the calibration token ids: two runs calibrated on the same text (a sampled one included) share it
+    calibration_fingerprint: str | None
     grid: RopeGrid
     rope_parameters: dict
     grid_table: list[dict]
@@ -118,7 +120,7 @@ def build_report(facts: ConversionFacts) -> dict:
         "options": {**options, "kv_lora_rank": mla.kv_lora_rank, "rope_dim": mla.rope_dim,
                     "q_lora_rank": facts.q_lora_rank, "dtype": dtype_name(facts.export_dtype)},
         "calibration": {"description": facts.calibration_description, "tokens": facts.calibration_tokens,
-                        "datasets": [dataset] if dataset else []},
+                        "token_ids_sha256": facts.calibration_fingerprint, "datasets": [dataset] if dataset else []},
         "rope": {"grid": facts.grid.describe(), "offset": facts.grid.offset, "step": facts.grid.step,
                  "rope_parameters": facts.rope_parameters, "candidates": facts.grid_table},
         "cache": {

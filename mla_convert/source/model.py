@@ -130,14 +130,41 @@ class StreamedSourceModel:
     """The source model run layer by layer from its checkpoint, holding one layer's weights at a time."""
 
     def __init__(self, reader: CheckpointReader, config: SourceConfig, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", resident_bytes: int = 0):
         self.reader = reader
         self.shape = config
         self.arch = config.architecture
         self.dtype = dtype
-        # where the layers compute: weights still stream from the (host) mapping, one layer on the device at a time
+        # where the layers compute: weights stream from the (host) mapping, one layer on the device at a time ...
         self.device = torch.device(device)
         self.inv_freq = rope_inv_freq(config.rope_parameters, config.head_dim).to(self.device)
+        # ... unless a budget lets them stay there.  Sampling calibration text runs every layer and the head once per
+        # token, so without it a GPU conversion re-reads and re-uploads the whole checkpoint ~seq_len times.  Kept
+        # in the stored dtype, first come first kept; the host (budget 0) keeps the streaming memory bound.
+        self.resident_bytes = resident_bytes
+        self._resident: dict[str, torch.Tensor] = {}
+        self._resident_used = 0
+
+    def _keep(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the device in its stored dtype, kept there while the residency budget allows."""
+        size = tensor.numel() * tensor.element_size()
+        on_device = tensor.to(self.device)
+        if self._resident_used + size <= self.resident_bytes:
+            if on_device.data_ptr() == tensor.data_ptr():
+                on_device = on_device.clone()  # never keep a view of the (closed-on-release) mapping
+            self._resident[name] = on_device
+            self._resident_used += size
+        return on_device
+
+    def _tensors(self, names) -> dict[str, torch.Tensor]:
+        names = list(names)
+        missing = [name for name in names if name not in self._resident]
+        read = self.reader.get_many(missing) if missing else {}
+        return {name: self._resident[name] if name in self._resident else self._keep(name, read[name]) for name in names}
+
+    @property
+    def resident_tensor_bytes(self) -> int:
+        return self._resident_used
 
     # ------------------------------------------------------------------ weights
     def release(self) -> None:
@@ -146,7 +173,7 @@ class StreamedSourceModel:
 
     def load_layer(self, index: int) -> SourceLayer:
         names = self.shape.layer_weight_names(index)
-        tensors = self.reader.get_many(names.values())
+        tensors = self._tensors(names.values()) if self.resident_bytes else self.reader.get_many(names.values())
         return SourceLayer(index, {role: tensors[name].to(device=self.device, dtype=self.dtype) for role, name in names.items()})
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -163,11 +190,18 @@ class StreamedSourceModel:
         return out.view(*ids.shape, self.shape.hidden_size)
 
     def _row_slicer(self, name: str):
-        """A function (start, stop) -> rows of tensor `name`, reading only those rows."""
+        """A function (start, stop) -> rows of tensor `name`, reading only those rows (or slicing the kept copy)."""
+        if self.resident_bytes and (name in self._resident or self._fits(name)):
+            table = self._tensors([name])[name]
+            return lambda start, stop: table[start:stop]
         return lambda start, stop: self.reader.get_rows(name, start, stop)
 
+    def _fits(self, name: str) -> bool:
+        return self._resident_used + self.reader.tensor_infos()[name].nbytes <= self.resident_bytes
+
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.reader.get(self.arch.final_norm).to(device=self.device, dtype=self.dtype)
+        name = self.arch.final_norm
+        weight = (self._tensors([name])[name] if self.resident_bytes else self.reader.get(name)).to(device=self.device, dtype=self.dtype)
         return rms_norm(hidden, weight, self.shape.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
