@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from benchmarks_md import write_marked_section  # noqa: E402
+
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 SECTION_BEGIN = "<!-- bench_convert:begin -->"
 SECTION_END = "<!-- bench_convert:end -->"
@@ -181,14 +184,7 @@ def merge_results(results: list[dict]) -> list[dict]:
 
 
 def write_section(path: Path, text: str) -> None:
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in current and SECTION_END in current:
-        before, rest = current.split(SECTION_BEGIN, 1)
-        after = rest.split(SECTION_END, 1)[1]
-        current = before + text.rstrip("\n") + after
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    path.write_text(current)
+    write_marked_section(path, SECTION_BEGIN, SECTION_END, text)
 
 
 def main() -> None:

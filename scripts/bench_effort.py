@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from benchmarks_md import write_marked_section  # noqa: E402
+
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 SECTION_BEGIN = "<!-- bench_effort:begin -->"
 SECTION_END = "<!-- bench_effort:end -->"
@@ -71,13 +74,7 @@ def render(results: dict) -> str:
 
 
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in text:
-        head, rest = text.split(SECTION_BEGIN, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_marked_section(path, SECTION_BEGIN, SECTION_END, section)
 
 
 def main(argv: list[str] | None = None) -> int:
