@@ -67,14 +67,15 @@ def greedy(model, prompt: list[int], n: int = GREEDY_TOKENS) -> list[int]:
     return out
 
 
-def run(model_dir: str, tokens: dict, dtype: str) -> dict:
+def run(model_dir: str, tokens: dict, dtype: str, do_greedy: bool = True) -> dict:
     t0 = time.time()
     torch.manual_seed(0)
     model = load(model_dir, dtype)
     chunks = ppl_chunks(tokens["ppl_tokens"], tokens["n_ctx"], tokens["n_chunks"], tokens["bos"])
     lps = [chunk_logprobs(model, c) for c in chunks]
     res = ppl_from_chunk_logprobs(lps, tokens["n_ctx"])
-    res["greedy"] = [greedy(model, p) for p in tokens["prompts"]]
+    if do_greedy:
+        res["greedy"] = [greedy(model, p) for p in tokens["prompts"]]
     res["engine"] = "transformers"
     res["dtype"] = dtype
     res["seconds"] = round(time.time() - t0, 2)
@@ -98,12 +99,13 @@ def main(argv=None):
     r.add_argument("tokens")
     r.add_argument("out")
     r.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    r.add_argument("--no-greedy", action="store_true", help="perplexity only")
     a = ap.parse_args(argv)
     torch.set_num_threads(int(__import__("os").environ.get("MLA_ENGINES_THREADS", "2")))
     if a.cmd == "tokens":
         write_json(a.out, make_tokens(a.model, a.domain, a.n_ctx, a.n_chunks))
     else:
-        res = run(a.model, read_json(a.tokens), a.dtype)
+        res = run(a.model, read_json(a.tokens), a.dtype, not a.no_greedy)
         write_json(a.out, res)
         print(f"transformers {a.model} [{a.dtype}]: ppl {res['ppl']:.6f} over {res['count']} tokens ({res['seconds']} s)")
 

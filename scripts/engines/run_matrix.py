@@ -63,7 +63,7 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
         w = work / "llamacpp" / label
         res_file = w / "result.json"
         sh([venv_python("llamacpp"), HERE / "llamacpp_run.py", model, w, a.domain, res_file, "--weights", a.weights,
-            "--kv", a.kv, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks, *(["--quantize-extra", a.quantize_extra] if a.quantize_extra else [])],
+            "--kv", a.kv, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks, "--greedy", a.greedy, *(["--quantize-extra", a.quantize_extra] if a.quantize_extra else [])],
            w / "llamacpp_run.log")
         if not res_file.exists():
             out[label] = {"status": "harness-error", "log": str(w / "llamacpp_run.log")}
@@ -130,6 +130,7 @@ def main(argv=None):
     ap.add_argument("--n-ctx", type=int, default=128)
     ap.add_argument("--n-chunks", type=int, default=4)
     ap.add_argument("--quantize-extra", default="")
+    ap.add_argument("--greedy", default="all", help="llama.cpp weight types to decode greedily with ('all', 'none', list)")
     ap.add_argument("--vllm-args", default="")
     ap.add_argument("--vllm-source", action=argparse.BooleanOptionalAction, default=True)
     a = ap.parse_args(argv)
