@@ -53,7 +53,7 @@ def chunk_logprobs(model, chunk: list[int]) -> list[float]:
 
 
 @torch.inference_mode()
-def greedy(model, prompt: list[int], n: int = GREEDY_TOKENS) -> list[int]:
+def greedy(model, prompt: list[int], n: int = GREEDY_TOKENS, ban: list[int] | None = None) -> list[int]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -61,6 +61,8 @@ def greedy(model, prompt: list[int], n: int = GREEDY_TOKENS) -> list[int]:
     out = []
     for _ in range(n):
         logits = model(ids, cache=cache, use_cache=True).logits[0, -1]
+        if ban:  # llama.cpp's --ignore-eos is a -inf logit bias on end-of-generation tokens: mirror it
+            logits[ban] = -float("inf")
         nxt = int(torch.argmax(logits.float()))
         out.append(nxt)
         ids = torch.tensor([[nxt]])
@@ -75,7 +77,7 @@ def run(model_dir: str, tokens: dict, dtype: str, do_greedy: bool = True) -> dic
     lps = [chunk_logprobs(model, c) for c in chunks]
     res = ppl_from_chunk_logprobs(lps, tokens["n_ctx"])
     if do_greedy:
-        res["greedy"] = [greedy(model, p) for p in tokens["prompts"]]
+        res["greedy"] = [greedy(model, p, ban=tokens.get("ban")) for p in tokens["prompts"]]
     res["engine"] = "transformers"
     res["dtype"] = dtype
     res["seconds"] = round(time.time() - t0, 2)
@@ -101,7 +103,7 @@ def main(argv=None):
     r.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     r.add_argument("--no-greedy", action="store_true", help="perplexity only")
     a = ap.parse_args(argv)
-    torch.set_num_threads(int(__import__("os").environ.get("MLA_ENGINES_THREADS", "2")))
+    torch.set_num_threads(int(__import__("os").environ.get("MLA_ENGINES_THREADS", "1")))
     if a.cmd == "tokens":
         write_json(a.out, make_tokens(a.model, a.domain, a.n_ctx, a.n_chunks))
     else:

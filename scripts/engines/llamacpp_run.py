@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ENGINES_HOME, GREEDY_TOKENS, PROMPTS, text_for, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-THREADS = os.environ.get("MLA_ENGINES_THREADS", "2")
+THREADS = os.environ.get("MLA_ENGINES_THREADS", "1")  # 1: ggml spin-waits; on a shared 2-core box more threads are 10-100x slower
 
 
 def llama_dirs() -> tuple[Path, Path]:
@@ -149,7 +149,8 @@ def gguf_meta(path: Path) -> dict:
 
     r = GGUFReader(str(path))
     out = {}
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", "general.architecture"):
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", "general.architecture",
+                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
         f = r.fields.get(key)
         if f is None:
             continue
@@ -181,6 +182,10 @@ def kv_info(log: str) -> dict | None:
             "V_type": m[5], "V_MiB": float(m[6])}
 
 
+class LoadError(RuntimeError):
+    pass
+
+
 def ppl_tokens(gguf: Path, text_file: Path, n_ctx: int, n_chunks: int) -> list[int]:
     """The exact ids llama-perplexity scores: its --kl-divergence-base file stores them after the header.
 
@@ -190,11 +195,14 @@ def ppl_tokens(gguf: Path, text_file: Path, n_ctx: int, n_chunks: int) -> list[i
 
     bindir, _ = llama_dirs()
     dump = gguf.parent / "kld_tokens.bin"
-    for _ in range(3):
-        run([bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
+    p = None
+    for _ in range(2):
+        p = run([bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
              "-t", THREADS, "-fa", "off", "--no-warmup", *NO_REPACK, "--kl-divergence-base", dump])
         if dump.exists() and dump.stat().st_size > 20:
             break
+        if p.returncode != 0:
+            raise LoadError(tail(p.stdout + p.stderr, 2000))
     b = dump.read_bytes()
     assert b[:8] == b"_logits_", "unexpected --kl-divergence-base format"
     ctx, _vocab, chunks = struct.unpack("<iii", b[8:20])
@@ -241,7 +249,7 @@ def complete(gguf: Path, prompt: str, kv: str, fa: str) -> dict:
     """Greedy 32 tokens (run twice: the two texts must agree; a difference is reported)."""
     bindir, _ = llama_dirs()
     cmd = [bindir / "llama-completion", "-m", gguf, "-p", prompt, "-n", GREEDY_TOKENS, "--temp", "0", "--ignore-eos",
-           "-no-cnv", "--no-display-prompt", "--simple-io", "-t", THREADS, "-c", 256, "-ctk", kv, "-ctv", kv, "-fa", fa,
+           "-no-cnv", "--no-display-prompt", "--simple-io", "--special", "-t", THREADS, "-c", 256, "-ctk", kv, "-ctv", kv, "-fa", fa,
            "--no-warmup", "-s", 0, *NO_REPACK]
     texts = []
     for _ in range(2):
@@ -284,12 +292,21 @@ def main(argv=None):
     text_file = text_for(a.domain)
     text = text_file.read_text()
     # llama-perplexity tokenizes the whole file; only the first n_ctx * n_chunks tokens are scored
-    ids = ppl_tokens(base, text_file, a.n_ctx, a.n_chunks)
+    try:
+        ids = ppl_tokens(base, text_file, a.n_ctx, a.n_chunks)
+    except LoadError as err:  # the model does not load (or run) at all: that is the result
+        result["status"] = "load-failed"
+        result["error"] = str(err)
+        write_json(a.out, result)
+        print(f"llama.cpp {a.model.name}: LOAD FAILED: {str(err)[-600:]}")
+        return
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and ids and ids[0] == meta.get("tokenizer.ggml.bos_token_id")
     tokens = {"source": "llama-perplexity --kl-divergence-base (ppl) / llama-tokenize (prompts)", "ppl_tokens": ids,
               "bos": meta.get("tokenizer.ggml.bos_token_id") if add_bos else None,
               "n_ctx": a.n_ctx, "n_chunks": a.n_chunks, "domain": a.domain,
-              "prompts": [tokenize(base, p) for p in PROMPTS[a.domain]]}
+              "prompts": [tokenize(base, p) for p in PROMPTS[a.domain]],
+              # llama-completion --ignore-eos bans end-of-generation tokens; transformers mirrors that
+              "ban": sorted({meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta})}
     write_json(a.work / "tokens.json", tokens)
     result["tokens_file"] = str(a.work / "tokens.json")
     extra = a.quantize_extra.split() if a.quantize_extra else None

@@ -62,9 +62,10 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
     for label, model in models.items():
         w = work / "llamacpp" / label
         res_file = w / "result.json"
-        sh([venv_python("llamacpp"), HERE / "llamacpp_run.py", model, w, a.domain, res_file, "--weights", a.weights,
-            "--kv", a.kv, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks, "--greedy", a.greedy, *(["--quantize-extra", a.quantize_extra] if a.quantize_extra else [])],
-           w / "llamacpp_run.log")
+        if not (a.reuse and res_file.exists()):
+            sh([venv_python("llamacpp"), HERE / "llamacpp_run.py", model, w, a.domain, res_file, "--weights", a.weights,
+                "--kv", a.kv, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks, "--greedy", a.greedy,
+                *(["--quantize-extra", a.quantize_extra] if a.quantize_extra else [])], w / "llamacpp_run.log")
         if not res_file.exists():
             out[label] = {"status": "harness-error", "log": str(w / "llamacpp_run.log")}
             continue
@@ -79,7 +80,10 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
                     if r.get("ok"):
                         r["rel_diff_vs_transformers"] = rel(r["ppl"], ref["ppl"])
                         if r.get("greedy"):
-                            same = [g.get("ok") and g["text"].strip() == t.strip() for g, t in zip(r["greedy"], texts)]
+                            # llama-completion --special prints the 32 tokens' text, then a blank line at exit;
+                            # SentencePiece decoding in transformers drops the first token's leading space
+                            same = [bool(g.get("ok")) and g["text"].strip().startswith(t.strip())
+                                    and not g["text"].strip()[len(t.strip()):].strip() for g, t in zip(r["greedy"], texts)]
                             r["greedy_identical"] = f"{sum(same)}/{len(same)}"
         out[label] = res
     if "source" in out and "export" in out and out["source"].get("transformers") and out["export"].get("transformers"):
@@ -89,8 +93,10 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
             s = out["source"].get("runs", {}).get(key, {})
             if r.get("ok") and s.get("ok"):
                 ratio = r["ppl"] / s["ppl"]
+                kv = key.split("/")[1]
                 ratios[key] = {"ratio": ratio, "vs_transformers_ratio": ratio / hf_ratio - 1,
-                               "kv_MiB_export": r.get("kv_cache", {}).get("MiB"), "kv_MiB_source": s.get("kv_cache", {}).get("MiB")}
+                               "kv_MiB_export": ((out["export"].get("kv_4096") or {}).get(kv) or {}).get("MiB"),
+                               "kv_MiB_source": ((out["source"].get("kv_4096") or {}).get(kv) or {}).get("MiB")}
         out["ratios"] = ratios
     return out
 
@@ -103,7 +109,8 @@ def run_vllm(models: dict, a, work: Path) -> dict:
         if not tokens.exists():
             sh([HF_PY, HERE / "hf_run.py", "tokens", model, a.domain, tokens, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks], w / "tokens.log")
         res_file = w / "result.json"
-        sh([venv_python("vllm"), HERE / "vllm_run.py", model, tokens, res_file, "--dtype", "float32", *a.vllm_args.split()], w / "vllm_run.log")
+        if not (a.reuse and res_file.exists()):
+            sh([venv_python("vllm"), HERE / "vllm_run.py", model, tokens, res_file, "--dtype", "float32", *a.vllm_args.split()], w / "vllm_run.log")
         res = read_json(res_file) if res_file.exists() else {"ok": False, "error": "harness error, see log"}
         ref = hf(model, tokens, w / "hf_fp32.json")
         if ref:
@@ -133,6 +140,7 @@ def main(argv=None):
     ap.add_argument("--greedy", default="all", help="llama.cpp weight types to decode greedily with ('all', 'none', list)")
     ap.add_argument("--vllm-args", default="")
     ap.add_argument("--vllm-source", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--reuse", action="store_true", help="keep engine result files that already exist (re-summarise)")
     a = ap.parse_args(argv)
     models = {"export": a.export.resolve()}
     if a.source:
@@ -162,12 +170,12 @@ def summary(r: dict) -> str:
             for key, run in x.get("runs", {}).items():
                 if run.get("ok"):
                     lines.append(f"  {key:14s} ppl {run['ppl']:.4f}  rel {run.get('rel_diff_vs_transformers', float('nan')):.2e}"
-                                 f"  greedy {run.get('greedy_identical')}  KV {run.get('kv_cache', {}).get('MiB')} MiB fa={run.get('flash_attn')}")
+                                 f"  greedy {run.get('greedy_identical')}  fa={run.get('flash_attn')}")
                 else:
                     lines.append(f"  {key:14s} FAILED: {(run.get('error') or '')[-200:]!r}")
         for key, v in (lc.get("ratios") or {}).items():
             if isinstance(v, dict):
-                lines.append(f"  ratio {key:14s} {v['ratio']:.4f}  vs transformers ratio {v['vs_transformers_ratio']:+.2%}  KV {v['kv_MiB_export']} vs {v['kv_MiB_source']} MiB")
+                lines.append(f"  ratio {key:14s} {v['ratio']:.4f}  vs transformers ratio {v['vs_transformers_ratio']:+.2%}  KV@4096 {v['kv_MiB_export']} vs {v['kv_MiB_source']} MiB")
             else:
                 lines.append(f"  ratio {key}: {v:.4f}")
     vl = r.get("vllm")

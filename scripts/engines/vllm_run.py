@@ -117,6 +117,8 @@ def main(argv=None):
                         "transformers": __import__("transformers").__version__}}
     try:
         kw = {}
+        if not any((Path(a.model) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            kw["skip_tokenizer_init"] = True  # synthetic checkpoints: token ids only
         if is_mla and a.attention_backend != "auto":
             kw["attention_backend"] = a.attention_backend
         res["attention_backend"] = a.attention_backend if is_mla else "CPU_ATTN"
@@ -126,13 +128,13 @@ def main(argv=None):
         res["kv_cache_tokens_per_gib"] = getattr(cc, "kv_cache_size_tokens", None) / float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) \
             if getattr(cc, "kv_cache_size_tokens", None) else None
         chunks = ppl_chunks(tokens["ppl_tokens"], tokens["n_ctx"], tokens["n_chunks"], tokens["bos"])
-        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, detokenize=not kw.get("skip_tokenizer_init"))
         outs = llm.generate([TokensPrompt(prompt_token_ids=c) for c in chunks], sp, use_tqdm=False)
         lps = []
         for c, o in zip(chunks, outs):
             lps.append([o.prompt_logprobs[p][c[p]].logprob for p in range(1, len(c))])
         res.update(ppl_from_chunk_logprobs(lps, tokens["n_ctx"]))
-        gp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        gp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=not kw.get("skip_tokenizer_init"))
         gouts = llm.generate([TokensPrompt(prompt_token_ids=p) for p in tokens["prompts"]], gp, use_tqdm=False)
         res["greedy"] = [list(o.outputs[0].token_ids) for o in gouts]
         res["ok"] = True

@@ -59,12 +59,34 @@ def test_llamacpp_raw_export_does_not_load(stories_exports):
 
 
 def test_llamacpp_serving_export(stories_exports):
+    """Loads with no --override-kv; f32 matches transformers; f16 / q8_0 weights keep the converted/source ratio.
+
+    stories260K cannot use a q8_0 KV cache in llama.cpp at all (source head_dim 8, export kv_lora_rank 24:
+    q8_0 blocks of 32 must divide them); the q8_0-cache check is test_llamacpp_smollm2_q8_0_cache.
+    """
     need("llamacpp")
-    r = matrix(stories_exports, stories_exports["serving"], "llamacpp", "serving_llamacpp")
+    r = matrix(stories_exports, stories_exports["serving"], "llamacpp", "serving_llamacpp", kv="f16", greedy="f32,f16")
     lc = r["llamacpp"]
     f32 = lc["export"]["runs"]["f32/f16"]
     assert f32["ok"] and f32["rel_diff_vs_transformers"] < 1e-3
     assert f32["greedy_identical"] == "4/4"
+    for key, tol in (("f16/f16", 0.02), ("bf16/f16", 0.02), ("q8_0/f16", 0.05)):
+        assert abs(lc["ratios"][key]["vs_transformers_ratio"]) < tol, (key, lc["ratios"][key])
+
+
+def test_llamacpp_smollm2_q8_0_cache(tmp_path):
+    """SmolLM2 at 256+64 (a shape whose latent and key sizes are multiples of 32): q8_0 weights and cache.
+
+    Uses the export that scripts/check_engines.sh caches (converting SmolLM2 here would take minutes)."""
+    need("llamacpp")
+    export = ENGINES_HOME / "exports" / "smollm2-256-64-serving"
+    source = Path.home() / ".cache" / "mla-convert" / "SmolLM2-135M-Instruct"
+    if not (export / "config.json").exists() or not (source / "config.json").exists():
+        pytest.skip(f"{export} not built (run scripts/check_engines.sh first)")
+    ex = {"root": tmp_path, "source": source}
+    r = matrix(ex, export, "llamacpp", "smollm2", weights="f32,f16,q8_0", greedy="f32")
+    lc = r["llamacpp"]
+    assert lc["export"]["runs"]["f32/f16"]["rel_diff_vs_transformers"] < 1e-3
     for key, tol in (("f16/f16", 0.02), ("f16/q8_0", 0.02), ("q8_0/f16", 0.05), ("q8_0/q8_0", 0.05)):
         assert abs(lc["ratios"][key]["vs_transformers_ratio"]) < tol, (key, lc["ratios"][key])
 

@@ -98,8 +98,17 @@ def collect(folder: Path, text: str, n_tokens: int, seq: int, use_q_lora: bool) 
             d["absmax"] = max(d["absmax"], x.abs().max().item())
         return fn
 
+    def dim_hook(name):
+        def fn(mod, inp, out):
+            x = out.detach().double().reshape(-1, out.shape[-1])
+            d = stats.setdefault(name, {"sumsq": 0.0, "n": 0})
+            d["sumsq"] = d["sumsq"] + x.pow(2).sum(0)
+            d["n"] += x.shape[0]
+        return fn
+
     hs = []
     for i, layer in enumerate(model.model.layers):
+        hs.append(layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(dim_hook(f"{i}.kvdim")))
         hs.append(layer.self_attn.kv_a_layernorm.register_forward_hook(hook(f"{i}.kv", "in")))
         hs.append(layer.input_layernorm.register_forward_hook(hook(f"{i}.act", "act")))
         if use_q_lora:
@@ -109,8 +118,11 @@ def collect(folder: Path, text: str, n_tokens: int, seq: int, use_q_lora: bool) 
     for h in hs:
         h.remove()
     for d in stats.values():
-        d["ms"] = torch.cat(d["ms"])
-        d["rms"] = math.sqrt(d["sq"] / d["n"])
+        if "ms" in d:
+            d["ms"] = torch.cat(d["ms"])
+            d["rms"] = math.sqrt(d["sq"] / d["n"])
+        else:
+            d["dim_rms"] = (d["sumsq"] / d["n"]).sqrt()
     return stats
 
 
@@ -144,11 +156,14 @@ def main(argv=None):
     ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--split-bias", type=float, default=1.0, help="multiply the balanced s by this (<1: bigger weights)")
     ap.add_argument("--gain-to-kvb", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--balance-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="equalise the per-dimension RMS of what the KV cache stores (exact): latent dims via the "
+                         "kv_a_layernorm gain vector / kv_b_proj columns, RoPE pairs via kv_a rope rows / query rope rows")
     ap.add_argument("--calib-text", type=Path, default=None)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--overwrite", action="store_true")
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
 
     cfg = json.loads((a.src / "config.json").read_text())
     state = load_state(a.src)
@@ -157,7 +172,7 @@ def main(argv=None):
     q_lora = cfg.get("q_lora_rank") is not None
     report: dict = {"src": str(a.src), "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                     "layers": [], "extra_params": 0}
-    need_stats = a.margin is not None or a.split
+    need_stats = a.margin is not None or a.split or a.balance_cache
     stats = {}
     if need_stats:
         import os
@@ -198,6 +213,28 @@ def main(argv=None):
             if a.margin is not None:
                 qa, qn, info["q_latent"] = refit_latent(qa, qn, stats[f"{i}.q"]["ms"], eps, a.margin)
             q_keys = {"q_a_proj.weight": qa, "q_a_layernorm.weight": qn}
+        if a.balance_cache:
+            H, hq, dn = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + D, cfg["qk_nope_head_dim"]
+            dim = stats[f"{i}.kvdim"]["dim_rms"]
+            lat = dim[:R] * kv_norm.abs()  # cache value per dim ~ gain_i * c_i (linear regime)
+            t = lat.log().mean().exp() / lat.clamp_min(1e-30)
+            kv_norm = kv_norm * t
+            kvb = state[at + "kv_b_proj.weight"].double()
+            state[at + "kv_b_proj.weight"] = kvb / t[None, :]
+            pr = dim[R:].view(-1, 2).pow(2).mean(-1).sqrt()  # RoPE pairs share one scale
+            tr = (pr.log().mean().exp() / pr.clamp_min(1e-30)).repeat_interleave(2)
+            kv_a = torch.cat([kv_a[:R], kv_a[R:] * tr[:, None]])
+            qname = "q_b_proj.weight" if (q_lora or "q_b_proj.weight" in q_keys) else "q_proj.weight"
+            qw = q_keys[qname] if qname in q_keys else state[at + qname].double()
+            qw = qw.view(H, hq, -1).clone()
+            qw[:, dn:, :] /= tr[None, :, None]
+            qw = qw.view(H * hq, -1)
+            if qname in q_keys:
+                q_keys[qname] = qw
+            else:
+                state[at + qname] = qw
+            info["cache_balance"] = {"latent_rms_spread_before": (lat.max() / lat.min()).item(),
+                                     "rope_pair_rms_spread_before": (pr.max() / pr.min()).item()}
         act_rms = stats[f"{i}.act"]["rms"] if stats else 1.0
         if not q_lora and a.q_path == "identity":
             # input norm gain g -> q_a_layernorm; x_hat (RMS 1) feeds q_a = I and kv_a * diag(g)
