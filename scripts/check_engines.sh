@@ -90,8 +90,11 @@ run() {  # tag export source domain engines extra...
 }
 want() { [[ ",$ENGINES," == *",$1,"* ]]; }
 # llama.cpp: any shape; all weight types x both KV cache types, source through the Llama path
-want llamacpp && run stories-2x-llamacpp "$ENG/exports/stories-2x-serving" "$STORIES" stories llamacpp
-want llamacpp && run smollm2-2x-llamacpp "$ENG/exports/smollm2-2x-serving" "$SMOL" general llamacpp --weights f32,f16,bf16,q8_0,Q4_K_M
+# (a q8_0 KV cache needs kv_lora_rank and kv_lora_rank + rope_dim to be multiples of 32: stories 24+8 and
+#  SmolLM2 2x = 144+48 run with an f16 cache only; SmolLM2 256+64 covers the q8_0 cache)
+want llamacpp && run stories-2x-llamacpp "$ENG/exports/stories-2x-serving" "$STORIES" stories llamacpp --kv f16 --greedy f32,f16,q8_0
+want llamacpp && run smollm2-2x-llamacpp "$ENG/exports/smollm2-2x-serving" "$SMOL" general llamacpp --kv f16 --greedy f32
+want llamacpp && run smollm2-256-64-llamacpp "$ENG/exports/smollm2-256-64-serving" "$SMOL" general llamacpp --greedy f32,q8_0
 # vLLM: SmolLM2 at its allow-listed shape 256+64 (decode through the harness stand-in), stories at 2x
 # (allow-list lifted); vLLM-CPU cannot run the stories260K *source* (head_dim 8: no CPU attention kernel)
 want vllm && run smollm2-256-64-vllm "$ENG/exports/smollm2-256-64-serving" "$SMOL" general vllm
