@@ -16,7 +16,6 @@ No --override-kv is ever passed.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import subprocess
@@ -214,7 +213,7 @@ def perplexity(gguf: Path, text_file: Path, n_ctx: int, n_chunks: int, kv: str) 
     bindir, _ = llama_dirs()
     res = {}
     for fa in ("off", "on"):
-        for attempt in range(2):
+        for _attempt in range(2):
             cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "--chunks", n_chunks,
                    "-t", THREADS, "-ctk", kv, "-ctv", kv, "-fa", fa, "--no-warmup", *NO_REPACK]
             p = run(cmd)
@@ -290,7 +289,6 @@ def main(argv=None):
     meta = gguf_meta(base)
     result["gguf_meta"] = meta
     text_file = text_for(a.domain)
-    text = text_file.read_text()
     # llama-perplexity tokenizes the whole file; only the first n_ctx * n_chunks tokens are scored
     try:
         ids = ppl_tokens(base, text_file, a.n_ctx, a.n_chunks)

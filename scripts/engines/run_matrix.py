@@ -14,8 +14,6 @@ transformers scores exactly those ids, so:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import time
@@ -76,7 +74,7 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
             if ref:
                 texts = [decode(model, g) for g in ref["greedy"]]
                 res["transformers"]["greedy_text"] = texts
-                for key, r in res.get("runs", {}).items():
+                for r in res.get("runs", {}).values():
                     if r.get("ok"):
                         r["rel_diff_vs_transformers"] = rel(r["ppl"], ref["ppl"])
                         if r.get("greedy"):
@@ -119,7 +117,8 @@ def run_vllm(models: dict, a, work: Path) -> dict:
                 res["rel_diff_vs_transformers"] = rel(res["ppl"], ref["ppl"])
                 same = [x == y for x, y in zip(res["greedy"], ref["greedy"])]
                 res["greedy_identical"] = f"{sum(same)}/{len(same)}"
-                res["greedy_tokens_matching"] = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(res["greedy"], ref["greedy"])]
+                res["greedy_tokens_matching"] = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
+                                                 for x, y in zip(res["greedy"], ref["greedy"])]
         out[label] = res
     return out
 
@@ -175,7 +174,8 @@ def summary(r: dict) -> str:
                     lines.append(f"  {key:14s} FAILED: {(run.get('error') or '')[-200:]!r}")
         for key, v in (lc.get("ratios") or {}).items():
             if isinstance(v, dict):
-                lines.append(f"  ratio {key:14s} {v['ratio']:.4f}  vs transformers ratio {v['vs_transformers_ratio']:+.2%}  KV@4096 {v['kv_MiB_export']} vs {v['kv_MiB_source']} MiB")
+                lines.append(f"  ratio {key:14s} {v['ratio']:.4f}  vs transformers ratio {v['vs_transformers_ratio']:+.2%}  "
+                             f"KV@4096 {v['kv_MiB_export']} vs {v['kv_MiB_source']} MiB")
             else:
                 lines.append(f"  ratio {key}: {v:.4f}")
     vl = r.get("vllm")
@@ -183,7 +183,8 @@ def summary(r: dict) -> str:
         for label, x in vl.items():
             if x.get("ok"):
                 lines.append(f"vLLM {label}: ppl {x['ppl']:.6f} vs transformers {x.get('transformers_ppl'):.6f} rel {x.get('rel_diff_vs_transformers'):.2e}"
-                             f" greedy {x.get('greedy_identical')} {x.get('greedy_tokens_matching')} KV tokens/GiB {x.get('kv_cache_tokens_per_gib')} workarounds {x.get('workarounds')}")
+                             f" greedy {x.get('greedy_identical')} {x.get('greedy_tokens_matching')}"
+                             f" KV tokens/GiB {x.get('kv_cache_tokens_per_gib')} workarounds {x.get('workarounds')}")
             else:
                 lines.append(f"vLLM {label}: FAILED {x.get('error', '')[:300]}")
     return "\n".join(lines)

@@ -146,7 +146,8 @@ def main(argv=None):
         res["traceback"] = traceback.format_exc()[-3000:]
     res["seconds"] = round(time.time() - t0, 1)
     write_json(a.out, res)
-    print(f"vllm {a.model} [{a.dtype}] workarounds={applied}: " + (f"ppl {res['ppl']:.6f} kv tokens/GiB {res.get('kv_cache_tokens_per_gib')}" if res["ok"] else res["error"][:500]))
+    outcome = f"ppl {res['ppl']:.6f} kv tokens/GiB {res.get('kv_cache_tokens_per_gib')}" if res["ok"] else res["error"][:500]
+    print(f"vllm {a.model} [{a.dtype}] workarounds={applied}: {outcome}")
 
 
 if __name__ == "__main__":
