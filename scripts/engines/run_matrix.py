@@ -99,11 +99,23 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
     return out
 
 
+def random_tokens(vocab: int, n_ctx: int, n_chunks: int) -> dict:
+    """Token ids for a checkpoint without a tokenizer (synthetic weights): seeded random ids, 4 prompts of 8."""
+    import random
+
+    rng = random.Random(0)
+    return {"source": "random ids (synthetic checkpoint has no tokenizer)", "ppl_tokens": [rng.randrange(vocab) for _ in range(n_ctx * n_chunks)],
+            "bos": None, "n_ctx": n_ctx, "n_chunks": n_chunks, "domain": "synthetic",
+            "prompts": [[rng.randrange(vocab) for _ in range(8)] for _ in range(4)]}
+
+
 def run_vllm(models: dict, a, work: Path) -> dict:
     out = {}
     for label, model in models.items():
         w = work / "vllm" / label
         tokens = w / "tokens_hf.json"
+        if not tokens.exists() and a.random_tokens:
+            write_json(tokens, random_tokens(a.random_tokens, a.n_ctx, a.n_chunks))
         if not tokens.exists():
             sh([HF_PY, HERE / "hf_run.py", "tokens", model, a.domain, tokens, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks], w / "tokens.log")
         res_file = w / "result.json"
@@ -157,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--vllm-args", default="")
     ap.add_argument("--vllm-source", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--reuse", action="store_true", help="keep engine result files that already exist (re-summarise)")
+    ap.add_argument("--random-tokens", type=int, default=0, metavar="VOCAB",
+                    help="vLLM: score seeded random ids below VOCAB (a checkpoint without a tokenizer) instead of the domain's text")
     ap.add_argument("--model-name", default=None, help="how the engine record names the source model (default: its folder name)")
     a = ap.parse_args(argv)
     models = {"export": a.export.resolve()}
