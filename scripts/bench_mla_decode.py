@@ -132,16 +132,9 @@ def make_dense_torch_decode(torch, kv_cache, page_table, context: int, rank: int
 
 
 def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
-    if on_cuda:
-        import triton.testing
+    from mla_decode_triton.autotune import time_ms as measured
 
-        return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return measured(fn, on_cuda, rep_ms)
 
 
 def graph_time_ms(torch, fn, rep_ms: int) -> float:
