@@ -23,3 +23,23 @@ def write_marked_section(path: Path, begin: str, end: str, section: str) -> None
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text, encoding="utf-8")
+
+
+def write_heading_section(path: Path, heading: str, section: str) -> None:
+    """Replace the section that starts at the line `heading` and runs to the next `## ` heading or `<!-- `
+    marker line (other scripts' fenced sections start with one, and must survive); append it when absent.
+    `section` starts with the heading itself."""
+    import re
+
+    path = Path(path)
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if not text.strip():
+        text = "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |^<!-- |\Z)", re.S | re.M)
+    match = pattern.search(text)
+    if match:
+        followed = match.end() < len(text)
+        text = text[: match.start()] + section.rstrip("\n") + ("\n\n" if followed else "\n") + text[match.end():]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    path.write_text(text, encoding="utf-8")

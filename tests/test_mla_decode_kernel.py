@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE
+from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import (
     DecodeConfig,
     MLADecodeInputError,
@@ -32,7 +32,7 @@ from mla_decode_triton import (
 )
 from mla_decode_triton.inputs import check_decode_inputs
 from mla_decode_triton.launcher import INTERPRETED
-from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs, paginate
+from mla_decode_triton.testing import make_decode_inputs, paginate
 
 needs_kernel_device = NEEDS_KERNEL_DEVICE
 if not torch.cuda.is_available():
@@ -71,15 +71,6 @@ def naive_decode(q_latent, q_rope, logical, seq_lens, softmax_scale, q_len=None)
             outs.append(torch.stack(seq_out))
             lses.append(torch.stack(seq_lse))
     return torch.stack(outs), torch.stack(lses)
-
-
-def assert_matches(actual, expected, dtype):
-    out, lse = actual
-    ref_out, ref_lse = expected
-    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **TOLERANCE[dtype])
-    torch.testing.assert_close(lse.cpu(), ref_lse.float().cpu(), **LSE_TOLERANCE)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE
+from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import DecodeConfig, candidate_tiles, choose_config, mla_decode, mla_decode_multi, mla_decode_multi_reference, mla_decode_reference
 from mla_decode_triton.configs import TileConfig, choose_tile, load_table, save_table, table_key
 from mla_decode_triton.inputs import check_decode_inputs
@@ -20,15 +20,6 @@ from mla_decode_triton.launcher import plan_launches, row_alignment
 from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs
 
 pytestmark = NEEDS_KERNEL_DEVICE
-
-
-def assert_matches(actual, expected, dtype):
-    out, lse = actual
-    ref_out, ref_lse = expected
-    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **TOLERANCE[dtype])
-    torch.testing.assert_close(lse.cpu(), ref_lse.float().cpu(), **LSE_TOLERANCE)
 
 
 def config_from_tile(tile: TileConfig, num_splits: int, min_split_tokens: int = 1) -> DecodeConfig:

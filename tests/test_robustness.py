@@ -700,6 +700,8 @@ def normalize(line: str, ws: Workspace) -> str:
     line = line.replace(str(ws.scratch), "<temp>").replace(str(ws.root), "<tmp>")
     line = re.sub(r"pid \d+", "pid <pid>", line)
     line = re.sub(r"mla-convert-stats-\w+", "mla-convert-stats-<id>", line)
+    # transformers prints sets of missing keys, whose order follows per-process string hashing
+    line = re.sub(r"\{('[^{}']*'(?:, '[^{}']*')*)\}", lambda m: "{" + ", ".join(sorted(m.group(1).split(", "))) + "}", line)
     return re.sub(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB) free", "<free> free", line)
 
 
