@@ -75,7 +75,9 @@ MATRIX="$REPO/scripts/engines/run_matrix.py"
 export_of() {  # name source args...   -> $ENG/exports/name, written by mla-convert itself (rebuilt only when missing)
   local name="$1" src="$2"; shift 2
   if [[ ! -f "$ENG/exports/$name/config.json" ]]; then
-    (cd "$REPO" && "$PY" -m mla_convert convert "$src" "$ENG/exports/$name" --dtype fp32 -q --overwrite "$@")
+    # a refused export is a result too: say so and go on with the other runs
+    (cd "$REPO" && "$PY" -m mla_convert convert "$src" "$ENG/exports/$name" --dtype fp32 -q --overwrite "$@") \
+      || echo "export $name: mla-convert refused or failed (above); its runs are skipped"
   fi
 }
 
@@ -90,6 +92,7 @@ export_of qwen2-tiny-all "$QWEN" --target all
 run() {  # tag export source domain engines extra...
   local tag="$1" ex="$2" src="$3" dom="$4" eng="$5"; shift 5
   echo "--- $tag"
+  [[ -f "$ex/config.json" ]] || { echo "skipped: no export at $ex"; return 0; }
   "$PY" "$MATRIX" --export "$ex" --source "$src" --domain "$dom" --engines "$eng" \
       --work "$ENG/runs/$tag" --out "$ENG/runs/$tag.json" "$@" | sed -n '/^==/,$p'
 }
