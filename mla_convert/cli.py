@@ -46,8 +46,13 @@ def user_errors(command):
     return wrapper
 
 
+# inspect takes only --target from ConvertOptions (the shape flags it declares itself)
+INSPECT_OPTIONS = frozenset(f.name for f in __import__("dataclasses").fields(ConvertOptions)) - {"target"}
+
+
 @app.command()
 @user_errors
+@cli_options(options=(ConvertOptions, INSPECT_OPTIONS))
 def inspect(
     model: str = typer.Argument(..., help="Model folder or Hugging Face hub id."),
     kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", "-r", help="Latent rank R of the MLA cache."),
@@ -57,17 +62,25 @@ def inspect(
     batch: int = typer.Option(1, help="Batch size for the cache-size row."),
     dtype: str = typer.Option("bf16", help="Cache dtype: bf16, fp16 or fp32."),
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
+    options: ConvertOptions = None,
 ):
-    """Show the source attention shape and the KV cache before/after for an MLA shape."""
+    """Show the source attention shape and the KV cache before/after for an MLA shape, and the shapes each --target allows."""
     from .console import print_table
     from .io.resolve import resolve_config_path
+    from .options import option_problems
     from .source.config import SourceConfig
-    from .source.inspect import inspect_shapes
+    from .source.inspect import inspect_shapes, target_rows
     from .units import parse_dtype
 
+    target_problems = [p for p in option_problems(options) if p.startswith("--target")]
+    if target_problems:
+        from .errors import PreflightError
+
+        raise PreflightError(target_problems)
     folder = resolve_config_path(model, revision)
     report = inspect_shapes(
-        SourceConfig.from_folder(folder), kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch
+        SourceConfig.from_folder(folder), kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch,
+        target=options.target,
     )
     s = report.source
     console.print(
@@ -80,6 +93,7 @@ def inspect(
     print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
     console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False)
+    print_table(console, "shapes each --target allows for this model", ("target", "shapes", "KV ratios"), target_rows(report.source))
 
 
 @app.command()

@@ -107,6 +107,32 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     ]
     if summary.get("device"):
         rows.append(("device", summary["device"]))
+    rows += serving_rows(report)
+    return rows
+
+
+def serving_rows(report: dict) -> list[tuple[str, str]]:
+    """What --target did: the shape it allowed, the extra bytes, the bias cost, the weight magnitudes."""
+    serving = report.get("serving")
+    if not serving:
+        return []
+    rows = [("target", serving["target"])]
+    if serving.get("shape_note"):
+        rows.append(("shape", serving["shape_note"]))
+    extra = serving.get("extra_values", {})
+    parts = [f"{name.replace('_', ' ')} {value:,} values" for name, value in extra.items() if value]
+    if parts:
+        rows.append(("extra weights", f"{human_bytes(serving['extra_bytes'])} ({'; '.join(parts)})"))
+    if serving.get("bias"):
+        bias = serving["bias"]
+        rows.append(("attention biases removed", f"attention output changed by at most {bias['max_removal_error']:.4f} "
+                     f"(relative, held-out calibration windows; {bias['rule']})"))
+    latent = serving.get("magnitudes", {}).get("kv_a_latent_rows", {})
+    if latent:
+        rows.append(("latent weights", f"median {latent.get('median_nonzero', 0):.2g}, {latent.get('frac_below_f16_normal', 0):.1%} "
+                     f"below f16's normal range, {latent.get('frac_zero_in_f16', 0):.2%} zero in f16 (worst layer)"))
+    if serving.get("quantized_kv_cache"):
+        rows.append(("llama.cpp q8_0 KV cache", serving["quantized_kv_cache"]))
     return rows
 
 
@@ -114,11 +140,14 @@ def print_summary(console: Console, report: dict) -> None:
     print_table(console, "mla-convert summary", (), summary_rows(report), right=(1,))
 
 
+def engine_verdict(ok: bool | None) -> str:
+    return "yes (measured)" if ok is True else ("no" if ok is False else "not measured")
+
+
 def print_engines(console: Console, report: dict) -> None:
+    """Which engines run this export: measured runs only (mla_convert/convert/engine_runs.json), else "not measured"."""
     rows = []
     for engine, facts in report["engines"].items():
-        runs = "yes" if facts["ok"] else "no"
-        if facts["ok"] and not facts.get("fast_path", True):
-            runs = "yes (no fast kernel)"
-        rows.append((engine, runs, "; ".join(facts["notes"])))
-    print_table(console, "engine compatibility", ("engine", "runs", "notes"), rows)
+        notes = list(facts.get("notes", [])) + list(facts.get("runs", []))
+        rows.append((engine, engine_verdict(facts.get("ok")), "; ".join(notes)))
+    print_table(console, "engines (measured runs: docs/engines.md)", ("engine", "runs", "notes"), rows)

@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 METHODS = ("activation-aware", "input", "svd")
+# the serving targets (data: mla_convert.convert.target.TARGETS, which a test keeps in step with this tuple)
+TARGETS = ("transformers", "vllm", "llama.cpp", "all")
 
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None, short: str | None = None,
@@ -63,6 +65,11 @@ class ConvertOptions:
     rope_dim: Optional[int] = option(None, "Dimension D of the shared RoPE key (even).", flag="--rope-dim", short="-d")
     compression: Optional[float] = option(None, "Target KV-cache ratio (source / MLA); picks R and D.", flag="--compression",
                                           short="-c")
+    target: str = option("transformers", "Where the export will run: transformers (any shape, as the source: tied "
+                         "embeddings and biases kept), vllm (kv_lora_rank + rope_dim in 320/512/576, untied lm_head, no "
+                         "biases), llama.cpp (q_lora_rank set, weights that survive f16/q8_0 GGUF, no biases) or all (every "
+                         "constraint at once).  With a serving target --compression picks the closest shape the target "
+                         "allows; see `mla-convert inspect --target`.", flag="--target", choices=TARGETS)
     q_lora_rank: Optional[int] = option(None, "Also factor the queries through a latent of this rank (at most hidden_size).",
                                         flag="--q-lora-rank")
     method: str = option("activation-aware", "Factorization: activation-aware (inputs whitened, outputs weighted by what "

@@ -1,37 +1,131 @@
-"""Which inference engines can run a given export, and what each one's constraints are.
+"""Which inference engines run an export: the record of measured engine runs, and what it says about one export.
 
-Facts, kept as data: stock transformers runs any DeepseekV3 shape; vLLM's and SGLang's DeepSeek MLA
-layers have no attention-bias slot and their fast MLA kernels (FlashMLA, FlashInfer MLA, their Triton
-backends' tuned paths) are built for DeepSeek's kv_lora_rank 512 + rope 64; our Triton kernel takes
-any shape.
+`engine_runs.json` (package data) is generated from the engine harness's result files by
+`scripts/engines/record_runs.py` (see docs/engines.md): one record per (engine, model, target, shape,
+weights, KV cache) that somebody actually ran, with the engine version, the date and what was measured.
+`engine_compatibility` turns it into the table the convert summary and the model card print:
+
+* an engine is "yes" for an export only when a run of the same target at the same kv_lora_rank + rope_dim
+  passed (the records of other models at that shape are named with it);
+* "no" when the export breaks a constraint the engine's code imposes (target.py: widths, tying, biases,
+  q_lora_rank, weight magnitudes) -- each with the `--target` that fixes it;
+* "not measured" otherwise: nobody ran that target at that shape.
 """
 
 from __future__ import annotations
 
+import json
+from functools import lru_cache
+from pathlib import Path
+
 from ..source.shapes import MLAShape
-from .target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
+from . import target as T
 
-SERVING_ENGINES = ("vllm", "sglang")
+RUNS_FILE = Path(__file__).with_name("engine_runs.json")
+# engines the table always lists; SGLang has no CPU build to measure here
+ENGINES = ("transformers", "vllm", "llama.cpp", "sglang", "mla_decode_triton")
 
 
-def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int | None) -> dict:
-    """{engine: {"ok": bool, "fast_path": bool, "notes": [...]}} for the export's shape and biases."""
-    report = {
-        "transformers": {"ok": True, "fast_path": True, "notes": ["stock DeepseekV3ForCausalLM, no remote code"]},
-        "mla_decode_triton": {"ok": True, "fast_path": True, "notes": ["any (kv_lora_rank, rope_dim)"]},
+@lru_cache(maxsize=1)
+def engine_runs() -> tuple[dict, ...]:
+    """Every recorded run (empty when the data file is missing)."""
+    try:
+        data = json.loads(RUNS_FILE.read_text())
+    except (OSError, ValueError):
+        return ()
+    return tuple(data.get("runs", []))
+
+
+def _shape(run: dict) -> tuple[int, int]:
+    return int(run["kv_lora_rank"]), int(run["rope_dim"])
+
+
+def describe_run(run: dict) -> str:
+    """One measured run as a short phrase: 'SmolLM2-135M-Instruct 256+64 q8_0/f16: ok, ratio +0.2 % (llama.cpp b11434, 2026-12-01)'."""
+    setting = "/".join(str(run[key]) for key in ("weights", "kv_cache") if run.get(key))
+    what = run["status"]
+    facts = []
+    if run.get("ppl_rel_diff_vs_transformers") is not None:
+        facts.append(f"ppl {run['ppl_rel_diff_vs_transformers']:.1e} from transformers")
+    if run.get("ratio_deviation") is not None:
+        facts.append(f"converted/source ratio {run['ratio_deviation']:+.1%} of transformers'")
+    if run.get("greedy"):
+        facts.append(f"greedy {run['greedy']} identical")
+    if run.get("workarounds"):
+        facts.append("harness workarounds: " + ",".join(run["workarounds"]))
+    if run.get("error") and what != "ok":
+        facts.append(run["error"])
+    details = f" ({'; '.join(facts)})" if facts else ""
+    return f"{run['model']} {run['kv_lora_rank']}+{run['rope_dim']} {setting}: {what}{details} [{run['engine']} {run['version']}, {run['date']}]"
+
+
+def constraint_problems(engine: str, mla: MLAShape, target: T.Target, attention_bias: bool, q_lora_rank: int | None,
+                        tied: bool) -> list[str]:
+    """What in this export breaks `engine`'s known constraints (target.py data; the engine's code and measured failures)."""
+    own = T.TARGETS.get(engine)
+    if own is None:
+        return []
+    problems = []
+    width = own.width_problem(mla.kv_lora_rank, mla.rope_dim)
+    if width:
+        problems.append(width)
+    if tied and not own.ties_embeddings:
+        problems.append("tied embeddings: the engine builds its own lm_head and never ties it (uninitialised head, flat logits)")
+    if attention_bias and not own.attention_bias:
+        problems.append("attention biases: the engine's DeepSeek attention has no bias slot")
+    if own.needs_q_lora_rank and q_lora_rank is None:
+        problems.append("no q_lora_rank: llama.cpp refuses to load a DeepSeek model without it")
+    if own.name == "llama.cpp" and not target.serving:
+        problems.append("latent weights ~1e-7: f16 / q8_0 GGUF weights flush them to zero")
+    return problems
+
+
+def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int | None, target: str | None = None,
+                         tied: bool = False, runs: tuple[dict, ...] | None = None) -> dict:
+    """{engine: {"ok": True / False / None (not measured), "notes": [...], "runs": [...]}} for one export."""
+    chosen = T.target_of(target)
+    runs = engine_runs() if runs is None else runs
+    shape = (mla.kv_lora_rank, mla.rope_dim)
+    report: dict = {
+        "transformers": {"ok": True, "notes": ["stock DeepseekV3ForCausalLM, no remote code (every export; tests/test_convert.py)"]},
     }
-    deepseek_shape = mla.kv_lora_rank == DEEPSEEK_KV_LORA_RANK and mla.rope_dim == DEEPSEEK_ROPE_DIM
-    for engine in SERVING_ENGINES:
-        notes = []
-        ok = True
-        if attention_bias:
+    for engine in ("vllm", "llama.cpp"):
+        mine = [r for r in runs if r["engine"] == engine and r.get("target") == chosen.name]
+        here = [r for r in mine if _shape(r) == shape]
+        problems = constraint_problems(engine, mla, chosen, attention_bias, q_lora_rank, tied)
+        notes: list[str] = []
+        if problems:
             ok = False
-            notes.append("the export has attention biases (q_a_proj/kv_a_proj_with_mqa/o_proj); "
-                         "the engine's DeepSeek MLA layer has no bias slot and would drop them")
-        if not deepseek_shape:
-            notes.append(
-                f"shape {mla.kv_lora_rank}+{mla.rope_dim}: the fast MLA kernels want {DEEPSEEK_KV_LORA_RANK}+{DEEPSEEK_ROPE_DIM}; "
-                "expect a slower fallback backend or a rejection at load time"
-            )
-        report[engine] = {"ok": ok, "fast_path": ok and deepseek_shape, "notes": notes}
+            notes += problems
+            if engine in chosen.engines:
+                notes.append("this shape is outside what the target allows")
+            else:
+                notes.append(f"convert with --target {engine} (or all)")
+        elif here:
+            ok = all(r["status"] == "ok" for r in here)
+            notes.append(f"measured at {shape[0]}+{shape[1]} with --target {chosen.name}")
+        else:
+            ok = None
+            others = sorted({f"{r['kv_lora_rank']}+{r['rope_dim']}" for r in mine if r["status"] == "ok"})
+            notes.append(f"not measured at {shape[0]}+{shape[1]} with --target {chosen.name}"
+                         + (f" (measured at {', '.join(others)})" if others else ""))
+        if engine == "vllm" and not problems and mla.kv_values_per_token_layer != 576:
+            notes.append("vLLM's CPU backend decodes only 512+64")
+        report[engine] = {"ok": ok, "notes": notes, "runs": [describe_run(r) for r in here]}
+    report["sglang"] = {"ok": None, "notes": ["not measured (no CPU build); same DeepSeek structure as vLLM: --target vllm "
+                                             "meets the constraints known from vLLM"], "runs": []}
+    report["mla_decode_triton"] = {"ok": True, "notes": ["mla-convert's kernel: any (kv_lora_rank, rope_dim) "
+                                                        "(tests/test_mla_decode_kernel.py)"]}
     return report
+
+
+def measured_runs_table(runs: tuple[dict, ...] | None = None) -> list[tuple[str, ...]]:
+    """(engine, version, date, model, target, shape, weights/KV, status, ppl vs transformers, ratio deviation, greedy) rows."""
+    rows = []
+    for r in engine_runs() if runs is None else runs:
+        rows.append((r["engine"], r["version"], r["date"], r["model"], r.get("target") or "-", f"{r['kv_lora_rank']}+{r['rope_dim']}",
+                     "/".join(str(r[k]) for k in ("weights", "kv_cache") if r.get(k)), r["status"],
+                     "-" if r.get("ppl_rel_diff_vs_transformers") is None else f"{r['ppl_rel_diff_vs_transformers']:.1e}",
+                     "-" if r.get("ratio_deviation") is None else f"{r['ratio_deviation']:+.2%}",
+                     r.get("greedy") or "-"))
+    return rows

@@ -34,6 +34,7 @@ from ..options import CalibrationOptions, ConvertOptions
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedSourceModel
 from ..source.shapes import MLAShape
+from . import serving as S
 from . import target as T
 from .calibration import LayerInputStats, StatsStore, calibration_ids, layer_input_stats, rope_stats_for_layer
 from .decisions import (
@@ -149,15 +150,18 @@ class Converter:
         phase_cpu = dict(self.calibration_cpu)
         progress = PhaseTimer(self.progress, phase_seconds, phase_cpu)
         use_q_lora = mla.q_lora_rank is not None or source.qkv_bias
-        q_lora_rank = mla.q_lora_rank if mla.q_lora_rank is not None else (source.hidden_size if source.qkv_bias else None)
-        attention_bias = source.qkv_bias or source.o_bias
+        target = T.target_of(options.target)
+        layout = T.export_layout(source, mla, target)
+        q_lora_rank, attention_bias = layout.q_lora_rank, layout.attention_bias
+        served: list[dict] = []  # per-layer serving facts (serving targets only)
         grid, plans, grid_table = choose_rope_grid(
             self.rope_stats, model.load_layer, lambda i: LayerInputStats.from_tensors(store.load(i, model.device)), model, mla,
             effort_of(options).rope_finalists, progress,
         )
         rope_parameters = deepseek_rope_parameters(source.rope_parameters, grid, source.head_dim)
         rope_error = T.verify_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, model.inv_freq))
-        target_config = T.build_config(source, mla, rope_parameters, export_dtype, q_lora_rank, attention_bias)
+        target_config = T.build_config(source, mla, rope_parameters, export_dtype, q_lora_rank, attention_bias,
+                                       layout.tie_word_embeddings)
         writer = CheckpointWriter(output, options.max_shard_size, options.overwrite, options.force)
         with writer:
             before, after = T.global_names(source)
@@ -188,13 +192,24 @@ class Converter:
                 except torch.linalg.LinAlgError as error:
                     raise ConversionError(f"layer {index}, step '{step}': {str(error).splitlines()[0]}; nothing was written") from error
                 check_finite(weights, f"layer {index}, step '{step}'")
+                carried = {role: layer.weights[role] for role in T.carried_over_names(source, index)}
+                if target.serving:  # biases out first: the layers above are calibrated on what they will get
+                    weights, bias_info = S.remove_biases(weights, stats, source, mla, plan.slot_inv_freq, int(self.ids.numel()))
+                    problem = S.bias_cost_problem(index, bias_info, report.attention_error)
+                    if problem:
+                        raise ConversionError(problem)
                 if options.sequential:
                     advance_through_converted(model, layer, weights, hidden, mla, plan.slot_inv_freq, calib.chunk)
+                if target.serving:
+                    layer_serving = S.serve_layer(weights, carried["input_norm"], stats, source, mla, layout)
+                    check_finite(layer_serving.weights, f"layer {index}, step 'serving transforms'")
+                    weights, carried["input_norm"] = layer_serving.weights, layer_serving.input_norm
+                    served.append({"layer": index, **({"bias": bias_info} if bias_info else {}), **layer_serving.info})
                 prefix = T.attention_prefix(index)
                 for name, tensor in weights.items():
                     writer.add(prefix + name, tensor.to(export_dtype))
                 for role, dst in T.carried_over_names(source, index).items():
-                    writer.add(dst, layer.weights[role].to(export_dtype))
+                    writer.add(dst, carried[role].to(export_dtype))
                 layer_reports.append(report)
                 del layer
                 model.release()
@@ -202,6 +217,8 @@ class Converter:
             progress.phase("writing the output", None)
             for src, dst in after.items():
                 self._copy_table(writer, src, dst, export_dtype)
+            if source.tied_embeddings and not layout.tie_word_embeddings:  # the engine builds its own head: give it one
+                self._copy_table(writer, source.architecture.embed, "lm_head.weight", export_dtype)
             target_config.save_pretrained(writer.partial)
             writer.copy_sidecars(self.source_path)
             report = build_report(ConversionFacts(
@@ -211,6 +228,7 @@ class Converter:
                 grid=grid, rope_parameters=rope_parameters, grid_table=grid_table, layer_reports=layer_reports,
                 export_dtype=export_dtype, seconds=time.time() - started + self.calibration_seconds,
                 q_lora_rank=q_lora_rank, attention_bias=attention_bias, command=command,
+                serving=S.serving_report(source, mla, target, layout, served, export_dtype, options.compression),
             ))
             progress.stop()
             report["rope"]["max_relative_frequency_error"] = rope_error

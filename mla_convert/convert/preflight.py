@@ -30,7 +30,7 @@ from ..io.reader import CheckpointReader
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
 from ..source.config import SourceConfig
-from ..source.shapes import MLAShape, pick_shape, shape_problems
+from ..source.shapes import MLAShape, pick_target_shape, shape_problems
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from . import target as T
 
@@ -244,12 +244,13 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
     return []
 
 
-def estimated_output_bytes(shape: SourceConfig, mla: MLAShape, dtype: torch.dtype) -> int:
+def estimated_output_bytes(shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, target: str | None = None) -> int:
     d, H, h, D, R, inter = shape.hidden_size, shape.num_heads, shape.head_dim, mla.rope_dim, mla.kv_lora_rank, shape.intermediate_size
+    layout = T.export_layout(shape, mla, T.target_of(target))
     q_rows = H * (h + D)
-    query = q_rows * d if mla.q_lora_rank is None and not shape.qkv_bias else (mla.q_lora_rank or d) * (d + q_rows + 2)
+    query = q_rows * d if layout.q_lora_rank is None else layout.q_lora_rank * (d + q_rows + 2)
     per_layer = query + (R + D) * (d + 1) + R + H * 2 * h * R + d * H * h + d + 3 * d * inter + 2 * d
-    total = shape.vocab_size * d * (1 if shape.tied_embeddings else 2) + d + shape.num_layers * per_layer
+    total = shape.vocab_size * d * (1 if layout.tie_word_embeddings else 2) + d + shape.num_layers * per_layer
     return total * dtype_bytes(dtype)
 
 
@@ -298,9 +299,9 @@ def scratch_problems(needed: int) -> list[str]:
 
 
 def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, source: Path,
-                     calibration) -> tuple[list[str], str]:
+                     calibration, target: str | None = None) -> tuple[list[str], str]:
     """Free-space problems for the output and the temp folder, and a one-line estimate to show the user."""
-    needed = estimated_output_bytes(shape, mla, dtype) + sidecar_bytes(source) + OUTPUT_OVERHEAD_BYTES
+    needed = estimated_output_bytes(shape, mla, dtype, target) + sidecar_bytes(source) + OUTPUT_OVERHEAD_BYTES
     statistics = estimated_statistics_bytes(shape, calibration)
     problems = disk_problems(output, needed) + scratch_problems(statistics)
     summary = f"disk: the output needs about {human_bytes(needed)}"
@@ -344,6 +345,7 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     Reads only headers and the file system; `message` receives what was cleaned up and the disk estimate.
     """
     problems: list[str] = option_problems(options)
+    target = options.target if options.target in T.TARGETS else None  # a bad name is already one of the problems
     output_ok = True
     if output.parent.exists():
         try:  # a partial folder a live run is writing is one problem among the others
@@ -371,7 +373,8 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     except MLAConvertError as error:
         problems.append(str(error))
     try:
-        mla = pick_shape(source, options.kv_lora_rank, options.rope_dim, options.compression, options.q_lora_rank)
+        mla = pick_target_shape(source, target, options.kv_lora_rank, options.rope_dim, options.compression,
+                                options.q_lora_rank)
         problems += shape_problems(source, mla.kv_lora_rank, mla.rope_dim, mla.q_lora_rank)
     except PreflightError as error:
         problems += error.problems
@@ -383,7 +386,8 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     problems += shard_size_problems(options.max_shard_size) + device_problems(options.device)
     storage_summary = None
     if output_ok and mla is not None:
-        storage, storage_summary = storage_problems(output, source, mla, dtype, reader.folder, options.calibration)
+        storage, storage_summary = storage_problems(output, source, mla, dtype, reader.folder, options.calibration,
+                                                    target)
         problems += storage
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))

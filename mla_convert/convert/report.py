@@ -50,6 +50,7 @@ class ConversionFacts:
     q_lora_rank: int | None
     attention_bias: bool
     command: str | None = None
+    serving: dict | None = None  # serving.serving_report: what the --target did (None for transformers)
 
 
 def source_label(name: str, output: Path) -> tuple[str, str | None]:
@@ -142,7 +143,9 @@ def build_report(facts: ConversionFacts) -> dict:
         },
         "evaluation": None,
         "finetuning": None,
-        "engines": engine_compatibility(mla, facts.attention_bias, facts.q_lora_rank),
+        "serving": facts.serving,
+        "engines": engine_compatibility(mla, facts.attention_bias, facts.q_lora_rank, facts.options.target,
+                                        tied=(facts.serving or {}).get("tie_word_embeddings", source.tied_embeddings)),
         "versions": {
             "mla_convert": __version__,
             "torch": torch.__version__,

@@ -7,7 +7,10 @@
   `rms_norm_eps` to that same 1e-6 so every engine computes the same function;
 - the latent-scale codec: the latent is stored at a tiny scale alpha (`kv_a_proj_with_mqa` latent rows
   = alpha * W_down) so that mean(c^2) << eps and the stock RMSNorm is linear; its gain then encodes
-  alpha as `gain = sqrt(eps) / alpha` (`latent_norm_gain`, `latent_scale_of`).
+  alpha as `gain = sqrt(eps) / alpha` (`latent_norm_gain`, `latent_scale_of`);
+- the serving targets (`--target`): what each engine accepts, as data (`Target`, `TARGETS`).  The
+  constraints come from the engines' code and from the measured runs in docs/engines.md; the runs
+  themselves are recorded in `engines.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,9 +95,124 @@ def latent_scale_for(down: torch.Tensor, input_norm_weight: torch.Tensor, latent
     return math.sqrt(LINEARITY_MARGIN * LATENT_NORM_EPS / max(worst_mean_square, 1e-300))
 
 
+# --------------------------------------------------------------------------- serving targets
+@dataclass(frozen=True)
+class Target:
+    """What one serving target accepts (`--target`).  Data only; `serving.py` applies it to the weights."""
+
+    name: str
+    summary: str
+    # kv_lora_rank + rope_dim values the engine's MLA attention accepts (None: any shape)
+    widths: tuple[int, ...] | None = None
+    widths_note: str = ""
+    # the engine honours `tie_word_embeddings` (else the export writes an untied lm_head.weight)
+    ties_embeddings: bool = True
+    # the engine's DeepSeek attention has bias slots (else the export must hold no bias tensor)
+    attention_bias: bool = True
+    # the engine needs config.q_lora_rank set (llama.cpp: deepseek2.attention.q_lora_rank)
+    needs_q_lora_rank: bool = False
+    # quantised KV caches need kv_lora_rank and kv_lora_rank + rope_dim to be multiples of this (None: no rule)
+    quantized_kv_block: int | None = None
+    # weight formats and KV-cache formats the export must survive (the magnitude fixes are for these)
+    weight_formats: tuple[str, ...] = ()
+    kv_cache_formats: tuple[str, ...] = ()
+    # the engines whose runs (engines.py) describe this target
+    engines: tuple[str, ...] = ()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the export gets the serving transforms (normal-range magnitudes, balanced cache, no biases)."""
+        return self.name != "transformers"
+
+    def width_problem(self, kv_lora_rank: int, rope_dim: int) -> str | None:
+        if self.widths is None or kv_lora_rank + rope_dim in self.widths:
+            return None
+        return (f"{kv_lora_rank} + {rope_dim} = {kv_lora_rank + rope_dim} is not a width {self.name} serves "
+                f"(kv_lora_rank + rope_dim must be one of {', '.join(map(str, self.widths))}{self.widths_note})")
+
+    def quantized_kv_problem(self, kv_lora_rank: int, rope_dim: int) -> str | None:
+        """Why a quantised (q8_0) KV cache cannot hold this shape in the engine (None: it can, or no rule)."""
+        block = self.quantized_kv_block
+        if block is None:
+            return None
+        bad = [f"{name} {value}" for name, value in (("kv_lora_rank", kv_lora_rank), ("kv_lora_rank + rope_dim", kv_lora_rank + rope_dim))
+               if value % block]
+        if not bad:
+            return None
+        return (f"{' and '.join(bad)} not a multiple of {block}: llama.cpp's q8_0/q4_0 KV cache blocks of {block} must divide "
+                "the cached latent (V) and latent + RoPE key (K); use an f16 KV cache")
+
+
+VLLM_WIDTHS = (320, 512, 576)
+TARGETS: dict[str, Target] = {
+    "transformers": Target(
+        "transformers", "stock transformers (any shape; tied embeddings and attention biases kept)",
+        engines=("transformers",)),
+    "vllm": Target(
+        "vllm", "vLLM (and SGLang, same DeepSeek structure): widths 320/512/576, untied head, no biases",
+        widths=VLLM_WIDTHS,
+        widths_note="; vLLM's CPU backend decodes only 512 + 64 = 576",
+        ties_embeddings=False, attention_bias=False,
+        weight_formats=("fp32", "bf16", "fp16"), kv_cache_formats=("auto",), engines=("vllm",)),
+    "llama.cpp": Target(
+        "llama.cpp", "llama.cpp GGUF: any shape, q_lora_rank in the config, no biases, weights that survive "
+        "f16/bf16/q8_0/Q4_K_M", ties_embeddings=True, attention_bias=False, needs_q_lora_rank=True, quantized_kv_block=32,
+        weight_formats=("f32", "f16", "bf16", "q8_0", "Q4_K_M"), kv_cache_formats=("f16", "q8_0"), engines=("llama.cpp",)),
+}
+
+
+def _intersection(name: str, targets: list[Target]) -> Target:
+    widths = None
+    for target in targets:
+        if target.widths is not None:
+            widths = target.widths if widths is None else tuple(w for w in widths if w in target.widths)
+    notes = "".join(t.widths_note for t in targets if t.widths is not None)
+    blocks = [t.quantized_kv_block for t in targets if t.quantized_kv_block]
+    return Target(
+        name, "every serving target at once: " + "; ".join(t.name for t in targets),
+        widths=widths, widths_note=notes,
+        ties_embeddings=all(t.ties_embeddings for t in targets),
+        attention_bias=all(t.attention_bias for t in targets),
+        needs_q_lora_rank=any(t.needs_q_lora_rank for t in targets),
+        quantized_kv_block=max(blocks) if blocks else None,
+        weight_formats=tuple(dict.fromkeys(f for t in targets for f in t.weight_formats)),
+        kv_cache_formats=tuple(dict.fromkeys(f for t in targets for f in t.kv_cache_formats)),
+        engines=tuple(dict.fromkeys(e for t in targets for e in t.engines)),
+    )
+
+
+TARGETS["all"] = _intersection("all", [TARGETS["vllm"], TARGETS["llama.cpp"]])
+TARGET_NAMES = tuple(TARGETS)
+
+
+def target_of(name: str | None) -> Target:
+    return TARGETS[name or "transformers"]
+
+
+@dataclass(frozen=True)
+class ExportLayout:
+    """Config-level facts of one export that depend on the target: tying, biases, q_lora_rank."""
+
+    q_lora_rank: int | None
+    attention_bias: bool
+    tie_word_embeddings: bool
+    # the queries go through q_a_proj = identity (q_lora_rank = hidden) only to give llama.cpp its key
+    identity_q_path: bool = False
+
+
+def export_layout(source: SourceConfig, mla: MLAShape, target: Target) -> ExportLayout:
+    if not target.serving:
+        # a query bias rides exactly on a full-rank q_a path (see layer.py); everything else as the source
+        q_lora = mla.q_lora_rank if mla.q_lora_rank is not None else (source.hidden_size if source.qkv_bias else None)
+        return ExportLayout(q_lora, source.qkv_bias or source.o_bias, source.tied_embeddings)
+    identity = mla.q_lora_rank is None and target.needs_q_lora_rank
+    q_lora = mla.q_lora_rank if mla.q_lora_rank is not None else (source.hidden_size if identity else None)
+    return ExportLayout(q_lora, False, source.tied_embeddings and target.ties_embeddings, identity)
+
+
 # --------------------------------------------------------------------------- config
 def build_config(source: SourceConfig, mla: MLAShape, rope_parameters: dict, dtype: torch.dtype,
-                 q_lora_rank: int | None, attention_bias: bool):
+                 q_lora_rank: int | None, attention_bias: bool, tie_word_embeddings: bool | None = None):
     """A `DeepseekV3Config` for a dense MLA model equivalent to the source (built by transformers itself)."""
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
@@ -114,8 +233,10 @@ def build_config(source: SourceConfig, mla: MLAShape, rope_parameters: dict, dty
         n_routed_experts=1,
         n_shared_experts=0,
         num_experts_per_tok=1,
-        n_group=1,
-        topk_group=1,
+        # null, not 1: llama.cpp turns n_group = n_routed_experts = 1 into a load abort (n_expert_groups <
+        # n_expert); transformers reads them only in MoE layers, which a dense export has none of
+        n_group=None,
+        topk_group=None,
         moe_intermediate_size=source.intermediate_size,
         num_mtp_layers=0,
         hidden_act=source.hidden_act,
@@ -125,7 +246,7 @@ def build_config(source: SourceConfig, mla: MLAShape, rope_parameters: dict, dty
         rope_interleave=True,
         attention_bias=attention_bias,
         attention_dropout=0.0,
-        tie_word_embeddings=source.tied_embeddings,
+        tie_word_embeddings=source.tied_embeddings if tie_word_embeddings is None else tie_word_embeddings,
         bos_token_id=source.bos_token_id,
         eos_token_id=list(source.eos_token_id) if isinstance(source.eos_token_id, tuple) else source.eos_token_id,
         pad_token_id=source.pad_token_id,

@@ -40,7 +40,7 @@ from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, Progress
 from ..convert.pipeline import Converter
 from ..errors import MLAConvertError, PreflightError
 from ..options import CalibrationOptions, ConvertOptions
-from ..source.shapes import shape_for_compression
+from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
@@ -729,7 +729,7 @@ def _collect_preflight_problems(converter: Converter, base: ConvertOptions, rati
 def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
                        tokenized: TokenizedText, context_length: int, max_windows: int | None, eval_device: str | None,
                        eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool) -> SweepPoint:
-    mla = shape_for_compression(converter.config, ratio)
+    mla = pick_target_shape(converter.config, base.target, compression=ratio)
     common = dict(method=method, requested_ratio=ratio, kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.rope_dim,
                   values_per_token_layer=mla.kv_values_per_token_layer)
     options = dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method])

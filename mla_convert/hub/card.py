@@ -423,35 +423,32 @@ def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
 _ENGINE_NAMES = {
     "transformers": "transformers",
     "vllm": "vLLM",
+    "llama.cpp": "llama.cpp",
     "sglang": "SGLang",
     "mla_decode_triton": "mla-convert Triton decode kernel",
 }
 
 
 def _yes_no(flag: Any) -> str:
-    return "yes" if flag is True else ("no" if flag is False else "not checked")
+    return "yes" if flag is True else ("no" if flag is False else "not measured")
 
 
 def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
     model = _load_id(repo_id)
     engines = _get(report, "engines", default={})
-    lines = [
-        "## Serving",
-        "",
-        "vLLM and SGLang both implement DeepSeek-V3's MLA, so they read this checkpoint as a DeepSeek-V3 model. "
-        "Whether an engine accepts this exact shape depends on its MLA kernels; "
-        + (
-            "the table below is what the conversion report recorded."
-            if isinstance(engines, Mapping) and engines
-            else "the conversion report recorded no engine checks, so test it before deploying."
-        ),
-        "",
-        "```bash",
-        f"vllm serve {model} --dtype bfloat16",
-        f"python -m sglang.launch_server --model-path {model} --dtype bfloat16",
-        "```",
-        "",
-    ]
+    serving = _get(report, "serving")
+    target = _get(serving, "target") if isinstance(serving, Mapping) else _get(report, "options", "target")
+    lines = ["## Serving", ""]
+    if target:
+        lines.append(f"This export was made with `--target {_text(target)}`. "
+                     "The table lists what was measured: an engine is \"yes\" only where somebody ran this target at this "
+                     "shape (runs named with their engine version and date), \"no\" where the export breaks a constraint "
+                     "of the engine's code, and \"not measured\" otherwise.")
+    else:
+        lines.append("The table below is what the conversion report recorded."
+                     if isinstance(engines, Mapping) and engines
+                     else "The conversion report recorded no engine checks, so test it before deploying.")
+    lines.append("")
     if isinstance(engines, Mapping) and engines:
         with_fast = any(isinstance(info, Mapping) and "fast_path" in info for info in engines.values())
         lines += (
@@ -461,12 +458,42 @@ def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str
         )
         for key, info in engines.items():
             notes = _get(info, "notes", default=[])
-            notes_text = "; ".join(_cell(note) for note in notes) if isinstance(notes, list) else _cell(notes)
+            runs = _get(info, "runs", default=[])
+            items = (notes if isinstance(notes, list) else [notes]) + (runs if isinstance(runs, list) else [])
+            notes_text = "; ".join(_cell(note) for note in items)
             cells = [_ENGINE_NAMES.get(key, _cell(key)), _yes_no(_get(info, "ok"))]
             if with_fast:
                 cells.append(_yes_no(_get(info, "fast_path")))
             lines.append("| " + " | ".join([*cells, notes_text or "-"]) + " |")
         lines.append("")
+    refused = {key for key, info in (engines.items() if isinstance(engines, Mapping) else []) if _get(info, "ok") is False}
+    commands = []
+    if "vllm" not in refused:
+        commands.append(f"vllm serve {model} --dtype bfloat16")
+    if "sglang" not in refused and "vllm" not in refused:
+        commands.append(f"python -m sglang.launch_server --model-path {model} --dtype bfloat16")
+    if target and "llama.cpp" not in refused:
+        commands += ["# llama.cpp: its own converter, then any weight type (f16 is its default)",
+                     "python convert_hf_to_gguf.py path/to/this/model --outfile model-f16.gguf",
+                     "llama-completion -m model-f16.gguf -p \"Once upon a time\" -n 40"]
+    if commands:
+        lines += ["```bash", *commands, "```", ""]
+    if isinstance(serving, Mapping):
+        facts = []
+        if _get(serving, "shape_note"):
+            facts.append(f"- Shape: {_text(serving['shape_note'])}.")
+        extra = _get(serving, "extra_values", default={}) or {}
+        parts = [f"{_text(name).replace('_', ' ')}: {int(value):,} values" for name, value in extra.items() if _number(value)]
+        if parts:
+            facts.append(f"- Extra weights for the engines: {'; '.join(parts)} ({human_bytes(int(_number(serving.get('extra_bytes')) or 0))}).")
+        bias = _get(serving, "bias")
+        if isinstance(bias, Mapping) and _number(bias.get("max_removal_error")) is not None:
+            facts.append(f"- The source's attention biases were removed (no engine has a slot for them): the attention output "
+                         f"changed by at most {bias['max_removal_error']:.3g} (relative, on held-out calibration windows).")
+        if _get(serving, "quantized_kv_cache"):
+            facts.append(f"- llama.cpp q8_0 KV cache: {_text(serving['quantized_kv_cache'])}.")
+        if facts:
+            lines += facts + [""]
     return lines
 
 
@@ -476,27 +503,46 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
     scales = [s for s in (_number(_get(layer, "latent_scale")) for layer in (_get(report, "layers") or [])) if s]
     lines = ["## Caveats", ""]
     scale_text = f" (here between {min(scales):.2g} and {max(scales):.2g})" if scales else ""
-    lines.append(
-        "- **Use bfloat16 or float32, not float16.** DeepSeek-V3 applies an RMSNorm (`kv_a_layernorm`) to the cached "
-        "latent. To keep that norm from distorting the converted attention, mla-convert stores the latent rows of "
-        "`kv_a_proj_with_mqa` at a "
-        f"tiny scale{scale_text}, so the norm's epsilon dominates and the norm acts as a fixed linear scaling that "
-        "`kv_b_proj` undoes. Values that small are below float16's normal range and lose their precision there; "
-        "bfloat16 and float32 keep them. For the same reason, a quantizer that shares one scale between these rows "
-        "and the rest of `kv_a_proj_with_mqa` can round them to zero."
-    )
-    if _get(report, "source", "qkv_bias"):
+    serving = _get(report, "serving")
+    latent = _get(serving, "magnitudes", "kv_a_latent_rows") if isinstance(serving, Mapping) else None
+    if isinstance(latent, Mapping) and _number(latent.get("median_nonzero")) is not None:
+        lines.append(
+            f"- **Weights in a normal float range.** This export was rewritten for serving (`--target {_text(serving.get('target'))}`): "
+            "the latent scale that keeps DeepSeek-V3's `kv_a_layernorm` linear was chosen from calibration data and shared "
+            "between the input norm and its consumers, so the latent rows of `kv_a_proj_with_mqa` have median "
+            f"{latent['median_nonzero']:.2g} and {_number(latent.get('frac_below_f16_normal')) or 0:.1%} of them lie below "
+            "float16's normal range (worst layer). The norm is linear up to about 1 % of its epsilon on the calibration "
+            "tokens, not provably for every input."
+        )
+    else:
+        lines.append(
+            "- **Use bfloat16 or float32, not float16.** DeepSeek-V3 applies an RMSNorm (`kv_a_layernorm`) to the cached "
+            "latent. To keep that norm from distorting the converted attention, mla-convert stores the latent rows of "
+            "`kv_a_proj_with_mqa` at a "
+            f"tiny scale{scale_text}, so the norm's epsilon dominates and the norm acts as a fixed linear scaling that "
+            "`kv_b_proj` undoes. Values that small are below float16's normal range and lose their precision there; "
+            "bfloat16 and float32 keep them. For the same reason, a quantizer that shares one scale between these rows "
+            "and the rest of `kv_a_proj_with_mqa` can round them to zero (a GGUF conversion: convert with "
+            "`--target llama.cpp`)."
+        )
+    if _get(report, "source", "qkv_bias") and isinstance(_get(serving, "bias"), Mapping):
+        lines.append(
+            "- **Attention biases.** The source model has biases on its query/key/value projections; the serving "
+            "engines have no slot for them, so this export carries them through the input's most constant direction "
+            "or drops them, at the measured cost shown under Serving."
+        )
+    elif _get(report, "source", "qkv_bias"):
         lines.append(
             "- **Attention biases.** The source model has biases on its query/key/value projections. This export "
             "keeps them through DeepseekV3's `attention_bias` option, which transformers honours; serving engines "
             "whose DeepSeek MLA layer has no bias slot would drop them and compute a different model (see the "
-            "engine table)."
+            "engine table; `--target vllm` or `llama.cpp` exports a bias-free model)."
         )
     if rank and rope and (rank, rope) != (DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM):
         lines.append(
             f"- **Shape.** This model caches a {rank}-value latent plus a {rope}-value RoPE key. The fastest MLA "
-            f"kernels are built for DeepSeek-V3's {DEEPSEEK_KV_LORA_RANK} + {DEEPSEEK_ROPE_DIM}; engines either fall "
-            "back to slower attention paths for other shapes or refuse them."
+            f"kernels are built for DeepSeek-V3's {DEEPSEEK_KV_LORA_RANK} + {DEEPSEEK_ROPE_DIM}; what was measured at "
+            "this shape is in the serving table."
         )
     measured = isinstance(_get(report, "evaluation"), Mapping)
     lines.append(

@@ -8,7 +8,7 @@ import torch
 
 from ..units import human_bytes
 from .config import SourceConfig
-from .shapes import CacheCost, MLAShape, cache_costs, check_mla_shape, pick_shape
+from .shapes import CacheCost, MLAShape, cache_costs, check_mla_shape, pick_target_shape, ratio_of, target_shapes
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,40 @@ def inspect_shapes(
     dtype: torch.dtype = torch.bfloat16,
     context: int = 4096,
     batch: int = 1,
+    target: str | None = None,
 ) -> InspectReport:
-    mla = pick_shape(source, kv_lora_rank, rope_dim, compression)
+    mla = pick_target_shape(source, target, kv_lora_rank, rope_dim, compression)
     mla = check_mla_shape(source, mla.kv_lora_rank, mla.rope_dim)
     source_cost, mla_cost = cache_costs(source, mla, dtype)
     return InspectReport(source, mla, dtype, context, batch, source_cost, mla_cost)
+
+
+def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
+    """(target, the shapes it allows for this source, their KV ratios and the llama.cpp q8_0 KV-cache rule) per target."""
+    from ..convert.target import TARGETS
+
+    rows = []
+    for target in TARGETS.values():
+        allowed = target_shapes(source, target)
+        if allowed is None:
+            shapes = f"any: kv_lora_rank <= {source.max_kv_lora_rank}, even rope_dim <= {source.max_rope_dim}"
+            ratios = f"1x to {source.kv_values_per_token_layer / 3:.1f}x"
+        else:
+            shapes = ", ".join(f"{m.kv_lora_rank}+{m.rope_dim}" for m in allowed) or \
+                f"none (kv_lora_rank + rope_dim must be one of {', '.join(map(str, target.widths))})"
+            ratios = ", ".join(f"{ratio_of(source, m):.2f}x" for m in allowed) or "-"
+        if target.quantized_kv_block:
+            block = target.quantized_kv_block
+            ropes = [d for d in range(block, source.max_rope_dim + 1, block)]
+            ranks = source.max_kv_lora_rank // block * block
+            if allowed is not None:
+                ok = [m for m in allowed if target.quantized_kv_problem(m.kv_lora_rank, m.rope_dim) is None]
+                rule = f"q8_0 KV cache: {', '.join(f'{m.kv_lora_rank}+{m.rope_dim}' for m in ok) or 'none'}"
+            elif ropes and ranks:
+                rule = (f"q8_0 KV cache only with kv_lora_rank and rope_dim multiples of {block}: rope_dim "
+                        f"{' or '.join(map(str, ropes))}, kv_lora_rank {block}..{ranks}")
+            else:
+                rule = f"q8_0 KV cache impossible (needs rope_dim and kv_lora_rank multiples of {block}; rope_dim <= {source.max_rope_dim})"
+            ratios += f"; {rule}"
+        rows.append((target.name, shapes, ratios))
+    return rows

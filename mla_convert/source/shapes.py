@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
+from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, Target, target_of
 from ..errors import InvalidShapeError, PreflightError
 from ..units import dtype_bytes
 from .config import SourceConfig
@@ -136,6 +136,117 @@ def pick_shape(source: SourceConfig, kv_lora_rank: int | None = None, rope_dim: 
     else:
         mla = MLAShape(kv_lora_rank, rope_dim)
     return MLAShape(mla.kv_lora_rank, mla.rope_dim, q_lora_rank)
+
+
+# --------------------------------------------------------------------------- shapes a serving target allows
+def target_width_shape(source: SourceConfig, width: int, target: Target) -> MLAShape | None:
+    """The shape of one allowed width: DeepSeek's rope 64 (or the source head_dim, if smaller), the rest latent.
+
+    Where the target has a quantised-KV rule, a rope_dim that keeps both sizes multiples of its block wins;
+    a width the source cannot fill (latent rank above its maximum) or that would not shrink the cache gives None.
+    """
+    preferred = min(DEEPSEEK_ROPE_DIM, source.max_rope_dim)
+    preferred -= preferred % 2
+    candidates = sorted(range(2, preferred + 1, 2), key=lambda d: (
+        target.quantized_kv_problem(width - d, d) is not None, abs(d - preferred)))
+    for rope_dim in candidates:
+        rank = width - rope_dim
+        if rank <= 0 or shape_problems(source, rank, rope_dim):
+            continue
+        if source.kv_values_per_token_layer < width:  # a bigger cache than the source's is no conversion
+            return None
+        return MLAShape(rank, rope_dim)
+    return None
+
+
+def target_shapes(source: SourceConfig, target: Target) -> list[MLAShape] | None:
+    """Every shape `target` allows for this source, smallest compression first (None: any shape)."""
+    if target.widths is None:
+        return None
+    shapes = [shape for shape in (target_width_shape(source, width, target) for width in sorted(target.widths, reverse=True))
+              if shape is not None]
+    return shapes
+
+
+def ratio_of(source: SourceConfig, mla: MLAShape) -> float:
+    return source.kv_values_per_token_layer / mla.kv_values_per_token_layer
+
+
+def describe_shapes(source: SourceConfig, shapes: list[MLAShape]) -> str:
+    return ", ".join(f"{m.kv_lora_rank}+{m.rope_dim} ({ratio_of(source, m):.2f}x)" for m in shapes) or "none"
+
+
+def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora_rank: int | None = None,
+                      rope_dim: int | None = None, compression: float | None = None,
+                      q_lora_rank: int | None = None) -> MLAShape:
+    """`pick_shape` under a target's width rule.
+
+    --compression X picks the allowed shape with the smallest ratio at or above X (the best quality that
+    reaches X), or the one closest to X when none reaches it; no shape options pick the default when the
+    target allows it, else as --compression 2.  Explicit ranks outside the target are an error naming the
+    shapes it allows for this source.
+    """
+    target = target_of(target) if not isinstance(target, Target) else target
+    allowed = target_shapes(source, target)
+    if allowed is None:
+        return pick_shape(source, kv_lora_rank, rope_dim, compression, q_lora_rank)
+    explicit = kv_lora_rank is not None or rope_dim is not None
+    if explicit or not allowed:
+        if compression is not None and explicit:
+            raise PreflightError(["--compression picks --kv-lora-rank and --rope-dim; give either the ratio or the ranks"])
+        if not allowed:
+            raise PreflightError([
+                f"--target {target.name}: no shape this target serves fits this source (kv_lora_rank + rope_dim must be one of "
+                f"{', '.join(map(str, target.widths))}{target.widths_note}; the source caches "
+                f"{source.kv_values_per_token_layer} values per token and layer, and allows kv_lora_rank <= "
+                f"{source.max_kv_lora_rank}, rope_dim <= {source.max_rope_dim}); use --target transformers or llama.cpp"])
+        mla = pick_shape(source, kv_lora_rank, rope_dim, None, q_lora_rank)
+        problem = target.width_problem(mla.kv_lora_rank, mla.rope_dim)
+        if problem:
+            flags = " ".join(f"{flag} {value}" for flag, value in (("--kv-lora-rank", kv_lora_rank), ("--rope-dim", rope_dim))
+                             if value is not None)
+            raise PreflightError([f"--target {target.name} {flags}: {problem}; this model allows {describe_shapes(source, allowed)}"])
+        return mla
+    if compression is None:
+        try:
+            fallback = default_shape(source)
+        except InvalidShapeError:
+            fallback = None
+        if fallback is not None and target.width_problem(fallback.kv_lora_rank, fallback.rope_dim) is None:
+            return MLAShape(fallback.kv_lora_rank, fallback.rope_dim, q_lora_rank)
+        compression = 2.0
+    if not compression >= 1:
+        raise InvalidShapeError(
+            f"--compression {compression}: must be at least 1 (how many times smaller the MLA cache is than the source's)")
+    reaching = [m for m in allowed if ratio_of(source, m) >= compression * (1 - 1e-9)]
+    if reaching:
+        mla = min(reaching, key=lambda m: ratio_of(source, m))
+    else:
+        mla = max(allowed, key=lambda m: ratio_of(source, m))
+    return MLAShape(mla.kv_lora_rank, mla.rope_dim, q_lora_rank)
+
+
+def shape_choice_note(source: SourceConfig, target: Target | str | None, mla: MLAShape, compression: float | None) -> str | None:
+    """Why the shape differs from the ratio asked for (None when it does not, or no ratio was asked)."""
+    target = target_of(target) if not isinstance(target, Target) else target
+    allowed = target_shapes(source, target)
+    if allowed is None:
+        return None
+    got = ratio_of(source, mla)
+    if compression is None:
+        try:
+            fallback = default_shape(source)
+        except InvalidShapeError:
+            fallback = None
+        if fallback is not None and (fallback.kv_lora_rank, fallback.rope_dim) == (mla.kv_lora_rank, mla.rope_dim):
+            return None
+    asked = 2.0 if compression is None else compression
+    if abs(got - asked) <= 1e-9 * asked:
+        return None
+    how = "the closest" if got < asked * (1 - 1e-9) else "the smallest at or above it"
+    return (f"--target {target.name} allows {describe_shapes(source, allowed)} for this model; asked "
+            f"{asked:g}x{' (the default)' if compression is None else ''}, got {mla.kv_lora_rank}+{mla.rope_dim} = "
+            f"{got:.2f}x ({how})")
 
 
 @dataclass(frozen=True)

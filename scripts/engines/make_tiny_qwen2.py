@@ -3,7 +3,8 @@
   make_tiny_qwen2.py OUT [--tokenizer-from DIR]
 
 Random weights (std 0.02) and random non-zero biases (std 0.1); SmolLM2's tokenizer (same vocab size)
-so that every engine can tokenise.  head_dim 64 so that vLLM-CPU's attention kernel accepts the source.
+so that every engine can tokenise.  head_dim 64 so that vLLM-CPU's attention kernel accepts the source; 4 KV heads
+(512 cached values) so that vLLM's 256 + 64 is a compression.  Embedding channel 0 is constant (see below).
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ def main(argv=None):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                       rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+        # one "massive activation" channel, as trained LLMs have (a near-constant direction of the normalised input,
+        # which the bias-free serving export uses to carry the biases); softmax-invariant through the tied head
+        model.model.embed_tokens.weight[:, 0] = 1.0
     model.save_pretrained(a.out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if (a.tokenizer_from / f).exists():

@@ -99,11 +99,23 @@ def run_llamacpp(models: dict, a, work: Path) -> dict:
     return out
 
 
+def random_tokens(vocab: int, n_ctx: int, n_chunks: int) -> dict:
+    """Token ids for a checkpoint without a tokenizer (synthetic weights): seeded random ids, 4 prompts of 8."""
+    import random
+
+    rng = random.Random(0)
+    return {"source": "random ids (synthetic checkpoint has no tokenizer)", "ppl_tokens": [rng.randrange(vocab) for _ in range(n_ctx * n_chunks)],
+            "bos": None, "n_ctx": n_ctx, "n_chunks": n_chunks, "domain": "synthetic",
+            "prompts": [[rng.randrange(vocab) for _ in range(8)] for _ in range(4)]}
+
+
 def run_vllm(models: dict, a, work: Path) -> dict:
     out = {}
     for label, model in models.items():
         w = work / "vllm" / label
         tokens = w / "tokens_hf.json"
+        if not tokens.exists() and a.random_tokens:
+            write_json(tokens, random_tokens(a.random_tokens, a.n_ctx, a.n_chunks))
         if not tokens.exists():
             sh([HF_PY, HERE / "hf_run.py", "tokens", model, a.domain, tokens, "--n-ctx", a.n_ctx, "--n-chunks", a.n_chunks], w / "tokens.log")
         res_file = w / "result.json"
@@ -123,6 +135,23 @@ def run_vllm(models: dict, a, work: Path) -> dict:
     return out
 
 
+def export_info(folder: Path, model_name: str | None = None) -> dict:
+    """What scripts/engines/record_runs.py needs to file the runs: shape, target, tying, biases, who made the export."""
+    cfg = read_json(folder / "config.json")
+    report_file = folder / "mla_convert.json"
+    report = read_json(report_file) if report_file.exists() else {}
+    options = report.get("options", {})
+    source = (report.get("source") or {}).get("name_or_path")
+    return {
+        "kv_lora_rank": cfg.get("kv_lora_rank"), "rope_dim": cfg.get("qk_rope_head_dim"), "q_lora_rank": cfg.get("q_lora_rank"),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings"), "attention_bias": cfg.get("attention_bias"),
+        "target": options.get("target", "transformers") if report else None,
+        "made_by": f"mla-convert {report.get('mla_convert_version')}" if report else "not an mla-convert export",
+        "model": model_name or (Path(source).name if source else folder.name),
+        "command": report.get("command"),
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--export", type=Path, required=True)
@@ -140,12 +169,16 @@ def main(argv=None):
     ap.add_argument("--vllm-args", default="")
     ap.add_argument("--vllm-source", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--reuse", action="store_true", help="keep engine result files that already exist (re-summarise)")
+    ap.add_argument("--random-tokens", type=int, default=0, metavar="VOCAB",
+                    help="vLLM: score seeded random ids below VOCAB (a checkpoint without a tokenizer) instead of the domain's text")
+    ap.add_argument("--model-name", default=None, help="how the engine record names the source model (default: its folder name)")
     a = ap.parse_args(argv)
     models = {"export": a.export.resolve()}
     if a.source:
         models = {"source": a.source.resolve(), **models}
     t0 = time.time()
-    result = {"export": str(a.export), "source": str(a.source), "domain": a.domain, "date": time.strftime("%Y-%m-%d")}
+    result = {"export": str(a.export), "source": str(a.source), "domain": a.domain, "date": time.strftime("%Y-%m-%d"),
+              "export_info": export_info(a.export, a.model_name)}
     if "llamacpp" in a.engines:
         result["llamacpp"] = run_llamacpp(models, a, a.work)
     if "vllm" in a.engines:

@@ -1,7 +1,6 @@
-"""vLLM and llama.cpp against transformers on stories260K exports (issue 13 acceptance, small scale).
+"""vLLM and llama.cpp against transformers on exports made by the package's --target (issue 13 acceptance, small scale).
 
-The serving fixes are prototyped as a post-processing step (scripts/engines/prototypes/serving_export.py)
-until the exporter's `--target` lands; the raw export is kept to pin the issue's findings.
+The default export (--target transformers) is kept to pin what the engines do with it.
 """
 
 from __future__ import annotations
@@ -29,20 +28,18 @@ def need(engine: str):
 @pytest.fixture(scope="session")
 def stories_exports(tmp_path_factory, stories260k):
     root = tmp_path_factory.mktemp("engines")
-    raw = root / "s2x"
-    subprocess.run([sys.executable, "-m", "mla_convert", "convert", str(stories260k), str(raw), "--compression", "2",
-                    "--dtype", "fp32", "-q"], check=True, cwd=REPO)
-    serving = root / "s2x_serving"
-    subprocess.run([sys.executable, str(REPO / "scripts/engines/prototypes/serving_export.py"), str(raw), str(serving),
-                    "--q-path", "identity", "--margin", "1e-2",
-                    "--calib-text", str(stories260k.parents[1] / "data" / "tinystories-valid-excerpt.txt")], check=True)
-    return {"root": root, "raw": raw, "serving": serving, "source": stories260k}
+    exports = {}
+    for target in ("transformers", "llama.cpp"):
+        exports[target] = root / f"s2x-{target}"
+        subprocess.run([sys.executable, "-m", "mla_convert", "convert", str(stories260k), str(exports[target]), "--compression", "2",
+                        "--dtype", "fp32", "-q", "--target", target], check=True, cwd=REPO)
+    return {"root": root, "raw": exports["transformers"], "serving": exports["llama.cpp"], "source": stories260k}
 
 
 def matrix(ex, export: Path, engines: str, name: str, **kw) -> dict:
     out = ex["root"] / f"{name}.json"
     args = [sys.executable, str(REPO / "scripts/engines/run_matrix.py"), "--export", str(export), "--source", str(ex["source"]),
-            "--domain", "stories", "--work", str(ex["root"] / name), "--out", str(out), "--engines", engines]
+            "--domain", kw.pop("domain", "stories"), "--work", str(ex["root"] / name), "--out", str(out), "--engines", engines]
     for k, v in kw.items():
         flag = k.replace("_", "-")
         args += [f"--{flag}" if v is True else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]
@@ -50,17 +47,17 @@ def matrix(ex, export: Path, engines: str, name: str, **kw) -> dict:
     return json.loads(out.read_text())
 
 
-def test_llamacpp_raw_export_does_not_load(stories_exports):
-    """Issue finding: today's export aborts at load (n_expert_groups < n_expert / missing q_lora_rank)."""
+def test_llamacpp_default_export_does_not_load(stories_exports):
+    """--target transformers writes no q_lora_rank: llama.cpp refuses it at load."""
     need("llamacpp")
-    r = matrix(stories_exports, stories_exports["raw"], "llamacpp", "raw_llamacpp", weights="f32", kv="f16")
+    r = matrix(stories_exports, stories_exports["raw"], "llamacpp", "raw_llamacpp", weights="f32", kv="f16", greedy="none")
     export = r["llamacpp"]["export"]
     assert export.get("status") == "load-failed"
-    assert "n_expert_groups < hparams.n_expert" in export["error"]
+    assert "q_lora_rank" in export["error"]
 
 
 def test_llamacpp_serving_export(stories_exports):
-    """Loads with no --override-kv; f32 matches transformers; f16 / q8_0 weights keep the converted/source ratio.
+    """--target llama.cpp loads with no --override-kv; f32 matches transformers; f16 / q8_0 weights keep the ratio.
 
     stories260K cannot use a q8_0 KV cache in llama.cpp at all (source head_dim 8, export kv_lora_rank 24:
     q8_0 blocks of 32 must divide them); the q8_0-cache check is test_llamacpp_smollm2_q8_0_cache.
@@ -76,11 +73,11 @@ def test_llamacpp_serving_export(stories_exports):
 
 
 def test_llamacpp_smollm2_q8_0_cache(tmp_path):
-    """SmolLM2 at 256+64 (a shape whose latent and key sizes are multiples of 32): q8_0 weights and cache.
+    """SmolLM2 --target all (256+64: latent and key sizes multiples of 32): q8_0 weights and cache.
 
     Uses the export that scripts/check_engines.sh caches (converting SmolLM2 here would take minutes)."""
     need("llamacpp")
-    export = ENGINES_HOME / "exports" / "smollm2-256-64-serving"
+    export = ENGINES_HOME / "exports" / "smollm2-all"
     source = Path.home() / ".cache" / "mla-convert" / "SmolLM2-135M-Instruct"
     if not (export / "config.json").exists() or not (source / "config.json").exists():
         pytest.skip(f"{export} not built (run scripts/check_engines.sh first)")
@@ -92,9 +89,17 @@ def test_llamacpp_smollm2_q8_0_cache(tmp_path):
         assert abs(lc["ratios"][key]["vs_transformers_ratio"]) < tol, (key, lc["ratios"][key])
 
 
-def test_vllm_serving_export(stories_exports):
+def test_vllm_serving_export(tmp_path):
+    """A tiny biased Qwen2 with --target all (bias-free, untied, 256+64) in vLLM: matches transformers."""
     need("vllm")
-    r = matrix(stories_exports, stories_exports["serving"], "vllm", "serving_vllm", vllm_source=False)
+    source = tmp_path / "qwen2"
+    subprocess.run([sys.executable, str(REPO / "scripts/engines/make_tiny_qwen2.py"), str(source)], check=True, cwd=REPO)
+    export = tmp_path / "qwen2-all"
+    subprocess.run([sys.executable, "-m", "mla_convert", "convert", str(source), str(export), "--dtype", "fp32", "-q",
+                    "--target", "all"], check=True, cwd=REPO)
+    report = json.loads((export / "mla_convert.json").read_text())
+    assert report["serving"]["bias"]["max_removal_error"] > 0
+    r = matrix({"root": tmp_path, "source": source}, export, "vllm", "qwen2_vllm", domain="general", vllm_source=False)
     v = r["vllm"]["export"]
     assert v["ok"], v.get("error")
     assert v["rel_diff_vs_transformers"] < 1e-3

@@ -1,0 +1,347 @@
+"""`--target`: the serving targets as data, the shapes they allow, the serving transforms and the engine record.
+
+The transforms are checked on tiny random models built here: where they are exact in real arithmetic
+(untying, the cache balance, the split, the identity query path with a linear norm) the export's logits
+equal the default export's; the latent-scale refit is the one approximation (margin 1e-2 of eps), and a
+test sets the margin tiny to check everything else.  The engine runs themselves are tests/engines/ (opt-in).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_convert import fast_options, logits_of, relative
+from test_shapes_inspect import SMOLLM2, STORIES260K, run_cli
+from tiny_models import tiny_model
+
+from mla_convert import options as option_module
+from mla_convert.console import print_engines
+from mla_convert.convert import convert
+from mla_convert.convert import serving as S
+from mla_convert.convert import target as T
+from mla_convert.convert.engines import engine_compatibility, engine_runs
+from mla_convert.errors import MLAConvertError, PreflightError
+from mla_convert.hub.card import build_model_card, validate_card
+from mla_convert.source.config import SourceConfig
+from mla_convert.source.inspect import target_rows
+from mla_convert.source.shapes import MLAShape, pick_target_shape, shape_choice_note, target_shapes
+
+# A Llama-3-8B-like GQA config (32 query / 8 kv heads of 128): caches 2048 values per token and layer.
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- targets as data
+def test_targets_are_declared_once_and_all_is_the_intersection():
+    assert tuple(T.TARGETS) == option_module.TARGETS
+    vllm, llamacpp, both = T.TARGETS["vllm"], T.TARGETS["llama.cpp"], T.TARGETS["all"]
+    assert vllm.widths == (320, 512, 576) and "576" in vllm.widths_note and not vllm.ties_embeddings and not vllm.attention_bias
+    assert llamacpp.widths is None and llamacpp.ties_embeddings and llamacpp.needs_q_lora_rank and llamacpp.quantized_kv_block == 32
+    assert both.widths == vllm.widths and not both.ties_embeddings and not both.attention_bias
+    assert both.needs_q_lora_rank and both.quantized_kv_block == 32
+    assert {"f16", "q8_0", "Q4_K_M"} <= set(both.weight_formats) and "q8_0" in both.kv_cache_formats
+    assert not T.TARGETS["transformers"].serving and all(T.TARGETS[name].serving for name in ("vllm", "llama.cpp", "all"))
+
+
+@pytest.mark.parametrize("compression, shape, how", [
+    (2, (512, 64), "smallest at or above"),  # 3.56x: the best quality that still reaches 2x
+    (4, (448, 64), None),  # exactly 4x
+    (5, (256, 64), "smallest at or above"),  # 6.4x
+    (10, (256, 64), "closest"),  # nothing reaches 10x: the closest, and the note says so
+])
+def test_compression_picks_the_allowed_shape(compression, shape, how):
+    source = SourceConfig.from_dict(LLAMA3_8B)
+    assert target_shapes(source, T.TARGETS["vllm"]) == [MLAShape(512, 64), MLAShape(448, 64), MLAShape(256, 64)]
+    mla = pick_target_shape(source, "vllm", compression=compression)
+    assert (mla.kv_lora_rank, mla.rope_dim) == shape
+    note = shape_choice_note(source, "vllm", mla, compression)
+    assert (note is None) == (how is None)
+    if how:
+        assert how in note and f"asked {compression:g}x" in note and f"{shape[0]}+{shape[1]}" in note
+
+
+def test_default_shape_under_a_target():
+    llama3 = SourceConfig.from_dict(LLAMA3_8B)
+    assert pick_target_shape(llama3, "vllm") == MLAShape(512, 64)  # the default 512+64 is allowed
+    assert shape_choice_note(llama3, "vllm", MLAShape(512, 64), None) is None
+    smollm2 = SourceConfig.from_dict(SMOLLM2)
+    assert pick_target_shape(smollm2, "all") == MLAShape(256, 64)  # only width 320 fits: 1.2x, not the default 2x
+    assert "asked 2x (the default), got 256+64 = 1.20x (the closest)" in shape_choice_note(smollm2, "all", MLAShape(256, 64), None)
+    assert pick_target_shape(smollm2, "llama.cpp", compression=2) == pick_target_shape(smollm2, "transformers", compression=2)
+
+
+def test_explicit_shape_outside_the_target_names_the_allowed_set():
+    smollm2 = SourceConfig.from_dict(SMOLLM2)
+    with pytest.raises(PreflightError) as error:
+        pick_target_shape(smollm2, "vllm", 144, 48)
+    (line,) = error.value.problems
+    assert line.startswith("--target vllm --kv-lora-rank 144 --rope-dim 48: 144 + 48 = 192 is not a width vllm serves")
+    assert "one of 320, 512, 576" in line and "512 + 64 = 576" in line and "this model allows 256+64 (1.20x)" in line
+    assert pick_target_shape(smollm2, "vllm", 256, 64) == MLAShape(256, 64)
+    with pytest.raises(PreflightError, match="no shape this target serves fits this source"):
+        pick_target_shape(SourceConfig.from_dict(STORIES260K), "vllm", compression=2)
+
+
+def test_inspect_lists_the_shapes_of_every_target(tmp_path):
+    rows = {row[0]: row[1:] for row in target_rows(SourceConfig.from_dict(SMOLLM2))}
+    assert rows["vllm"] == ("256+64", "1.20x")
+    assert rows["all"] == ("256+64", "1.20x; q8_0 KV cache: 256+64")
+    assert rows["transformers"][0].startswith("any: kv_lora_rank <= 384")
+    assert "q8_0 KV cache only with kv_lora_rank and rope_dim multiples of 32: rope_dim 32 or 64" in rows["llama.cpp"][1]
+    stories = {row[0]: row[1:] for row in target_rows(SourceConfig.from_dict(STORIES260K))}
+    assert stories["vllm"][0].startswith("none") and "q8_0 KV cache impossible" in stories["llama.cpp"][1]
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMOLLM2))
+    result = run_cli("inspect", folder, "--target", "vllm")
+    assert result.returncode == 0, result.stderr
+    assert "source vs MLA 256+64" in result.stdout and "compression ratio: 1.20x" in result.stdout
+    assert "| vllm | 256+64 | 1.20x |" in result.stdout
+    refused = run_cli("inspect", folder, "--target", "vllm", "--kv-lora-rank", "144", "--rope-dim", "48")
+    assert refused.returncode == 2 and "this model allows 256+64 (1.20x)" in refused.stderr
+
+
+# ----------------------------------------------------------------------------- the serving transforms
+def save_source(path, family="llama", embed_scale=30.0, bias_std=None, **kwargs):
+    """A tiny random model whose residual stream has RMS ~1 (like trained models; scaled embeddings), saved."""
+    config = dict(family=family, num_heads=8, num_kv_heads=4, head_dim=64, hidden_size=256, vocab_size=256, weight_scale=3.0)
+    config.update(kwargs)
+    model = tiny_model(**config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(embed_scale)
+        for name, param in model.named_parameters():
+            if bias_std is not None and name.endswith("bias"):
+                param.normal_(0, bias_std)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory):
+    return save_source(tmp_path_factory.mktemp("serving") / "llama", tie_word_embeddings=True)
+
+
+def test_serving_transforms_are_exact_when_the_norm_is_linear(tmp_path, tied_llama, monkeypatch):
+    """Untie, balance, split, identity q path: exact in real arithmetic; the refit made harmless (tiny margin)."""
+    monkeypatch.setattr(S, "SERVING_MARGIN", 1e-9)
+    ids = torch.randint(0, 256, (2, 40))
+    default = tmp_path / "default"
+    convert(tied_llama, default, fast_options(kv_lora_rank=256, rope_dim=64))
+    reference = logits_of(default, ids)
+    for target in ("vllm", "llama.cpp", "all"):
+        out = tmp_path / target
+        convert(tied_llama, out, fast_options(kv_lora_rank=256, rope_dim=64, target=target))
+        assert relative(logits_of(out, ids), reference) < 2e-5, target
+
+
+def test_serving_exports_as_the_engines_need_them(tmp_path, tied_llama):
+    default = tmp_path / "default"
+    convert(tied_llama, default, fast_options(kv_lora_rank=256, rope_dim=64))
+    default_config = json.loads((default / "config.json").read_text())
+    assert default_config["n_group"] is None and default_config["topk_group"] is None  # every target: llama.cpp's load abort
+    assert default_config["tie_word_embeddings"] and default_config["q_lora_rank"] is None
+    default_latent = load_file(default / "model.safetensors")["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][:256]
+    assert default_latent.abs().median() < S.F16_MIN_NORMAL  # today's tiny scale: below f16's normal range
+
+    vllm = tmp_path / "vllm"
+    result = convert(tied_llama, vllm, fast_options(kv_lora_rank=256, rope_dim=64, target="vllm"))
+    tensors, config = load_file(vllm / "model.safetensors"), json.loads((vllm / "config.json").read_text())
+    assert not config["tie_word_embeddings"] and config["q_lora_rank"] is None and config["rms_norm_eps"] == 1e-6
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    serving = result.report["serving"]
+    assert serving["extra_values"]["untied_lm_head"] == 256 * 256 and serving["extra_bytes"] == 256 * 256 * 4
+    # (the logits differ from the default export's only by the latent refit, whose margin is set on the calibration
+    # tokens: random tokens of a random model can exceed it; the cost on real models and text is in BENCHMARKS.md)
+
+    llamacpp = tmp_path / "llamacpp"
+    result = convert(tied_llama, llamacpp, fast_options(kv_lora_rank=256, rope_dim=64, target="llama.cpp"))
+    tensors, config = load_file(llamacpp / "model.safetensors"), json.loads((llamacpp / "config.json").read_text())
+    assert config["q_lora_rank"] == 256 and config["tie_word_embeddings"] and "lm_head.weight" not in tensors
+    assert config["n_group"] is None and config["topk_group"] is None and not config["attention_bias"]
+    assert not any(name.endswith("bias") for name in tensors)
+    serving = result.report["serving"]
+    assert serving["quantized_kv_cache"] == "possible" and serving["extra_values"]["identity_q_path"] == 2 * (256 * 256 + 256)
+    # every latent weight in f16's normal range or close: nothing flushed to zero, median well above 6.1e-5
+    latent = serving["magnitudes"]["kv_a_latent_rows"]
+    assert latent["median_nonzero"] > 10 * S.F16_MIN_NORMAL and latent["frac_zero_in_f16"] == 0
+    assert latent["frac_below_f16_normal"] < 0.05 and latent.get("frac_q8_0_scale_zero", 0) == 0
+    for layer in serving["layers"]:
+        assert layer["kv_latent"]["max_ms_over_eps"] == pytest.approx(S.SERVING_MARGIN)
+        for name in ("kv_a_latent_rows", "kv_a_rope_rows", "q_a_proj", "q_b_proj", "kv_b_proj"):
+            assert layer["magnitudes"][name]["max"] < 6e4  # f16's largest finite value is 65504
+    # the summary says what the target did
+    from mla_convert.console import summary_rows
+
+    rows = dict(summary_rows(result.report))
+    assert rows["target"] == "llama.cpp" and "identity q path" in rows["extra weights"]
+    assert rows["llama.cpp q8_0 KV cache"] == "possible"
+
+
+def test_cache_balance_equalises_what_the_cache_stores():
+    """Per latent dim and per RoPE pair, the RMS of what the cache stores over the calibration tokens: all equal after
+    `serve_layer`, and the layer computes the same attention (the refit made harmless by a tiny margin)."""
+    from mla_convert.convert.calibration import LayerInputStats
+    from mla_convert.convert.reference import mla_attention
+
+    torch.manual_seed(0)
+    d, H, h, R, D = 32, 2, 8, 6, 4
+    x = torch.randn(4, 16, d, dtype=torch.float64) * torch.linspace(0.1, 3, d, dtype=torch.float64)
+    flat = x.reshape(-1, d)
+    moment = flat.T @ flat / flat.shape[0]
+    stats = LayerInputStats(moment, flat.mean(0), x, torch.zeros(H, 16))
+    alpha = 1e-9  # the default export's regime: mean(c^2) << eps, the latent norm linear
+    weights = {
+        T.KV_A_PROJ: torch.cat([alpha * torch.randn(R, d, dtype=torch.float64) * torch.logspace(-2, 1, R, dtype=torch.float64)[:, None],
+                                torch.randn(D, d, dtype=torch.float64) * torch.logspace(-2, 1, D, dtype=torch.float64)[:, None]]),
+        T.KV_A_NORM: torch.full((R,), 1e-3 / alpha, dtype=torch.float64),
+        T.KV_B_PROJ: torch.randn(H * 2 * h, R, dtype=torch.float64),
+        T.Q_PROJ: torch.randn(H * (h + D), d, dtype=torch.float64),
+        T.O_PROJ: torch.randn(d, H * h, dtype=torch.float64),
+    }
+    source = SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": d, "intermediate_size": 8,
+                                     "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": 1,
+                                     "head_dim": h, "vocab_size": 8})
+    layout = T.ExportLayout(None, False, False)
+    gain = torch.rand(d, dtype=torch.float64) + 0.5
+    served = S.serve_layer(weights, gain, stats, source, MLAShape(R, D), layout, margin=1e-9)
+    w, s = served.weights, served.input_norm[0].item() / gain[0].item()
+    kv_a = w[T.KV_A_PROJ] * s  # what kv_a computes from the layer's (unscaled) input
+    rms = torch.einsum("rd,de,re->r", kv_a, moment, kv_a).sqrt()
+    stored = rms[:R] * w[T.KV_A_NORM]
+    pairs = rms[R:].view(-1, 2).pow(2).mean(-1).sqrt()
+    assert stored.max() / stored.min() < 1 + 1e-9 and pairs.max() / pairs.min() < 1 + 1e-9
+    assert served.info["cache_balance"]["latent_rms_spread_before"] > 100
+    inv_freq = torch.rand(D // 2, dtype=torch.float64)
+    before = mla_attention(x, weights, H, h, D, h, inv_freq)
+    after = mla_attention(x * s, w, H, h, D, h, inv_freq)  # the split: the input norm now returns s x
+    assert ((after - before).norm() / before.norm()).item() < 1e-6
+
+
+# ----------------------------------------------------------------------------- attention biases (Qwen2)
+def test_biased_qwen2_exports_bias_free_with_its_cost_in_the_report(tmp_path):
+    source = save_source(tmp_path / "qwen2", family="qwen2", bias_std=0.02)
+    out = tmp_path / "out"
+    result = convert(source, out, fast_options(kv_lora_rank=256, rope_dim=64, target="all",
+                                               calibration=fast_options().calibration.__class__(num_samples=8, seq_len=32,
+                                                                                               error_samples=2, profile_samples=2)))
+    tensors, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
+    assert not config["attention_bias"] and not any(name.endswith("bias") for name in tensors)
+    bias = result.report["serving"]["bias"]
+    assert len(bias["removal_error_per_layer"]) == 2 and 0 < bias["max_removal_error"] <= S.BIAS_ERROR_FLOOR
+    assert set(bias["chosen_per_layer"]) <= {"carried", "dropped"}
+    for layer in result.report["serving"]["layers"]:
+        assert layer["bias"]["measured_on"] == "held-out kept windows"
+        assert layer["bias"]["removal_error"] == min(layer["bias"]["removal_errors"].values())
+    card = str(build_model_card(result.report))
+    assert "attention biases were removed" in card and "**Attention biases.**" in card
+    # the transformers target keeps them
+    kept = tmp_path / "kept"
+    convert(source, kept, fast_options(kv_lora_rank=256, rope_dim=64))
+    assert any(name.endswith("bias") for name in load_file(kept / "model.safetensors"))
+
+
+def test_biases_too_large_to_remove_are_refused(tmp_path):
+    """Full-rank MQA (compression error ~0) with big biases: removing them costs far more than the 0.05 floor."""
+    source = save_source(tmp_path / "qwen2", family="qwen2", bias_std=1.0, num_heads=4, num_kv_heads=1, head_dim=64,
+                         hidden_size=256)
+    with pytest.raises(MLAConvertError) as error:
+        convert(source, tmp_path / "out", fast_options(kv_lora_rank=128, rope_dim=64, target="llama.cpp"))
+    message = str(error.value)
+    assert message.startswith("layer 0: removing the attention biases") and "Use --target transformers" in message
+    assert "max(0.05" in message and "nothing was written" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bias_carried_by_an_exactly_constant_input_direction_costs_nothing():
+    """The fold b -> b u^T is exact when u.x = 1 on every token (here one input coordinate is constant)."""
+    from mla_convert.convert.calibration import LayerInputStats
+
+    torch.manual_seed(0)
+    d, H, h, R, D = 16, 2, 8, 6, 4
+    x = torch.randn(3, 10, d, dtype=torch.float64)
+    x[..., 0] = 2.0
+    flat = x.reshape(-1, d)
+    stats = LayerInputStats(flat.T @ flat / flat.shape[0], flat.mean(0), x[:1], torch.zeros(H, 10))
+    eps_gain = 1.0 / 1e-4  # linear latent norm: tiny latent rows, gain sqrt(eps) / alpha
+    weights = {
+        T.KV_A_PROJ: torch.cat([1e-4 * torch.randn(R, d, dtype=torch.float64), torch.randn(D, d, dtype=torch.float64)]),
+        T.KV_A_BIAS: torch.cat([torch.zeros(R, dtype=torch.float64), torch.randn(D, dtype=torch.float64)]),
+        T.KV_A_NORM: torch.full((R,), 1e-3 * eps_gain, dtype=torch.float64),
+        T.KV_B_PROJ: torch.randn(H * 2 * h, R, dtype=torch.float64),
+        T.Q_PROJ: torch.randn(H * (h + D), d, dtype=torch.float64),
+        T.O_PROJ: torch.randn(d, H * h, dtype=torch.float64),
+    }
+    source = SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": d, "intermediate_size": 8,
+                                     "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": 1,
+                                     "head_dim": h, "vocab_size": 8})
+    monkey = S.CONSTANT_DIRECTION_RIDGE
+    S.CONSTANT_DIRECTION_RIDGE = 1e-12
+    try:
+        bias_free, info = S.remove_biases(weights, stats, source, MLAShape(R, D), torch.rand(D // 2), total_tokens=30)
+    finally:
+        S.CONSTANT_DIRECTION_RIDGE = monkey
+    assert info["chosen"] == "carried" and info["removal_error"] < 1e-6 and T.KV_A_BIAS not in bias_free
+    assert info["removal_errors"]["dropped"] > 1e-2
+
+
+# ----------------------------------------------------------------------------- the engine record
+RUN = {"engine": "llama.cpp", "version": "b11434 (515e85511)", "date": "2026-11-30", "model": "SmolLM2-135M-Instruct",
+       "target": "llama.cpp", "kv_lora_rank": 256, "rope_dim": 64, "weights": "q8_0", "kv_cache": "q8_0", "status": "ok",
+       "ppl_rel_diff_vs_transformers": 3e-3, "ratio_deviation": -0.006, "greedy": "1/4"}
+
+
+def test_engine_table_says_only_what_was_measured():
+    shape = MLAShape(256, 64, 576)
+    measured = engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN,))
+    assert measured["llama.cpp"]["ok"] is True
+    assert "b11434 (515e85511), 2026-11-30" in measured["llama.cpp"]["runs"][0] and "q8_0/q8_0: ok" in measured["llama.cpp"]["runs"][0]
+    assert measured["vllm"]["ok"] is False and any("never ties" in note for note in measured["vllm"]["notes"])
+    assert measured["sglang"]["ok"] is None and measured["transformers"]["ok"] is True
+    other_shape = engine_compatibility(MLAShape(144, 48, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,))
+    assert other_shape["llama.cpp"]["ok"] is None
+    assert other_shape["llama.cpp"]["notes"] == ["not measured at 144+48 with --target llama.cpp (measured at 256+64)"]
+    nobody = engine_compatibility(MLAShape(256, 64), False, None, "vllm", tied=False, runs=())
+    assert nobody["vllm"]["ok"] is None and nobody["vllm"]["notes"][0] == "not measured at 256+64 with --target vllm"
+    assert nobody["llama.cpp"]["ok"] is False and "no q_lora_rank" in nobody["llama.cpp"]["notes"][0]
+    failed = engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=({**RUN, "status": "load-failed", "error": "x"},))
+    assert failed["llama.cpp"]["ok"] is False
+    default = engine_compatibility(MLAShape(144, 48), False, None, "transformers", tied=True, runs=(RUN,))
+    assert default["vllm"]["ok"] is False and default["llama.cpp"]["ok"] is False
+    assert any("192 is not a width" in note for note in default["vllm"]["notes"])
+    assert "convert with --target llama.cpp (or all)" in default["llama.cpp"]["notes"]
+
+
+def test_summary_and_card_render_the_record(capsys):
+    from rich.console import Console
+
+    report_engines = engine_compatibility(MLAShape(256, 64, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,))
+    print_engines(Console(force_terminal=False, width=400), {"engines": report_engines})
+    out = capsys.readouterr().out
+    assert "| llama.cpp | yes (measured) |" in out and "| sglang | not measured |" in out and "| vllm | no |" in out
+    report = {"source": {"name_or_path": "smollm2"}, "options": {"kv_lora_rank": 256, "rope_dim": 64, "target": "llama.cpp"},
+              "engines": report_engines, "serving": {"target": "llama.cpp", "quantized_kv_cache": "possible",
+                                                     "extra_values": {"identity_q_path": 10}, "extra_bytes": 40}}
+    card = str(build_model_card(report))
+    validate_card(card)
+    assert "| llama.cpp | yes |" in card and "b11434 (515e85511), 2026-11-30" in card
+    assert "| SGLang | not measured |" in card and "| vLLM | no |" in card
+    assert "vllm serve" not in card and "convert_hf_to_gguf.py" in card
+    assert "This export was made with `--target llama.cpp`" in card
+
+
+def test_the_shipped_record_is_well_formed():
+    for run in engine_runs():
+        assert run["engine"] in ("vllm", "llama.cpp") and run["version"] and run["date"] and run["model"]
+        assert run["target"] in T.TARGETS and run["status"] in ("ok", "wrong-output", "failed", "load-failed", "convert-failed")
+        assert isinstance(run["kv_lora_rank"], int) and isinstance(run["rope_dim"], int)
