@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -62,6 +63,13 @@ def verdict(ran: bool, weights: str | None, kv: str | None, rel_diff: float | No
     return ("ok" if abs(ratio_dev) < tol else "wrong-output"), f"converted/source ratio within {tol:.0%} of transformers'"
 
 
+def short_error(text) -> str:
+    """The line of an engine's log that says why (the first 'key not found' / assert / 'error loading'), else its tail."""
+    text = str(text or "")
+    match = re.search(r"(key not found in model: \S+|GGML_ASSERT\([^)]*\)[^\n]*|error loading model[^\n]*|\w*Error: [^\n]*)", text)
+    return match.group(1).strip() if match else " ".join(text.split())[-300:]
+
+
 def records_of(result: dict, origin: str) -> list[dict]:
     """The records of one run_matrix result (empty unless the export was written by mla-convert)."""
     info = result.get("export_info") or {}
@@ -78,7 +86,7 @@ def records_of(result: dict, origin: str) -> list[dict]:
         common = {**base, "engine": "llama.cpp", "version": version}
         if export.get("status") in ("load-failed", "convert-failed", "harness-error"):
             out.append({**common, "weights": None, "kv_cache": None, "status": export["status"],
-                        "error": " ".join(str(export.get("error", "")).split())[-300:]})
+                        "error": short_error(export.get("error"))})
         for key, run in (export.get("runs") or {}).items():
             weights, kv = key.split("/")
             ratio = (lc.get("ratios") or {}).get(key)
@@ -90,7 +98,7 @@ def records_of(result: dict, origin: str) -> list[dict]:
                       "greedy": run.get("greedy_identical"),
                       "kv_MiB_4096": ((export.get("kv_4096") or {}).get(kv) or {}).get("MiB")}
             if not run.get("ok"):
-                record["error"] = " ".join(str(run.get("error", "")).split())[-300:]
+                record["error"] = short_error(run.get("error"))
             out.append(record)
     vl = (result.get("vllm") or {}).get("export")
     if vl:
@@ -103,7 +111,9 @@ def records_of(result: dict, origin: str) -> list[dict]:
                   "greedy": vl.get("greedy_identical"), "workarounds": vl.get("workarounds") or [],
                   "attention_backend": vl.get("attention_backend"), "kv_tokens_per_gib": vl.get("kv_cache_tokens_per_gib")}
         if not vl.get("ok"):
-            record["error"] = " ".join(str(vl.get("error", "")).split())[-300:]
+            record["error"] = short_error(vl.get("error"))
+        elif status != "ok":
+            record["error"] = f"perplexity {vl.get('ppl'):.6g} vs transformers' {vl.get('transformers_ppl'):.6g} on the same ids"
         out.append(record)
     return out
 
@@ -169,9 +179,13 @@ def readme_section(runs: list[dict]) -> str:
         settings = ", ".join("/".join(str(r[k]) for k in ("weights", "kv_cache") if r.get(k)) or "-" for r in rs)
         if len(ok) == len(rs):
             worst = max((abs(r["ratio_deviation"]) for r in ok if r.get("ratio_deviation") is not None), default=None)
-            diff = min((r["ppl_rel_diff_vs_transformers"] for r in ok if r.get("ppl_rel_diff_vs_transformers") is not None), default=None)
-            result = "runs" + (f"; best ppl {diff:.1e} from transformers" if diff is not None else "") + \
+            exact = [r["ppl_rel_diff_vs_transformers"] for r in ok if r.get("weights") in ("f32", "fp32")
+                     and r.get("kv_cache") in (None, "f16") and r.get("ppl_rel_diff_vs_transformers") is not None]
+            diff = max(exact, default=None)
+            result = "runs" + (f"; fp32 perplexity {diff:.1e} (relative) from transformers'" if diff is not None else "") + \
                 (f"; converted/source ratio within {worst:.1%} of transformers'" if worst is not None else "")
+            workarounds = sorted({w for r in rs for w in r.get("workarounds") or []})
+            result += f"; harness workarounds: {', '.join(workarounds)}" if workarounds else ""
         else:
             bad = [r for r in rs if r["status"] != "ok"]
             result = f"{bad[0]['status']}: {bad[0].get('error', '')[:120]}"
@@ -187,7 +201,7 @@ def main(argv=None):
     ap.add_argument("--benchmarks", type=Path)
     ap.add_argument("--readme", type=Path)
     a = ap.parse_args(argv)
-    results = [(str(p.relative_to(REPO)) if p.resolve().is_relative_to(REPO) else p.name, json.loads(p.read_text()))
+    results = [(str(p.resolve().relative_to(REPO)) if p.resolve().is_relative_to(REPO) else p.name, json.loads(p.read_text()))
                for p in sorted(a.results)]
     records = merge([rec for origin, r in results for rec in records_of(r, origin)])
     a.out.write_text(json.dumps({"generated_by": "scripts/engines/record_runs.py", "sources": [o for o, _ in results],
