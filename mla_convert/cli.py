@@ -46,8 +46,16 @@ def user_errors(command):
     return wrapper
 
 
+# ConvertOptions fields that change what a conversion costs; inspect declares the shape flags itself, and `--dtype`
+# there is the cache's dtype (the estimate exports in the source's dtype, as `convert --dtype auto` does)
+ESTIMATE_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "dtype", "device", "revision", "overwrite", "force",
+                     "allow_pickle", "base_model", "license", "max_shard_size", "refine_lr", "seed", "text_column",
+                     "temperature", "top_p", "profile_samples"}
+
+
 @app.command()
 @user_errors
+@cli_options(options=(ConvertOptions, ESTIMATE_EXCLUDES))
 def inspect(
     model: str = typer.Argument(..., help="Model folder or Hugging Face hub id."),
     kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", "-r", help="Latent rank R of the MLA cache."),
@@ -57,18 +65,29 @@ def inspect(
     batch: int = typer.Option(1, help="Batch size for the cache-size row."),
     dtype: str = typer.Option("bf16", help="Cache dtype: bf16, fp16 or fp32."),
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
+    estimate: bool = typer.Option(False, "--estimate", help="Also predict what converting with these options costs: wall time "
+                                  "per phase, peak host and device memory, disk (the cost model fitted from measured runs, "
+                                  "BENCHMARKS.md). The conversion flags below only change this prediction."),
+    device: Optional[str] = typer.Option(None, "--device", help="With --estimate: predict for cpu (default) or cuda (one NVIDIA "
+                                         "H200, the GPU the model was fitted on)."),
+    cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="With --estimate --device cpu: CPU cores the conversion "
+                                            "uses (default: this machine's, as torch counts them)."),
+    options: ConvertOptions = None,
 ):
-    """Show the source attention shape and the KV cache before/after for an MLA shape."""
+    """Show the source attention shape and the KV cache before/after for an MLA shape; --estimate: the conversion's cost."""
     from .console import print_table
+    from .errors import PreflightError
     from .io.resolve import resolve_config_path
     from .source.config import SourceConfig
-    from .source.inspect import inspect_shapes
+    from .source.inspect import estimate_problems, inspect_shapes
     from .units import parse_dtype
 
+    problems = estimate_problems(estimate, device, cpu_cores, options)
+    if problems:
+        raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
-    report = inspect_shapes(
-        SourceConfig.from_folder(folder), kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch
-    )
+    source = SourceConfig.from_folder(folder)
+    report = inspect_shapes(source, kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch)
     s = report.source
     console.print(
         f"[bold]{model}[/]: {s.architecture.family} ({s.attention_kind}), {s.num_layers} layers, hidden {s.hidden_size}, "
@@ -80,6 +99,21 @@ def inspect(
     print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
     console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False)
+    if estimate:
+        import dataclasses
+
+        import torch
+
+        from .convert.estimate import estimate as predict
+        from .convert.preflight import sidecar_bytes
+
+        options = dataclasses.replace(options, kv_lora_rank=report.mla.kv_lora_rank, rope_dim=report.mla.rope_dim)
+        result = predict(source, options, device or "cpu", cpu_cores or torch.get_num_threads(), sidecar_bytes(folder))
+        print_table(console, f"predicted conversion cost: {result.device_description}", ("phase", "wall time", "share"),
+                    result.rows(), right=(1, 2))
+        print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 @app.command()
