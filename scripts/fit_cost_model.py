@@ -1,10 +1,11 @@
 """Fit the cost model's constants (mla_convert/convert/cost_constants.json) from measured conversions.
 
 Inputs: the runs under docs/bench/cost-model/ (one JSON per `mla-convert convert` process, written by
-`scripts/bench_cost_model.py measure`).  Runs named `fit-*` are the fitting set; the others are held out
-for validation (BENCHMARKS.md "Cost model: predicted vs measured").  The H200 runs of
+`scripts/bench_cost_model.py measure`); every CPU run fits the CPU constants.  The H200 runs of
 docs/bench/device-convert-check.json are imported as `h200-*` records (`--import-device-check`) and fit
-the CUDA constants (there is no other GPU data).
+the CUDA constants (there is no other GPU data).  Runs are few, so the validation in BENCHMARKS.md
+("Cost model: predicted vs measured") predicts each run both with the shipped constants and with constants
+fitted on all the other runs (leave one out): the second is the out-of-sample figure.
 
 Per device class and phase, the measured phase seconds are fitted as a non-negative combination of the
 phase's work by kind (`estimate.phase_work`): seconds = sum_k work_k * cost_k, each run weighted by
@@ -211,9 +212,10 @@ def _synthetic_config(llama_config, shape: dict, layers: int) -> dict:
     return raw
 
 
-def fit() -> dict:
-    runs = load_runs()
-    cpu = [run for run in runs if run["device"] == "cpu" and run["name"].startswith("fit-")]
+def fit(runs: list[dict] | None = None) -> dict:
+    """Constants from `runs` (default: every recorded run; the validation leaves one out at a time)."""
+    runs = load_runs() if runs is None else runs
+    cpu = [run for run in runs if run["device"] == "cpu"]
     cuda = [run for run in runs if run["device"] == "cuda"]
     constants = {
         "about": "Cost-model constants (mla_convert/convert/estimate.py), fitted by scripts/fit_cost_model.py from the runs "
