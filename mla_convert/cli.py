@@ -109,8 +109,10 @@ def inspect(
 
         options = dataclasses.replace(options, kv_lora_rank=report.mla.kv_lora_rank, rope_dim=report.mla.rope_dim)
         result = predict(source, options, device or "cpu", cpu_cores or torch.get_num_threads(), sidecar_bytes(folder))
+        console.print()
         print_table(console, f"predicted conversion cost: {result.device_description}", ("phase", "wall time", "share"),
                     result.rows(), right=(1, 2))
+        console.print()
         print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)

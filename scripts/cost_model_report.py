@@ -158,6 +158,16 @@ def plans_section(runs: list[dict]) -> str:
     ]
     for name in LLAMA3:
         lines += plan_rows(SourceConfig.from_dict(llama3_config(name)), name + "-shaped")
+    here = next((run for run in runs if run["name"] == "llama3-8b-width-2"), None)
+    there = next((run for run in runs if run["name"] == "h200-llama3-8b-width-2"), None)
+    if here and there:
+        slower = here["phase_seconds"]["ranking RoPE grids"] / there["phase_seconds"]["ranking RoPE grids"]
+        lines += ["", "Caveat for the CPU rows: per-op latency (Python and small torch calls) is this shared 2-core VM's, "
+                  f"and it does not shrink with cores in the model.  Ranking RoPE grids, which is such work and runs on the host "
+                  f"in both cases, took {here['phase_seconds']['ranking RoPE grids']:.0f} s here and "
+                  f"{there['phase_seconds']['ranking RoPE grids']:.1f} s on the GPU machine's 16-thread host for the same 8B-width "
+                  f"layers ({slower:.0f}x): on a dedicated server the latency-bound phases (ranking and measuring RoPE grids, "
+                  "much of converting) should be several times shorter than these rows say."]
     lines += ["", "Measured at the real width (hidden 4096, 32 / 8 heads, intermediate 14336, vocab 128256), 2 layers, "
               "`--kv-lora-rank 512 --rope-dim 64`, beside the model's prediction for the same run:", "",
               "| run | device | measured wall | predicted | per layer: statistics + converting (measured) | peak RSS | "
