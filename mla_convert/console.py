@@ -82,6 +82,7 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
     lines.append("| " + " | ".join(names) + " |")
     lines.append("|" + "|".join("---:" if index in right else "---" for index in range(len(names))) + "|")
     lines += ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    lines.append("")  # a blank line ends the table: Markdown would otherwise run the next text into it
     console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
 
 

@@ -73,7 +73,8 @@ class ConvertOptions:
                         "it cannot hold the tiny-scale latent).", flag="--dtype",
                         choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
     device: str = option("cpu", "Where calibration, statistics, factorization and refinement run: cpu, cuda or cuda:N. "
-                         "Weights stream from disk one layer at a time either way.", flag="--device")
+                         "Weights stream from disk one layer at a time; on a GPU those read once stay on it while they "
+                         "fit in half its free memory.", flag="--device")
     sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "
                               "(--no-sequential: on the source's).", flag="--sequential")
     effort: str = option("default", "How much measured search a conversion spends (costs and gains in BENCHMARKS.md): fast "

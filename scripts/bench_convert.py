@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from benchmarks_md import write_marked_section  # noqa: E402
+
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 SECTION_BEGIN = "<!-- bench_convert:begin -->"
 SECTION_END = "<!-- bench_convert:end -->"
@@ -116,7 +119,7 @@ def bench_model(model: str, ratios: list[float], methods: list[str], threads: in
                 import shutil
 
                 shutil.rmtree(out)
-    return {"model": model, "source_perplexity": source_ppl, "rows": rows, "protocol": {
+    return {"model": model, "effort": "default", "source_perplexity": source_ppl, "rows": rows, "protocol": {
         "data": protocol["data"].name, "context": protocol["context"], "windows": protocol["windows"]},
         "source_weight_bytes": sum(p.stat().st_size for p in Path(source).glob("*.safetensors"))}
 
@@ -128,6 +131,11 @@ def markdown(results: list[dict], command: str) -> str:
              "from the source model); time is its wall time and peak RSS its own VmHWM (includes mapped file "
              "pages). Perplexity: non-overlapping windows, token-weighted NLL. Reference columns are quoted from "
              "the issue (same protocol), not re-measured.", ""]
+    if any("effort" not in result for result in results):
+        lines += ["Runs without an `effort` field were measured before `--effort` existed (2026-11-29).  For stories260K "
+                  "those conversions are today's `--effort thorough` (the same perplexities: see the `--effort` section, "
+                  "which also has today's default); for SmolLM2 they are today's default (its layers were too costly to "
+                  "refine by default then, and are now).", ""]
     for result in results:
         model, protocol = result["model"], result["protocol"]
         refs = REFERENCE[model]
@@ -181,14 +189,7 @@ def merge_results(results: list[dict]) -> list[dict]:
 
 
 def write_section(path: Path, text: str) -> None:
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in current and SECTION_END in current:
-        before, rest = current.split(SECTION_BEGIN, 1)
-        after = rest.split(SECTION_END, 1)[1]
-        current = before + text.rstrip("\n") + after
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    path.write_text(current)
+    write_marked_section(path, SECTION_BEGIN, SECTION_END, text)
 
 
 def main() -> None:

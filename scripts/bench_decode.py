@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks_md import write_marked_section  # noqa: E402
+
 SECTION_BEGIN = "<!-- bench_decode:begin -->"
 SECTION_END = "<!-- bench_decode:end -->"
 CPU_DEFAULT_CONTEXTS = "512,2048"  # SmolLM2 source + converted finish in a few minutes on 2 cores
@@ -222,17 +225,7 @@ def markdown_table(source: list[DecodeTiming], converted: list[DecodeTiming]) ->
 
 def write_section(path: Path, body: str) -> None:
     """Replace this script's marked section of BENCHMARKS.md, or append it; other sections stay."""
-    section = f"{SECTION_BEGIN}\n{body.rstrip()}\n{SECTION_END}\n"
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if not text.strip():
-        text = "# Benchmarks\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        before, rest = text.split(SECTION_BEGIN, 1)
-        after = rest.split(SECTION_END, 1)[1].lstrip("\n")
-        text = before + section + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text, encoding="utf-8")
+    write_marked_section(path, SECTION_BEGIN, SECTION_END, f"{SECTION_BEGIN}\n{body.rstrip()}\n{SECTION_END}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

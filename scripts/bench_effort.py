@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from benchmarks_md import write_marked_section  # noqa: E402
+
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 SECTION_BEGIN = "<!-- bench_effort:begin -->"
 SECTION_END = "<!-- bench_effort:end -->"
@@ -66,18 +69,28 @@ def render(results: dict) -> str:
                            sorted(row["phase_cpu_seconds"].items(), key=lambda item: -item[1]) if seconds >= 0.05)
         lines.append(f"| {row['effort']} | {row['ratio']}x | {row['shape']} | {row['cpu_seconds']:.1f} | {row['perplexity']:.4f} | "
                      f"{row['refinement']} | {phases} |")
-    lines += ["", f"Command: `{results['command']}`", SECTION_END]
+    lines += ["", *tradeoff_lines(rows), f"Command: `{results['command']}`", SECTION_END]
     return "\n".join(lines) + "\n"
 
 
+def tradeoff_lines(rows: list[dict]) -> list[str]:
+    """One sentence per ratio: what `default` gives up against `thorough`, and for how much less CPU time."""
+    by = {(row["effort"], row["ratio"]): row for row in rows}
+    parts = []
+    for ratio in sorted({row["ratio"] for row in rows}):
+        default, thorough = by.get(("default", ratio)), by.get(("thorough", ratio))
+        if default and thorough:
+            loss = 100 * (default["perplexity"] / thorough["perplexity"] - 1)
+            parts.append(f"{ratio}x {loss:+.1f} % perplexity for {default['cpu_seconds'] / thorough['cpu_seconds']:.0%} "
+                         "of the CPU time")
+    if not parts:
+        return []
+    return ["`default` against `thorough`: " + "; ".join(parts) + ".  Convert with `--effort thorough` for the final "
+            "model at 4x and beyond.", ""]
+
+
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in text:
-        head, rest = text.split(SECTION_BEGIN, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_marked_section(path, SECTION_BEGIN, SECTION_END, section)
 
 
 def main(argv: list[str] | None = None) -> int:

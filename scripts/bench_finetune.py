@@ -23,12 +23,14 @@ import datetime
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks_md import write_heading_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -259,14 +261,8 @@ def render_section(results: dict, command: str) -> str:
 
 
 def write_section(markdown: Path, section: str) -> None:
-    """Replace our own section of BENCHMARKS.md (from its heading to the next `## `), or append it."""
-    text = markdown.read_text() if markdown.exists() else "# Benchmarks\n\nNumbers written by `scripts/bench_*.py`; each script owns one section.\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    markdown.write_text(text)
+    """Replace this script's section of BENCHMARKS.md (heading to the next heading or marker), or append it."""
+    write_heading_section(markdown, SECTION, section)
 
 
 def main(argv: list[str] | None = None) -> int:

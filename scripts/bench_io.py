@@ -36,7 +36,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import shutil
@@ -45,6 +44,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks_md import write_heading_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -213,20 +215,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def write_section(markdown: Path, section: str) -> None:
-    """Replace our own section of BENCHMARKS.md, or append it.
-
-    Ours runs from its heading to the next `## ` heading or `<!-- ` marker line (other scripts fence
-    their sections with markers such as `<!-- bench_sweeps:begin -->`, which must survive).
-    """
-    text = markdown.read_text() if markdown.exists() else "# Benchmarks\n\nNumbers written by `scripts/bench_*.py`; each script owns one section.\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |^<!-- |\Z)", re.S | re.M)
-    match = pattern.search(text)
-    if match:
-        followed = match.end() < len(text)
-        text = text[: match.start()] + section.rstrip("\n") + ("\n\n" if followed else "\n") + text[match.end() :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    markdown.write_text(text)
+    """Replace this script's section of BENCHMARKS.md (heading to the next heading or marker), or append it."""
+    write_heading_section(markdown, SECTION, section)
 
 
 def render_section(command: str, synthetic: dict, measured: dict, verified: dict, size: int) -> str:

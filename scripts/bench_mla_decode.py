@@ -44,6 +44,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks_md import write_heading_section  # noqa: E402
+
 SECTION_TITLE = "## MLA decode kernel (GPU)"
 # (R, D, heads): DeepSeek-V2/V3's 512+64 with 16 and 128 heads, and SmolLM2-135M's 2x / 4x conversions.
 LATENT_SHAPES = [(512, 64, 16), (512, 64, 128), (144, 48, 9), (64, 32, 9)]
@@ -129,16 +132,9 @@ def make_dense_torch_decode(torch, kv_cache, page_table, context: int, rank: int
 
 
 def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
-    if on_cuda:
-        import triton.testing
+    from mla_decode_triton.autotune import time_ms as measured
 
-        return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return measured(fn, on_cuda, rep_ms)
 
 
 def graph_time_ms(torch, fn, rep_ms: int) -> float:
@@ -346,15 +342,8 @@ def render(results: dict) -> str:
 
 
 def write_section(path: Path, body: str) -> None:
-    """Replace the section (up to the next '## ' heading) or append it; the rest of the file is kept."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION_TITLE}\n\n{body.rstrip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
+    """Replace this script's section of BENCHMARKS.md (heading to the next heading or marker), or append it."""
+    write_heading_section(path, SECTION_TITLE, f"{SECTION_TITLE}\n\n{body.rstrip()}\n")
 
 
 def write_tuned_table(results: dict, path: Path | None = None) -> Path:

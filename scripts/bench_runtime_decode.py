@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks_md import write_heading_section  # noqa: E402
 
 SECTION_TITLE = "## MLA runtime decode (GPU)"
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -230,14 +232,8 @@ def render(results: dict) -> str:
 
 
 def write_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION_TITLE}\n\n{body.rstrip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
+    """Replace this script's section of BENCHMARKS.md (heading to the next heading or marker), or append it."""
+    write_heading_section(path, SECTION_TITLE, f"{SECTION_TITLE}\n\n{body.rstrip()}\n")
 
 
 def main(argv=None) -> int:

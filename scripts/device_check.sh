@@ -5,7 +5,7 @@
 #
 #   OUT=/some/folder STORIES=path/to/stories260k bash scripts/device_check.sh
 #
-# SKIP_KERNEL=1 runs the conversion part alone, CASES="key ..." only those cases (see --cases); CONVERT_LIMIT (seconds, default 230) caps it.  The texts are halves
+# Prepare the assets once with scripts/prepare_device_assets.sh.  SKIP_KERNEL=1 runs the conversion part alone, CASES="key ..." only those cases (see --cases); CONVERT_LIMIT (seconds, default 230) caps it.  The texts are halves
 # of ../shared/data/tinystories-valid-excerpt.txt (calibration / held-out), copied beside stories260K.
 # Everything it writes is packed into $OUT/device_check.tgz (plus $OUT/summary.txt), because a device
 # run hands back only a few files.  Needs only what the GPU image has (torch, triton, transformers,

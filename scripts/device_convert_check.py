@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from benchmarks_md import write_marked_section  # noqa: E402
+
 SECTION_BEGIN = "<!-- device_convert_check:begin -->"
 SECTION_END = "<!-- device_convert_check:end -->"
 SMOLLM2_SHAPE = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
@@ -205,13 +208,7 @@ def render(results: dict) -> str:
 
 
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_BEGIN in text:
-        head, rest = text.split(SECTION_BEGIN, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_marked_section(path, SECTION_BEGIN, SECTION_END, section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
@@ -80,3 +81,12 @@ def smollm2() -> Path:
         return fetch_smollm2(quiet=True)
     except (MLAConvertError, OSError) as error:
         missing_asset(f"SmolLM2-135M-Instruct unavailable: {error}")
+
+
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """One torch thread for a module (runtime decode comparisons: reduction order fixed, no oversubscription)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

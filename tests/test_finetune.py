@@ -12,6 +12,8 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +44,7 @@ from mla_convert.finetune.latent import (
     unfold_latent_scales,
 )
 from mla_convert.finetune.loss import distillation_loss, kl_teacher_student, next_token_ce
-from mla_convert.finetune.trainer import ATTENTION_MARKER, Finetuner, run_finetune, trainable_names
+from mla_convert.finetune.trainer import ATTENTION_MARKER, COMPLETE_MARKER, Finetuner, run_finetune, trainable_names
 from mla_convert.options import CalibrationOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -489,6 +491,62 @@ def test_resume_refuses_a_checkpoint_from_other_settings(straight_and_resumed, t
         run_finetune(config, log=lambda text: None)
 
 
+def logged_steps(checkpoint_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (checkpoint_dir / "train_log.jsonl").read_text().splitlines()
+            if "step" in json.loads(line)]
+
+
+def test_resume_after_a_crash_logs_every_step_once(straight_and_resumed, tmp_path):
+    """A run that died after logging steps past its last checkpoint: the resume trains them again and the log
+    ends with each step exactly once (and the same weights as the run that never stopped)."""
+    converted, straight, _, _ = straight_and_resumed
+    crashed = Path(shutil.copytree(straight.output.parent / "straight.ckpt", tmp_path / "crashed.ckpt"))
+    # the run logged steps 5 and 6 after its last checkpoint (step 4; the end is saved as the output instead):
+    # resuming from there is what a run killed after step 6 does
+    assert sorted(path.name for path in crashed.glob("step-*")) == ["step-0000002", "step-0000004"]
+    assert logged_steps(crashed) == [1, 2, 3, 4, 5, 6]
+    config = _tiny_run_config(converted, tmp_path, "crashed", checkpoint_dir=str(crashed), resume="auto")
+    resumed = run_finetune(config, log=lambda text: None)
+    assert resumed.state.resumed_from == [str(crashed / "step-0000004")]
+    assert logged_steps(crashed) == [1, 2, 3, 4, 5, 6]
+    a, b = load_file(str(straight.output / "model.safetensors")), load_file(str(resumed.output / "model.safetensors"))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_the_resume_finishes(tiny_llama, tmp_path):
+    """The real command, interrupted by SIGINT once training is under way: exit 130, one line naming the
+    checkpoint and the resume flag, no traceback; the same command with --resume auto then finishes."""
+    _, converted = tiny_llama
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "mla_convert", "finetune", "--model", str(converted), "--output", str(tmp_path / "out"),
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--teacher-samples", "8", "--seq-len", "16",
+               "--micro-batch-size", "2", "--max-steps", "400", "--warmup-steps", "1", "--num-threads", "1",
+               "--log-every", "1", "--checkpoint-every", "1000"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    seen = []
+    for line in process.stderr:  # the log goes to stderr; wait until steps are being trained
+        seen.append(line)
+        if re.match(r"step \d+/400 ", line):
+            break
+    process.send_signal(signal.SIGINT)
+    stdout, rest = process.communicate(timeout=300)
+    stderr = "".join(seen) + rest
+    assert process.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    message = re.search(r"interrupted \(SIGINT\) at step (\d+): checkpoint (\S+); resume with the same command and "
+                        r"--resume auto", stderr)
+    assert message, stderr[-2000:]
+    stopped_at, checkpoint = int(message.group(1)), Path(message.group(2))
+    assert 0 < stopped_at < 400 and (checkpoint / COMPLETE_MARKER).is_file()
+    assert not (tmp_path / "out").exists()
+    done = subprocess.run(command + ["--resume", "auto"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {checkpoint} at step {stopped_at}" in done.stderr
+    assert f"saved {tmp_path / 'out'}: 400 steps" in done.stdout
+    assert logged_steps(tmp_path / "ckpt") == list(range(1, 401))
+
+
 def test_finetuned_folder_is_a_stock_deepseek_folder(straight_and_resumed):
     from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
@@ -517,7 +575,7 @@ def test_finetuned_folder_is_a_stock_deepseek_folder(straight_and_resumed):
     for saved, original in zip(report["layers"], converted_report["layers"]):  # alpha kept, or shrunk to the bound
         assert 0.5 * original["latent_scale"] < saved["latent_scale"] <= original["latent_scale"] * (1 + 1e-6)
     card = (out / "README.md").read_text()
-    assert "Fine-tuning after conversion" in card and "tokens: 768" in card
+    assert "Fine-tuning after conversion" in card and "| tokens | 768 |" in card
 
 
 @pytest.mark.slow

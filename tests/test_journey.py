@@ -118,3 +118,26 @@ def test_card_metadata_names_base_model_license_and_relation(stories260k, tmp_pa
     report = json.loads((out / "mla_convert.json").read_text())
     assert report["options"]["method"] == "activation-aware"
     assert "`activation-aware` method" in (out / "README.md").read_text()
+
+
+# an absolute marker path: transformers copies remote code into its modules cache before importing it
+BAIT = """from pathlib import Path
+Path({marker!r}).write_text("custom code from the model folder ran")
+"""
+
+
+@pytest.mark.real_model
+def test_eval_and_generate_never_run_code_from_the_model_folder(converted, stories260k, tinystories_text, tmp_path):
+    """A folder whose config and tokenizer config point `auto_map` at a module that leaves a file when imported:
+    eval (model and baseline) and generate load the stock classes, and the module is never imported."""
+    folder = copy_of(converted, tmp_path)
+    marker = tmp_path / "IMPORTED"
+    (folder / "bait.py").write_text(BAIT.format(marker=str(marker)))
+    for name, entry in (("config.json", {"AutoConfig": "bait.Config", "AutoModelForCausalLM": "bait.Model"}),
+                        ("tokenizer_config.json", {"AutoTokenizer": ["bait.Tokenizer", None]})):
+        config = json.loads((folder / name).read_text())
+        config["auto_map"] = entry
+        (folder / name).write_text(json.dumps(config))
+    run("eval", folder, "--baseline", folder, "--data", tinystories_text, "--max-windows", "2", "--context", "64")
+    run("generate", folder, "Once upon a time", "--max-new-tokens", "4", "--device", "cpu")
+    assert not marker.exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import (
     DecodeConfig,
     MLADecodeInputError,
@@ -33,18 +34,7 @@ from mla_decode_triton.inputs import check_decode_inputs
 from mla_decode_triton.launcher import INTERPRETED
 from mla_decode_triton.testing import make_decode_inputs, paginate
 
-DEVICE = "cpu" if INTERPRETED else "cuda"
-TOLERANCE = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
-LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
-
-needs_kernel_device = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(),
-    reason="TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run here",
-)
+needs_kernel_device = NEEDS_KERNEL_DEVICE
 if not torch.cuda.is_available():
     needs_compiled_cuda = pytest.mark.skip(reason="needs a CUDA device")
 elif INTERPRETED:
@@ -81,15 +71,6 @@ def naive_decode(q_latent, q_rope, logical, seq_lens, softmax_scale, q_len=None)
             outs.append(torch.stack(seq_out))
             lses.append(torch.stack(seq_lse))
     return torch.stack(outs), torch.stack(lses)
-
-
-def assert_matches(actual, expected, dtype):
-    out, lse = actual
-    ref_out, ref_lse = expected
-    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **TOLERANCE[dtype])
-    torch.testing.assert_close(lse.cpu(), ref_lse.float().cpu(), **LSE_TOLERANCE)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,33 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import DecodeConfig, candidate_tiles, choose_config, mla_decode, mla_decode_multi, mla_decode_multi_reference, mla_decode_reference
 from mla_decode_triton.configs import TileConfig, choose_tile, load_table, save_table, table_key
 from mla_decode_triton.inputs import check_decode_inputs
-from mla_decode_triton.launcher import INTERPRETED, plan_launches, row_alignment
-from mla_decode_triton.testing import make_decode_inputs
+from mla_decode_triton.launcher import plan_launches, row_alignment
+from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs
 
-DEVICE = "cpu" if INTERPRETED else "cuda"
-TOLERANCE = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
-LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
-
-pytestmark = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(),
-    reason="TRITON_INTERPRET=0 and no CUDA device: the kernel cannot run here",
-)
-
-
-def assert_matches(actual, expected, dtype):
-    out, lse = actual
-    ref_out, ref_lse = expected
-    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **TOLERANCE[dtype])
-    torch.testing.assert_close(lse.cpu(), ref_lse.float().cpu(), **LSE_TOLERANCE)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 
 def config_from_tile(tile: TileConfig, num_splits: int, min_split_tokens: int = 1) -> DecodeConfig:

@@ -535,6 +535,25 @@ def _(ws):
     return []
 
 
+class FillDiskWhen(Progress):
+    """A progress callback that fills `disk` (a filler file written until ENOSPC) when phase `when` starts."""
+
+    def __init__(self, when: str, disk: Path):
+        super().__init__()
+        self.when, self.disk = when, disk
+
+    def phase(self, name, total=None):
+        if name == self.when:
+            filler = os.open(self.disk / "filler", os.O_WRONLY | os.O_CREAT)  # unbuffered: nothing left to flush
+            try:
+                while True:
+                    os.write(filler, b"\0" * 4096)
+            except OSError:
+                pass
+            finally:
+                os.close(filler)
+
+
 @case("disk-fills-while-writing", "disk fills up while writing",
       "output on a 2 MiB tmpfs that passes pre-flight; when layer conversion starts, a filler file takes all free space "
       "(convert() API with a progress callback)", "No space left on device", "nothing was written", api=True)
@@ -543,20 +562,25 @@ def _(ws):
     ws.out = disk / "out"
     ws.ignore.update({"disk", "disk/filler"})  # the filler, and the folder whose entries the run changes
 
-    class FillTheDisk(Progress):
-        def phase(self, name, total=None):
-            if name == "converting layers":
-                filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # unbuffered: nothing left to flush
-                try:
-                    while True:
-                        os.write(filler, b"\0" * 4096)
-                except OSError:
-                    pass
-                finally:
-                    os.close(filler)
 
     return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
-                                                          max_shard_size="20KB"), FillTheDisk())
+                                                          max_shard_size="20KB"), FillDiskWhen("converting layers", disk))
+
+
+@case("temp-fills-while-calibrating", "the temp folder fills up while the calibration statistics are written",
+      "TMPDIR on a 4 MiB tmpfs that passes pre-flight; when the statistics phase starts, a filler file takes all free "
+      "space (convert() API with a progress callback)", "temp folder is full", "removed mla-convert-stats-",
+      "Set TMPDIR", api=True)
+def _(ws):
+    disk = ws.mount_tmpfs("tempdisk", "4m")
+    ws.scratch = disk / "tmp"  # the statistics folder goes here; the filler beside it
+    ws.scratch.mkdir()
+    ws.monkeypatch.setattr(tempfile, "tempdir", str(ws.scratch))
+    ws.ignore.update({"tempdisk", "tempdisk/filler", "tempdisk/tmp"})
+
+
+    return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
+                                                          max_shard_size="20KB"), FillDiskWhen("calibration statistics", disk))
 
 
 @case("output-larger-than-disk", "output and statistics larger than the free disk",
@@ -675,6 +699,9 @@ def normalize(line: str, ws: Workspace) -> str:
     """Make a message comparable across runs: temp paths, PIDs and free-space figures are per machine."""
     line = line.replace(str(ws.scratch), "<temp>").replace(str(ws.root), "<tmp>")
     line = re.sub(r"pid \d+", "pid <pid>", line)
+    line = re.sub(r"mla-convert-stats-\w+", "mla-convert-stats-<id>", line)
+    # transformers prints sets of missing keys, whose order follows per-process string hashing
+    line = re.sub(r"\{('[^{}']*'(?:, '[^{}']*')*)\}", lambda m: "{" + ", ".join(sorted(m.group(1).split(", "))) + "}", line)
     return re.sub(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB) free", "<free> free", line)
 
 
@@ -802,6 +829,21 @@ def test_successful_run_shows_the_disk_estimate_and_it_is_close(workspace):
     assert written <= estimated, "the estimate must not be lower than what is written"
     assert written >= 0.5 * estimated
     assert list(ws.scratch.iterdir()) == [], "statistics folder removed after a successful run"
+
+
+@pytest.mark.parametrize("samples, seq_len", [(2, 16), (6, 40)])
+def test_statistics_estimate_covers_what_calibration_writes(template, samples, seq_len):
+    """Pre-flight's estimate of the temp folder's statistics (both d x d fp64 moments included) against the bytes
+    the statistics pass really writes: never lower, and not wildly higher."""
+    from mla_convert.convert.pipeline import Converter
+    from mla_convert.convert.preflight import estimated_statistics_bytes
+
+    options = ConvertOptions(calibration=CalibrationOptions(num_samples=samples, seq_len=seq_len))
+    with Converter(template, options) as converter:
+        converter.calibrate()
+        written = sum(path.stat().st_size for path in converter.store.path.iterdir())
+        estimate = estimated_statistics_bytes(converter.config, options.calibration)
+    assert written <= estimate <= 1.25 * written, (written, estimate)
 
 
 # --------------------------------------------------------------------------- security

@@ -55,12 +55,7 @@ TINY_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -202,10 +197,10 @@ def test_generate_text_decodes_the_greedy_continuation(stories_mla):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     reference = transformers_greedy(stories_mla, prompts, new_tokens=12)
     # the continuation reads as the whole sequence decodes: prompt text + continuation == decode(prompt + new)
-    for prompt, text, prompt_ids, new_ids in zip(PROMPTS[:2], result.texts, prompts, reference):
+    for text, prompt_ids, new_ids in zip(result.texts, prompts, reference):
         assert tokenizer.decode(prompt_ids, skip_special_tokens=True) + text == tokenizer.decode(prompt_ids + new_ids,
                                                                                                 skip_special_tokens=True)
-        assert text.startswith(" ") and text.strip(), text  # "Once upon a time" + " there was...", not "timethere"
+        assert text.strip() and not text[0].isalnum(), text  # "Once upon a time" + ", there was...", not "timethere"
     assert result.new_tokens == 24 and result.tokens_per_second > 0
     longest = max(len(p) for p in prompts) + 12 - 1
     assert result.cache_bytes_in_use == longest * 5 * (24 + 8) * 4  # 5 layers, R + D = 24 + 8 values, fp32

@@ -26,12 +26,7 @@ Q_LORA = dict(q_lora_rank=32, attention_bias=True, tie_word_embeddings=True,
 PROMPTS = [[1, 45, 311, 7, 90], [1, 17, 233, 102, 64, 5, 480, 77, 301, 12, 9, 150, 44], [1, 300]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def build_folder(path, seed: int, **overrides):

@@ -8,6 +8,7 @@ from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from mla_convert.errors import CheckpointError
 from mla_convert.io.reader import CheckpointReader
 from mla_convert.source.config import SourceConfig
 from mla_convert.source.model import StreamedSourceModel, rope_inv_freq
@@ -91,5 +92,5 @@ def test_resident_weights_are_kept_within_their_budget_and_give_the_same_logits(
             shard.rename(shard.with_suffix(".moved"))  # every weight now comes from the kept copies
         reader.close()
         torch.testing.assert_close(forward(whole, ids), expected, rtol=0, atol=0)
-        with pytest.raises(Exception):
+        with pytest.raises(CheckpointError, match="moved or deleted while converting"):  # the weights it did not keep are gone
             forward(small, ids)

@@ -50,7 +50,8 @@ def autotune_enabled(device: torch.device) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
+def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
+    """Median milliseconds of `fn`: triton's do_bench (L2 flushed) on CUDA, three wall-clock runs elsewhere."""
     if on_cuda:
         import triton.testing
 
@@ -119,7 +120,7 @@ def autotune(
             error = (out.float() - reference_out.float()).abs().max().item()
             if not error <= AGREEMENT[kv_cache.dtype]:
                 raise MLADecodeInputError(f"tile {tile.label()} disagrees with the default tile by {error:.3g}")
-        result.times_ms[tile.label()] = _time_ms(run, on_cuda, rep_ms)
+        result.times_ms[tile.label()] = time_ms(run, on_cuda, rep_ms)
         result.splits[tile.label()] = config.num_splits
         if result.best is None or result.times_ms[tile.label()] < result.times_ms[result.best.label()]:
             result.best = tile

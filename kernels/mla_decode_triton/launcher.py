@@ -349,14 +349,12 @@ def mla_decode(
     (keyword only): the batch's real longest / mean length, which size the split count without a device
     read.  `num_splits` forces the split count; `config` forces every launch parameter.
     """
-    shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank)
-    _check_runnable(kv_cache.device)
-    if config is None and num_splits is None:
-        _maybe_autotune(shape, (q_latent, q_rope, kv_cache, page_table, seq_lens, softmax_scale), False,
-                        max_seq_len, mean_seq_len)
-    if config is None:
-        config = choose_config(shape, kv_cache.dtype, kv_cache.device, num_splits, max_seq_len, mean_seq_len)
-    return _launch(q_latent, q_rope, kv_cache, page_table, seq_lens, softmax_scale, shape, config, q_latent.dtype)
+    check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank)
+    # one query token is the q_len = 1 case of the multi-token decode: the same launch, rows = heads
+    out, lse = mla_decode_multi(q_latent[:, None], q_rope[:, None], kv_cache, page_table, seq_lens, softmax_scale,
+                                kv_lora_rank, num_splits, max_seq_len=max_seq_len, mean_seq_len=mean_seq_len,
+                                config=config)  # (batch, 1, heads, R), (batch, 1, heads)
+    return out[:, 0], lse[:, 0]
 
 
 def mla_decode_multi(

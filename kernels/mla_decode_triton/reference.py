@@ -96,11 +96,11 @@ def mla_decode_reference(
     `max_seq_len` and `mean_seq_len` only tune the Triton kernel's launch; they are accepted (and
     ignored) so that the two functions are interchangeable.
     """
-    shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank)
-    dense, token_valid = gather_paged_cache(kv_cache, page_table, seq_lens)
-    visible = token_valid[:, None, :]  # (batch, 1, max_context): every head sees the whole context
-    out, lse = _attend(q_latent, q_rope, dense, visible, float(softmax_scale), shape.kv_lora_rank)
-    return out.to(q_latent.dtype), lse
+    check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, kv_lora_rank)
+    # the q_len = 1 case of the multi-token decode: the one query sees every cached token
+    out, lse = mla_decode_multi_reference(q_latent[:, None], q_rope[:, None], kv_cache, page_table, seq_lens,
+                                          softmax_scale, kv_lora_rank)  # (batch, 1, heads, R), (batch, 1, heads)
+    return out[:, 0], lse[:, 0]
 
 
 def mla_decode_multi_reference(

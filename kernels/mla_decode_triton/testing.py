@@ -19,6 +19,14 @@ from dataclasses import dataclass
 import torch
 
 UNUSED_PAGE = 2**30  # page-table filler past a sequence's last page: out of range on purpose
+# How close the kernel's output must be to the fp32 reference, per cache dtype (the kernel rounds softmax
+# probabilities to the cache dtype before the second product), and its log-sum-exp (always fp32).
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-5)
 
 
 @dataclass

@@ -221,7 +221,7 @@ class Converter:
             report["summary"]["device"] = describe_device(model.device)
             if model.device.type == "cuda":
                 report["summary"]["peak_device_bytes"] = torch.cuda.max_memory_allocated(model.device)
-                report["summary"]["resident_source_bytes"] = model.resident_tensor_bytes
+            report["summary"]["resident_source_bytes"] = model.resident_tensor_bytes  # source weights kept on the device
             writer.write_json(REPORT_FILE, report)
             _write_card(writer, report)
             result_path = writer.commit()

@@ -312,14 +312,15 @@ def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: to
 
 def output_path_problems(output: Path, overwrite: bool, source: Path | None = None, force: bool = False) -> list[str]:
     """Output-path problems found without touching anything (reported even when the source is broken)."""
-    problems = []
+    if source is not None and Path(source).exists():
+        clash = output_problems(output, Path(source), overwrite)
+        if clash:  # the one thing to say: --force would not make this safe
+            return clash
     try:
         prepare_output_path(output, overwrite, force)
     except MLAConvertError as error:
-        problems.append(str(error))
-    if source is not None and Path(source).exists():
-        problems += output_problems(output, Path(source), overwrite)
-    return problems
+        return [str(error)]
+    return []
 
 
 # --------------------------------------------------------------------------- the shape and dtype to export
@@ -352,11 +353,15 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
             stale, output_ok = None, False
         if stale:
             message(stale)
-    try:
-        prepare_output_path(output, options.overwrite, options.force)
-    except MLAConvertError as error:
-        problems.append(str(error))
-        output_ok = False
+    clash = output_problems(output, reader.folder, options.overwrite)
+    problems += clash
+    output_ok = output_ok and not clash
+    if not clash:  # over the source, the advice in prepare_output_path (--force) would be wrong
+        try:
+            prepare_output_path(output, options.overwrite, options.force)
+        except MLAConvertError as error:
+            problems.append(str(error))
+            output_ok = False
     mla = None
     dtype = source.torch_dtype
     try:
@@ -376,7 +381,6 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     problems += tensor_problems(reader, source)
     problems += calibration_problems(reader.folder, options.calibration)
     problems += shard_size_problems(options.max_shard_size) + device_problems(options.device)
-    problems += output_problems(output, reader.folder, options.overwrite)
     storage_summary = None
     if output_ok and mla is not None:
         storage, storage_summary = storage_problems(output, source, mla, dtype, reader.folder, options.calibration)

@@ -327,7 +327,11 @@ class CheckpointReader:
         path = _inside(self.folder, file)
         if self.format == "safetensors":
             # validate each shard's header once per (size, mtime): layer streaming re-opens shards often
-            stat = path.stat()
+            try:
+                stat = path.stat()
+            except OSError as error:  # removed or made unreadable after the run started (pre-flight saw it)
+                raise CheckpointError(f"{path}: cannot read the shard any more ({error.strerror}); was it moved or "
+                                      "deleted while converting?") from error
             key = (file, stat.st_size, stat.st_mtime_ns)
             if key not in self._validated_headers:
                 read_safetensors_header(path)

@@ -1,0 +1,79 @@
+"""What a command prints when its output is piped or redirected (not a terminal): for logs and CI.
+
+Rich would wrap tables at the terminal width (80 columns when there is none) and draw progress bars that
+leave blank lines in a file.  Piped, every command prints plain Markdown tables, one row per line however
+long, and one `done: <phase> (<seconds>)` line per finished phase.  Checked through real subprocesses, so
+stdout and stderr really are pipes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_model, save_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = ["--calib-samples", "2", "--calib-seq-len", "16", "--effort", "fast"]
+
+
+def run_piped(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}", "COLUMNS": "80", "HF_HUB_OFFLINE": "1"}
+    env.pop("FORCE_COLOR", None)
+    return subprocess.run([sys.executable, "-m", "mla_convert", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def markdown_tables(text: str) -> list[list[str]]:
+    """The Markdown tables in `text` (runs of lines starting with '|'), each a list of lines."""
+    tables, current = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    return tables + ([current] if current else [])
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    folder = save_tiny_model(tmp_path_factory.mktemp("piped") / "src", vocab_size=128, num_layers=2)
+    save_tiny_tokenizer(folder, vocab_size=128)
+    return folder
+
+
+def test_piped_convert_prints_one_line_per_phase_and_unwrapped_markdown_tables(source, tmp_path):
+    done = run_piped("convert", source, tmp_path / "out", "-c", "2", *QUICK)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\x1b[" not in done.stderr + done.stdout  # no bars, no colour codes
+    phases = json.loads((tmp_path / "out" / "mla_convert.json").read_text())["summary"]["phase_seconds"]
+    finished = re.findall(r"^done: (.+) \([\d.]+ s\)$", done.stderr, re.M)
+    assert sorted(finished) == sorted(phases)  # each phase once
+    assert all(line.startswith(("done: ", "disk: ")) for line in done.stderr.splitlines())
+    tables = markdown_tables(done.stdout)
+    assert len(tables) >= 2
+    for table in tables:
+        assert re.fullmatch(r"\|(-{3,}:?\|)+", table[1]), table[1]  # a Markdown header separator
+        assert all(line.endswith("|") and line.count("|") == table[0].count("|") for line in table)
+    assert max(len(line) for table in tables for line in table) > 80  # rows longer than COLUMNS stay whole
+    assert re.search(r"\|\n\*\*", done.stdout) is None  # a blank line ends each table before the next title
+
+
+def test_piped_eval_prints_its_table_unwrapped(source, tmp_path):
+    converted = tmp_path / "out"
+    assert run_piped("convert", source, converted, "-c", "2", *QUICK, "-q").returncode == 0
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a tiny model that read a tiny text. " * 30)
+    done = run_piped("eval", converted, "--baseline", source, "--data", text, "--context", "32", "--max-windows", "4",
+                     "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stdout + done.stderr
+    tables = markdown_tables(done.stdout)
+    assert tables and len(tables[0]) >= 4  # header, separator, the model, the baseline
+    assert all(line.endswith("|") for line in tables[0])
