@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,55 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+class AnonymousMemoryPeak(threading.Thread):
+    """Polls /proc/PID/status while a conversion runs (every 0.2 s).
+
+    Peak RSS (VmHWM) counts the pages of the mmapped shards that were read, which the kernel drops under pressure;
+    RssAnon is what the converter itself allocated.  Both are kept so BENCHMARKS can say which is which.
+    """
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak_anonymous, self.file_at_peak_rss, self._peak_rss = pid, 0, 0, 0
+        self.timeline: list[tuple[float, int]] = []  # (seconds since start, RssAnon), one sample a second
+
+    def run(self) -> None:
+        status = Path(f"/proc/{self.pid}/status")
+        started, last = time.perf_counter(), -1.0
+        while True:
+            try:
+                fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+                anonymous, file_backed = (int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssFile"))
+            except (OSError, KeyError, ValueError):
+                return  # the process has exited
+            self.peak_anonymous = max(self.peak_anonymous, anonymous)
+            now = time.perf_counter() - started
+            if now - last >= 1.0:
+                self.timeline.append((round(now, 1), anonymous))
+                last = now
+            if anonymous + file_backed > self._peak_rss:
+                self._peak_rss, self.file_at_peak_rss = anonymous + file_backed, file_backed
+            time.sleep(0.2)
+
+
+def anonymous_by_phase(timeline: list[tuple[float, int]], phase_seconds: dict, wall: float) -> dict:
+    """Peak RssAnon within each phase, placing the phases (sequential, in the report's order) at the end of the run.
+
+    What runs before the first phase (imports, pre-flight) is the slack between the process's wall time and the sum
+    of the phases; the placement is therefore good to about a second, enough to name the phase that holds the peak.
+    """
+    from mla_convert.convert.estimate import PHASES  # the pipeline's order (the report's keys are sorted)
+
+    order = [name for name in PHASES if name in phase_seconds] + [n for n in phase_seconds if n not in PHASES]
+    begin = wall - sum(phase_seconds.values())
+    peaks = {"start-up": max((a for t, a in timeline if t < begin), default=0)}
+    for name in order:
+        end = begin + phase_seconds[name]
+        peaks[name] = max((a for t, a in timeline if begin <= t < end + 1.0), default=0)
+        begin = end
+    return peaks
+
+
 def measure(name: str, source: Path | None, synthetic: str | None, args: list[str], threads: int, keep: bool) -> dict:
     """One conversion process; returns (and writes) its record."""
     work = Path(tempfile.mkdtemp(prefix="mla-cost-"))
@@ -114,8 +164,13 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
         command = [sys.executable, "-m", "mla_convert", "convert", str(source), str(output), "-q", *args]
         load_before = loadavg()
         started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        memory = AnonymousMemoryPeak(process.pid)
+        memory.start()
+        stdout, stderr = process.communicate()
         wall = time.perf_counter() - started
+        memory.join()
+        result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
         load_after = loadavg()
         if result.returncode != 0:
             raise SystemExit(f"{name}: conversion failed:\n{result.stderr[-3000:]}")
@@ -134,6 +189,9 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
             "report_seconds": summary["seconds"],
             "cpu_seconds": summary.get("cpu_seconds"),
             "peak_rss_bytes": summary["peak_rss_bytes"],
+            "peak_anonymous_bytes": memory.peak_anonymous,
+            "file_backed_bytes_at_peak_rss": memory.file_at_peak_rss,
+            "anonymous_by_phase": anonymous_by_phase(memory.timeline, summary["phase_seconds"], wall),
             "peak_device_bytes": summary.get("peak_device_bytes"),
             "phase_seconds": summary["phase_seconds"],
             "phase_cpu_seconds": summary["phase_cpu_seconds"],
