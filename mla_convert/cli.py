@@ -46,13 +46,16 @@ def user_errors(command):
     return wrapper
 
 
-# inspect takes only --target from ConvertOptions (the shape flags it declares itself)
-INSPECT_OPTIONS = frozenset(f.name for f in __import__("dataclasses").fields(ConvertOptions)) - {"target"}
+# ConvertOptions fields inspect does not take: it keeps those that change what a conversion costs, and --target; inspect declares the shape flags itself, and `--dtype`
+# there is the cache's dtype (the estimate exports in the source's dtype, as `convert --dtype auto` does)
+ESTIMATE_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "dtype", "device", "revision", "overwrite", "force",
+                     "allow_pickle", "base_model", "license", "max_shard_size", "refine_lr", "seed", "text_column",
+                     "temperature", "top_p", "profile_samples"}
 
 
 @app.command()
 @user_errors
-@cli_options(options=(ConvertOptions, INSPECT_OPTIONS))
+@cli_options(options=(ConvertOptions, ESTIMATE_EXCLUDES))
 def inspect(
     model: str = typer.Argument(..., help="Model folder or Hugging Face hub id."),
     kv_lora_rank: Optional[int] = typer.Option(None, "--kv-lora-rank", "-r", help="Latent rank R of the MLA cache."),
@@ -62,26 +65,29 @@ def inspect(
     batch: int = typer.Option(1, help="Batch size for the cache-size row."),
     dtype: str = typer.Option("bf16", help="Cache dtype: bf16, fp16 or fp32."),
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
+    estimate: bool = typer.Option(False, "--estimate", help="Also predict what converting with these options costs: wall time "
+                                  "per phase, peak host and device memory, disk (the cost model fitted from measured runs, "
+                                  "BENCHMARKS.md). The conversion flags below only change this prediction."),
+    device: Optional[str] = typer.Option(None, "--device", help="With --estimate: predict for cpu (default) or cuda (one NVIDIA "
+                                         "H200, the GPU the model was fitted on)."),
+    cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="With --estimate --device cpu: CPU cores the conversion "
+                                            "uses (default: this machine's, as torch counts them)."),
     options: ConvertOptions = None,
 ):
-    """Show the source attention shape and the KV cache before/after for an MLA shape, and the shapes each --target allows."""
+    """Source attention shape, KV cache before/after for an MLA shape, the shapes each --target allows; --estimate: the cost."""
     from .console import print_table
+    from .errors import PreflightError
     from .io.resolve import resolve_config_path
-    from .options import option_problems
     from .source.config import SourceConfig
-    from .source.inspect import inspect_shapes, target_rows
+    from .source.inspect import estimate_problems, inspect_shapes, target_rows
     from .units import parse_dtype
 
-    target_problems = [p for p in option_problems(options) if p.startswith("--target")]
-    if target_problems:
-        from .errors import PreflightError
-
-        raise PreflightError(target_problems)
+    problems = estimate_problems(estimate, device, cpu_cores, options)  # --target's problems among them
+    if problems:
+        raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
-    report = inspect_shapes(
-        SourceConfig.from_folder(folder), kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch,
-        target=options.target,
-    )
+    source = SourceConfig.from_folder(folder)
+    report = inspect_shapes(source, kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch, target=options.target)
     s = report.source
     console.print(
         f"[bold]{model}[/]: {s.architecture.family} ({s.attention_kind}), {s.num_layers} layers, hidden {s.hidden_size}, "
@@ -94,6 +100,23 @@ def inspect(
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
     console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False)
     print_table(console, "shapes each --target allows for this model", ("target", "shapes", "KV ratios"), target_rows(report.source))
+    if estimate:
+        import dataclasses
+
+        import torch
+
+        from .convert.estimate import estimate as predict
+        from .convert.preflight import sidecar_bytes
+
+        options = dataclasses.replace(options, kv_lora_rank=report.mla.kv_lora_rank, rope_dim=report.mla.rope_dim)
+        result = predict(source, options, device or "cpu", cpu_cores or torch.get_num_threads(), sidecar_bytes(folder))
+        console.print()
+        print_table(console, f"predicted conversion cost: {result.device_description}", ("phase", "wall time", "share"),
+                    result.rows(), right=(1, 2))
+        console.print()
+        print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -84,3 +84,40 @@ def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
             ratios += f"; {rule}"
         rows.append((target.name, shapes, ratios))
     return rows
+
+
+ESTIMATE_DEVICES = ("cpu", "cuda")
+
+
+def estimate_problems(estimate: bool, device: str | None, cpu_cores: int | None, options) -> list[str]:
+    """Every problem with the `inspect --estimate` flags, one line each (a flag that would change nothing is one too)."""
+    from ..options import ConvertOptions, option_problems
+
+    problems = option_problems(options) if options is not None else []
+    if device is not None and device not in ESTIMATE_DEVICES:
+        problems.append(f"--device {device!r}: the estimate knows cpu and cuda (cuda: one NVIDIA H200, the GPU it was fitted on)")
+    if cpu_cores is not None and cpu_cores < 1:
+        problems.append(f"--cpu-cores {cpu_cores}: must be at least 1")
+    if cpu_cores is not None and device == "cuda":
+        problems.append("--cpu-cores: only with --device cpu (the cuda estimate is for the fitted GPU machine)")
+    if not estimate:
+        given = [flag for flag, value in (("--device", device), ("--cpu-cores", cpu_cores)) if value is not None]
+        # --target also picks the shapes inspect shows, so it stands alone
+        given += changed_flags(options, ConvertOptions(target=options.target)) if options is not None else []
+        if given:
+            problems.append(f"{', '.join(given)}: only change the cost estimate; add --estimate")
+    return problems
+
+
+def changed_flags(options, defaults) -> list[str]:
+    """Flags of the option fields whose values differ from `defaults` (nested dataclasses included)."""
+    import dataclasses
+
+    flags = []
+    for spec in dataclasses.fields(options):
+        value, default = getattr(options, spec.name), getattr(defaults, spec.name)
+        if dataclasses.is_dataclass(value):
+            flags += changed_flags(value, default)
+        elif value != default:
+            flags.append(spec.metadata.get("flag") or "--" + spec.name.replace("_", "-"))
+    return flags
