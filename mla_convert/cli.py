@@ -46,8 +46,9 @@ def user_errors(command):
     return wrapper
 
 
-# ConvertOptions fields inspect does not take: it keeps those that change what a conversion costs, and --target; inspect declares the shape flags itself, and `--dtype`
-# there is the cache's dtype (the estimate exports in the source's dtype, as `convert --dtype auto` does)
+# ConvertOptions fields inspect does not take: it keeps --target and those that change what a conversion costs;
+# inspect declares the shape flags itself, and `--dtype` there is the cache's dtype (the estimate exports in the
+# source's dtype, as `convert --dtype auto` does)
 ESTIMATE_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "dtype", "device", "revision", "overwrite", "force",
                      "allow_pickle", "base_model", "license", "max_shard_size", "refine_lr", "seed", "text_column",
                      "temperature", "top_p", "profile_samples"}
@@ -110,10 +111,8 @@ def inspect(
 
         options = dataclasses.replace(options, kv_lora_rank=report.mla.kv_lora_rank, rope_dim=report.mla.rope_dim)
         result = predict(source, options, device or "cpu", cpu_cores or torch.get_num_threads(), sidecar_bytes(folder))
-        console.print()
         print_table(console, f"predicted conversion cost: {result.device_description}", ("phase", "wall time", "share"),
                     result.rows(), right=(1, 2))
-        console.print()
         print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
         for note in result.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
