@@ -95,7 +95,7 @@ def validation_section(runs: list[dict]) -> str:
         load = f"{run['load_before']:.1f} -> {run['load_after']:.1f}" if "load_before" in run else "-"
         device = f"cpu, {run['threads']} threads" if run["device"] == "cpu" else "H200 (16 host threads)"
         if run.get("role") == "cross-check":
-            device += " (the GPU machine's CPU; not fitted)"
+            device += f" (not fitted: {run['not_fitted_because']})" if run.get("not_fitted_because") else " (the GPU machine's CPU; not fitted)"
         wall = run["wall_seconds"]
         predicted = f"{format_seconds(same_phases(inside, run))} ({ratio_cell(same_phases(inside, run), wall)})"
         if set(inside.phases) != set(run["phase_seconds"]):
@@ -194,8 +194,12 @@ def plans_section(runs: list[dict]) -> str:
               "(float32).  The H200 row's host RSS includes the CUDA runtime (about 1.9 GiB in every GPU run).  *Anonymous*: the "
               "largest RssAnon seen while polling /proc every 0.2 s (what the converter allocated; peak RSS also counts the "
               "mmapped shard pages it had read).  Where the anonymous peak is above the bound (issue 15's criterion), the "
-              "bound is **not met** by the converter's own memory, not only by the page cache; which phase holds it (the sampling pass over the "
-              "128256-row embedding and head is the first suspect) is not yet measured."]
+              "bound is **not met** by the converter's own memory, not only by the page cache."]
+    for run in runs:
+        phases = run.get("anonymous_by_phase")
+        if "8b" in run["name"] and phases:
+            lines += ["", f"Anonymous memory per phase ({run['name']}, largest RssAnon sampled within each phase): " +
+                      "; ".join(f"{name} {human_bytes(value)}" for name, value in phases.items()) + "."]
     return "\n".join(lines)
 
 

@@ -39,13 +39,8 @@ def relative(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small matmuls on a shared 2-core machine are far slower with 2 threads; keep tests quick."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# small matmuls on a shared 2-core machine are far slower with 2 threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ----------------------------------------------------------------------------- exactness oracle

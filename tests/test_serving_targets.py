@@ -34,12 +34,8 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "interm
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# small matmuls on a shared 2-core machine are far slower with 2 threads (conftest.py)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ----------------------------------------------------------------------------- targets as data
