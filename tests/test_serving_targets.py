@@ -39,6 +39,13 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ----------------------------------------------------------------------------- targets as data
+
+def one_layer_source(hidden: int, heads: int, head_dim: int) -> SourceConfig:
+    """A one-layer Llama config with one kv head (the serving transforms' unit tests build weights by hand)."""
+    return SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": 8,
+                                   "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": 1,
+                                   "head_dim": head_dim, "vocab_size": 8})
+
 def test_targets_are_declared_once_and_all_is_the_intersection():
     assert tuple(T.TARGETS) == option_module.TARGETS
     vllm, llamacpp, both = T.TARGETS["vllm"], T.TARGETS["llama.cpp"], T.TARGETS["all"]
@@ -205,9 +212,7 @@ def test_cache_balance_equalises_what_the_cache_stores():
         T.Q_PROJ: torch.randn(H * (h + D), d, dtype=torch.float64),
         T.O_PROJ: torch.randn(d, H * h, dtype=torch.float64),
     }
-    source = SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": d, "intermediate_size": 8,
-                                     "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": 1,
-                                     "head_dim": h, "vocab_size": 8})
+    source = one_layer_source(d, H, h)
     layout = T.ExportLayout(None, False, False)
     gain = torch.rand(d, dtype=torch.float64) + 0.5
     served = S.serve_layer(weights, gain, stats, source, MLAShape(R, D), layout, margin=1e-9)
@@ -278,9 +283,7 @@ def test_a_bias_carried_by_an_exactly_constant_input_direction_costs_nothing():
         T.Q_PROJ: torch.randn(H * (h + D), d, dtype=torch.float64),
         T.O_PROJ: torch.randn(d, H * h, dtype=torch.float64),
     }
-    source = SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": d, "intermediate_size": 8,
-                                     "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": 1,
-                                     "head_dim": h, "vocab_size": 8})
+    source = one_layer_source(d, H, h)
     monkey = S.CONSTANT_DIRECTION_RIDGE
     S.CONSTANT_DIRECTION_RIDGE = 1e-12
     try:

@@ -355,15 +355,9 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
             stale, output_ok = None, False
         if stale:
             message(stale)
-    clash = output_problems(output, reader.folder, options.overwrite)
-    problems += clash
-    output_ok = output_ok and not clash
-    if not clash:  # over the source, the advice in prepare_output_path (--force) would be wrong
-        try:
-            prepare_output_path(output, options.overwrite, options.force)
-        except MLAConvertError as error:
-            problems.append(str(error))
-            output_ok = False
+    path_problems = output_path_problems(output, options.overwrite, reader.folder, options.force)
+    problems += path_problems
+    output_ok = output_ok and not path_problems
     mla = None
     dtype = source.torch_dtype
     try:

@@ -83,6 +83,11 @@ def _scrub(text: str) -> str:
     return _TOKEN_PATTERN.sub("hf_***", text)
 
 
+def _joined(*parts: str) -> str:
+    """The non-empty parts, comma-separated (optional facts of one sentence)."""
+    return ", ".join(part for part in parts if part)
+
+
 def _text(value: Any) -> str:
     """A report value as one line of prose (floats shortened, tokens redacted)."""
     if isinstance(value, bool):
@@ -235,14 +240,10 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
     if method:
         calib = _get(report, "calibration", "description")
         if not calib:
-            calib = ", ".join(
-                part
-                for part in (
-                    f"calibration data `{_text(options['calib_data'])}`" if options.get("calib_data") else "",
-                    f"{options['calib_samples']} samples" if options.get("calib_samples") else "",
-                    f"{options['calib_seq_len']} tokens each" if options.get("calib_seq_len") else "",
-                )
-                if part
+            calib = _joined(
+                f"calibration data `{_text(options['calib_data'])}`" if options.get("calib_data") else "",
+                f"{options['calib_samples']} samples" if options.get("calib_samples") else "",
+                f"{options['calib_seq_len']} tokens each" if options.get("calib_seq_len") else "",
             )
         lines.append(
             f"- The low-rank factors were fitted with the `{_text(method)}` method"
@@ -290,14 +291,10 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
     lines = ["## Quality", ""]
     if isinstance(evaluation, Mapping):
         before, after = _number(evaluation.get("source_perplexity")), _number(evaluation.get("converted_perplexity"))
-        setup = ", ".join(
-            part
-            for part in (
-                f"`{_text(evaluation['data'])}`" if evaluation.get("data") else "",
-                f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
-                f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
-            )
-            if part
+        setup = _joined(
+            f"`{_text(evaluation['data'])}`" if evaluation.get("data") else "",
+            f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
+            f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
         )
         lines.append("Perplexity measured with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":")
         lines += ["", "| model | perplexity |", "|---|---:|"]
