@@ -31,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+from mla_convert.io.paths import portable_path  # noqa: E402
+
 RUNS = REPO / "docs" / "bench" / "cost-model"
 DEVICE_RUNS = REPO / "docs" / "bench" / "device-convert-check.json"
 SYNTHETIC_SHAPES = {  # named shapes for --synthetic NAME:LAYERS
@@ -178,7 +180,7 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
         summary = report["summary"]
         record = {
             "name": name,
-            "command": "mla-convert convert SRC OUT -q " + shlex.join(args) if args else "mla-convert convert SRC OUT -q",
+            "command": "mla-convert convert SRC OUT -q " + shlex.join(map(portable_path, args)) if args else "mla-convert convert SRC OUT -q",
             "source": synthetic and f"synthetic {synthetic}" or str(source.name),
             "config": json.loads((source / "config.json").read_text()),
             "source_bytes": sum(p.stat().st_size for p in source.glob("*.safetensors")),

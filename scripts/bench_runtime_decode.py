@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks_md import write_heading_section  # noqa: E402
+
+from mla_convert.io.paths import portable_path  # noqa: E402  (standard library only: safe on the device)
 
 SECTION_TITLE = "## MLA runtime decode (GPU)"
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -143,7 +146,7 @@ def measure(args, argv) -> dict:
 
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     started = time.perf_counter()
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    command = "python " + " ".join(shlex.quote(portable_path(a)) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     device_name = "CPU (smoke test)" if args.cpu_smoke else torch.cuda.get_device_name()
     results = dict(meta=dict(device=device_name, date=datetime.date.today().isoformat(),
                              torch=torch.__version__, transformers=transformers.__version__, command=command,

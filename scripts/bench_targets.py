@@ -85,7 +85,7 @@ def section(files: list[Path]) -> str:
             f"{settings['context_length']} x {base['num_windows']} ({base['num_scored_tokens']:,} tokens)",
         ))
     lines = [BEGIN, "## Serving targets: what `--target` costs in transformers (issue 13)", "",
-             "Command: `python scripts/bench_targets.py --work /tmp/targets --write-benchmarks BENCHMARKS.md`", "",
+             "Command: `python scripts/bench_targets.py --work WORK_DIR --write-benchmarks BENCHMARKS.md` (WORK_DIR: any scratch folder)", "",
              "Each serving export against the default export (`--target transformers`) of the same source and shape, both "
              "converted with default settings (fp32, calibration sampled from the source), scored on the same windows by "
              "`mla-convert eval SERVING --baseline DEFAULT`. The serving transforms are exact except the latent-scale refit "
