@@ -120,6 +120,15 @@ class Sizes:
         return self.attention_params + 3 * s.hidden_size * s.intermediate_size + 2 * s.hidden_size
 
     @property
+    def layer_bytes_held(self) -> int:
+        """A loaded layer: attention and norms widened (plus their mapped pages), the MLP as stored (mapped pages),
+        and one MLP matrix widened while it runs (`StreamedSourceModel.load_layer`)."""
+        s = self.source
+        mlp = 3 * s.hidden_size * s.intermediate_size
+        widened_matrix = 0 if self.stored == 4 else s.hidden_size * s.intermediate_size * 4
+        return (self.layer_params - mlp) * self.widen + mlp * self.stored + widened_matrix
+
+    @property
     def table_params(self) -> int:
         return self.source.vocab_size * self.source.hidden_size
 
@@ -321,7 +330,7 @@ def working_sets(z: Sizes) -> dict[str, float]:
     """Bytes each phase holds at its peak beyond the process's base (weights, activations, statistics)."""
     s, calib = z.source, z.options.calibration
     d, H, G, h, inter, T = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, calib.seq_len
-    layer = z.layer_params * z.widen
+    layer = z.layer_bytes_held
     hidden = z.tokens * d * 4.0
     rope_stats = s.num_layers * ((G * h // 2) ** 2 * 16 + H * (h // 2) * 8 + H * T * 8)  # held for every layer until the export
     chunk_windows = min(calib.chunk, z.windows)
