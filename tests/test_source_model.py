@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_tiny_model
+from tiny_models import save_tiny_model, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from mla_convert.errors import CheckpointError
 from mla_convert.io.reader import CheckpointReader
 from mla_convert.source.config import SourceConfig
-from mla_convert.source.model import StreamedSourceModel, rope_inv_freq
+from mla_convert.source.model import SourceLayer, StreamedSourceModel, rope_inv_freq
 
 
 def forward(model, ids):
@@ -94,3 +94,22 @@ def test_resident_weights_are_kept_within_their_budget_and_give_the_same_logits(
         torch.testing.assert_close(forward(whole, ids), expected, rtol=0, atol=0)
         with pytest.raises(CheckpointError, match="moved or deleted while converting"):  # the weights it did not keep are gone
             forward(small, ids)
+
+
+def test_a_bf16_layer_keeps_its_mlp_as_stored_and_runs_it_as_if_widened(tmp_path):
+    """load_layer widens attention and norms only (an 8B layer's MLP is 0.66 GiB in fp32): the MLP stays bf16 and is
+    widened when it runs, so the layer's output is bit-identical to running it with every weight widened."""
+    tiny_model(family="llama", num_heads=4, num_kv_heads=2, weight_scale=4.0).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    shape = SourceConfig.from_folder(tmp_path / "m")
+    mlp_roles = set(shape.mlp_weight_names(0))
+    with CheckpointReader(tmp_path / "m") as reader:
+        model = StreamedSourceModel(reader, shape)
+        layer = model.load_layer(0)
+        assert {role: tensor.dtype for role, tensor in layer.weights.items()} == {
+            role: torch.bfloat16 if role in mlp_roles else torch.float32 for role in layer.weights}
+        widened = SourceLayer(0, {role: tensor.float() for role, tensor in layer.weights.items()})
+        hidden = torch.randn(2, 9, shape.hidden_size)
+        cos, sin = model.cos_sin(9)
+        out, _ = model.layer_forward(hidden, layer, cos, sin)
+        expected, _ = model.layer_forward(hidden, widened, cos, sin)
+    assert torch.equal(out, expected)

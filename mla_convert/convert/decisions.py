@@ -199,9 +199,10 @@ def choose_rope_grid(
         stats = samples(index)
         x = stats.samples.to(model.dtype)
         reference = source_attention_output(layer, x, model)
+        whitening = Whitening.of(stats.second_moment)  # one d x d eigendecomposition per layer, shared by the finalists
         for rank, (_, _, plans) in enumerate(finalists):
             weights, _ = convert_attention(layer.weights, source, full, plans[index], stats.second_moment, stats.mean,
-                                           method="input", whitening=Whitening.of(stats.second_moment))
+                                           method="input", whitening=whitening)
             out = converted_attention_output({k: v.float() for k, v in weights.items()}, x, source, full, plans[index].slot_inv_freq)
             errors[rank] += relative_error(out, reference) ** 2 / source.num_layers
             progress.advance(index * len(finalists) + rank + 1)

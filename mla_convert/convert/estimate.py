@@ -291,8 +291,8 @@ def phase_work(z: Sizes, f64: float, resident_bytes: int = 0) -> dict[str, Work]
     if z.grids > 1:
         full_rank = s.max_kv_lora_rank
         reference = Work(ops=30, flops=layer_forward_flops(z, z.kept_windows * T, z.kept_windows, mlp=False))
-        per_finalist = whitening_work(z, f64) + attempt_work(z, full_rank, "input", f64)
-        work[MEASURING] = (layer + store + reference + per_finalist.scaled(z.finalists)).scaled(L) + tail
+        per_finalist = attempt_work(z, full_rank, "input", f64)  # the whitening is shared by the finalists
+        work[MEASURING] = (layer + store + reference + whitening_work(z, f64) + per_finalist.scaled(z.finalists)).scaled(L) + tail
     else:
         work[RANKING] = work[RANKING] + tail
 

@@ -140,6 +140,9 @@ def convert_attention(
     q_rope = interleave_slots(q_slots)  # (H, D, d+1)
     k_rope = interleave_slots(k_slot)  # (D, d+1)
     k_nope = real_rows(k_residual)[:, :d]  # (G*h, d); NoPE key bias dropped (softmax-invariant)
+    # the float64 intermediates of a layer are each the size of W_q: drop them as soon as they are used, so that
+    # one layer's conversion holds a few of them at a time, not all (Llama-3-8B width: 134 MB each)
+    del q_c, k_c, q_slots, k_slot, k_residual
 
     # --- joint low-rank factorization of [NoPE keys; values]
     stacked = torch.cat([k_nope, w_v], dim=0)  # (2*G*h, d)
@@ -165,6 +168,7 @@ def convert_attention(
     if method != "weight" and whitening is None:
         whitening = Whitening.of(second_moment)
     fact = factorize(stacked, R, None if method == "weight" else whitening, row_root)
+    del stacked, k_nope, row_root
     up_k = fact.up[: G * h].view(G, h, R)
     up_v = fact.up[G * h :].view(G, h, R)
 
@@ -181,6 +185,7 @@ def convert_attention(
         scale = plan.nope_scale.double().to(w_q.device).repeat(1, 2)  # (H, h)
         q_nope = q_nope * scale[:, :, None]
     q_full = torch.cat([q_nope, q_rope], dim=1) * gamma  # (H, h + D, d+1)
+    del q_nope, q_rope
     q_full = q_full.reshape(H * (h + D), d + 1)
     q_weight, q_bias = q_full[:, :d], q_full[:, d]
 
