@@ -183,8 +183,8 @@ def convert_attention(
     if nope_scaling and plan.nope_scale is not None:
         # pair j lives in rows j and j + h/2: scale both by E[cos(omega_j * distance)] of this head
         scale = plan.nope_scale.double().to(w_q.device).repeat(1, 2)  # (H, h)
-        q_nope = q_nope * scale[:, :, None]
-    q_full = torch.cat([q_nope, q_rope], dim=1) * gamma  # (H, h + D, d+1)
+        q_nope.mul_(scale[:, :, None])  # in place: a fresh tensor (with_bias concatenates), W_q-sized
+    q_full = torch.cat([q_nope, q_rope], dim=1).mul_(gamma)  # (H, h + D, d+1)
     del q_nope, q_rope
     q_full = q_full.reshape(H * (h + D), d + 1)
     q_weight, q_bias = q_full[:, :d], q_full[:, d]
