@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import shutil
@@ -40,7 +41,7 @@ from typer.testing import CliRunner
 
 from mla_convert.cli import app
 from mla_convert.convert import ConvertOptions, Progress, convert
-from mla_convert.errors import MLAConvertError
+from mla_convert.errors import MLAConvertError, PreflightError
 from mla_convert.io.writer import OWNER_FILE, partial_path_for
 from mla_convert.options import CalibrationOptions
 
@@ -829,6 +830,30 @@ def test_successful_run_shows_the_disk_estimate_and_it_is_close(workspace):
     assert written <= estimated, "the estimate must not be lower than what is written"
     assert written >= 0.5 * estimated
     assert list(ws.scratch.iterdir()) == [], "statistics folder removed after a successful run"
+
+
+def test_output_and_statistics_on_one_disk_must_fit_there_together(workspace):
+    """Each fits the disk alone, both do not: pre-flight says so.  (It checked them one at a time, and a
+    Llama-3-8B-width conversion here, with /tmp and the output on one nearly full disk, passed pre-flight and
+    failed with ENOSPC writing its first shard, 12 minutes in.)"""
+    from mla_convert.convert.pipeline import Converter
+    from mla_convert.convert.preflight import storage_needs
+
+    ws = workspace
+    options = ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16))
+    with Converter(ws.src, options) as converter:
+        mla, dtype = converter.preflight(ws.root / "probe", options)  # on the large disk: no problem
+        needed, statistics = storage_needs(converter.config, mla, dtype, ws.src, options.calibration)
+        size = 4096 * math.ceil(1.05 * (needed + statistics / 2) / 4096)
+        assert 1.05 * needed < size and 1.05 * statistics < size < 1.05 * (needed + statistics)
+        disk = ws.mount_tmpfs("disk", str(size))
+        ws.monkeypatch.setattr(tempfile, "tempdir", str(disk))
+        with pytest.raises(PreflightError) as error:
+            converter.preflight(disk / "out", options)
+        ws.monkeypatch.setattr(tempfile, "tempdir", str(ws.root))  # another disk for the statistics: no problem
+        converter.preflight(disk / "out", options)
+    assert "share this disk" in str(error.value) and "set TMPDIR to a folder on another disk" in str(error.value)
+    assert list(disk.iterdir()) == []
 
 
 @pytest.mark.parametrize("samples, seq_len", [(2, 16), (6, 40)])

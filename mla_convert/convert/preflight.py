@@ -298,12 +298,36 @@ def scratch_problems(needed: int) -> list[str]:
     return []
 
 
+def storage_needs(shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, source: Path, calibration,
+                  target: str | None = None) -> tuple[int, int]:
+    """Bytes the output folder and the calibration statistics (in the temp folder) will take."""
+    needed = estimated_output_bytes(shape, mla, dtype, target) + sidecar_bytes(source) + OUTPUT_OVERHEAD_BYTES
+    return needed, estimated_statistics_bytes(shape, calibration)
+
+
+def shared_disk_problems(output: Path, needed: int, statistics: int) -> list[str]:
+    """The output and the temp folder on one file system must hold both at once (each may fit alone)."""
+    try:
+        scratch = Path(tempfile.gettempdir())
+        if os.stat(output.parent).st_dev != os.stat(scratch).st_dev:
+            return []
+    except OSError:  # reported by the separate checks
+        return []
+    free = shutil.disk_usage(output.parent).free
+    if free < (needed + statistics) * FREE_SPACE_MARGIN:
+        return [f"{output.parent}: {human_bytes(free)} free, and the output (about {human_bytes(needed)}) and the calibration "
+                f"statistics in {scratch} (about {human_bytes(statistics)}) share this disk: together they need about "
+                f"{human_bytes(needed + statistics)}; free some space, or set TMPDIR to a folder on another disk"]
+    return []
+
+
 def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, source: Path,
                      calibration, target: str | None = None) -> tuple[list[str], str]:
     """Free-space problems for the output and the temp folder, and a one-line estimate to show the user."""
-    needed = estimated_output_bytes(shape, mla, dtype, target) + sidecar_bytes(source) + OUTPUT_OVERHEAD_BYTES
-    statistics = estimated_statistics_bytes(shape, calibration)
+    needed, statistics = storage_needs(shape, mla, dtype, source, calibration, target)
     problems = disk_problems(output, needed) + scratch_problems(statistics)
+    if not problems:  # each fits alone; on one disk they must fit together
+        problems = shared_disk_problems(output, needed, statistics)
     summary = f"disk: the output needs about {human_bytes(needed)}"
     if output.parent.exists():
         summary += f" ({human_bytes(shutil.disk_usage(output.parent).free)} free in {output.parent})"
