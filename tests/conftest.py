@@ -83,6 +83,19 @@ def smollm2() -> Path:
         missing_asset(f"SmolLM2-135M-Instruct unavailable: {error}")
 
 
+@pytest.fixture
+def smollm2_config_folder(tmp_path) -> Path:
+    """A folder holding only SmolLM2-135M's config.json: `inspect` and the estimator need no weights."""
+    import json
+
+    from test_shapes_inspect import SMOLLM2
+
+    folder = tmp_path / "smollm2-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMOLLM2))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def single_torch_thread():
     """One torch thread for a module (runtime decode comparisons: reduction order fixed, no oversubscription)."""

@@ -9,7 +9,6 @@ machine a test can only hold it to a generous factor.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import pytest
@@ -130,16 +129,8 @@ def test_estimate_has_the_phases_of_a_real_stories260k_conversion(stories260k, t
 
 
 # --------------------------------------------------------------------------- the command line
-@pytest.fixture
-def smollm2_folder(tmp_path):
-    folder = tmp_path / "smollm2-config"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SMOLLM2))
-    return folder
-
-
-def test_inspect_estimate_prints_every_phase_and_the_totals(smollm2_folder):
-    result = run_cli("inspect", smollm2_folder, "--estimate", "--cpu-cores", "4", "--compression", "4")
+def test_inspect_estimate_prints_every_phase_and_the_totals(smollm2_config_folder):
+    result = run_cli("inspect", smollm2_config_folder, "--estimate", "--cpu-cores", "4", "--compression", "4")
     assert result.returncode == 0, result.stderr
     expected = estimate(SourceConfig.from_dict(SMOLLM2), ConvertOptions(compression=4), cores=4)
     for phase in expected.phases:
@@ -153,12 +144,12 @@ def test_inspect_estimate_prints_every_phase_and_the_totals(smollm2_folder):
     assert format_seconds(expected.total_seconds) in total_row
 
 
-def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smollm2_folder):
-    result = run_cli("inspect", smollm2_folder, "--estimate", "--device", "cuda")
+def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smollm2_config_folder):
+    result = run_cli("inspect", smollm2_config_folder, "--estimate", "--device", "cuda")
     assert result.returncode == 0, result.stderr
     assert "peak device memory" in result.stdout and "NVIDIA H200" in result.stdout
     # explicit cores: this process's torch thread count can differ from the subprocess's (tests set it)
-    fast = run_cli("inspect", smollm2_folder, "--estimate", "--effort", "fast", "--calib-samples", "8", "--cpu-cores", "2")
+    fast = run_cli("inspect", smollm2_config_folder, "--estimate", "--effort", "fast", "--calib-samples", "8", "--cpu-cores", "2")
     expected = estimate(SourceConfig.from_dict(SMOLLM2), dataclasses.replace(
         ConvertOptions(effort="fast"), calibration=CalibrationOptions(num_samples=8)), cores=2)
     total_row = next(line for line in fast.stdout.splitlines() if line.startswith("| total wall time"))
@@ -176,8 +167,8 @@ def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smoll
     (["--cpu-cores", "8"], "add --estimate"),
     (["--calib-seq-len", "128"], "add --estimate"),
 ])
-def test_inspect_estimate_bad_flags_are_one_error_line(smollm2_folder, args, fragment):
-    result = run_cli("inspect", smollm2_folder, *args)
+def test_inspect_estimate_bad_flags_are_one_error_line(smollm2_config_folder, args, fragment):
+    result = run_cli("inspect", smollm2_config_folder, *args)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr

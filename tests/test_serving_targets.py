@@ -96,7 +96,7 @@ def test_explicit_shape_outside_the_target_names_the_allowed_set():
         pick_target_shape(SourceConfig.from_dict(STORIES260K), "vllm", compression=2)
 
 
-def test_inspect_lists_the_shapes_of_every_target(tmp_path):
+def test_inspect_lists_the_shapes_of_every_target(smollm2_config_folder):
     rows = {row[0]: row[1:] for row in target_rows(SourceConfig.from_dict(SMOLLM2))}
     assert rows["vllm"] == ("256+64", "1.20x")
     assert rows["all"] == ("256+64", "1.20x; q8_0 KV cache: 256+64")
@@ -104,14 +104,11 @@ def test_inspect_lists_the_shapes_of_every_target(tmp_path):
     assert "q8_0 KV cache only with kv_lora_rank and rope_dim multiples of 32: rope_dim 32 or 64" in rows["llama.cpp"][1]
     stories = {row[0]: row[1:] for row in target_rows(SourceConfig.from_dict(STORIES260K))}
     assert stories["vllm"][0].startswith("none") and "q8_0 KV cache impossible" in stories["llama.cpp"][1]
-    folder = tmp_path / "smollm2"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SMOLLM2))
-    result = run_cli("inspect", folder, "--target", "vllm")
+    result = run_cli("inspect", smollm2_config_folder, "--target", "vllm")
     assert result.returncode == 0, result.stderr
     assert "source vs MLA 256+64" in result.stdout and "compression ratio: 1.20x" in result.stdout
     assert "| vllm | 256+64 | 1.20x |" in result.stdout
-    refused = run_cli("inspect", folder, "--target", "vllm", "--kv-lora-rank", "144", "--rope-dim", "48")
+    refused = run_cli("inspect", smollm2_config_folder, "--target", "vllm", "--kv-lora-rank", "144", "--rope-dim", "48")
     assert refused.returncode == 2 and "this model allows 256+64 (1.20x)" in refused.stderr
 
 

@@ -231,14 +231,6 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture
-def smollm2_config_folder(tmp_path):
-    folder = tmp_path / "smollm2-config"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SMOLLM2))
-    return folder
-
-
 def test_inspect_cli_prints_the_table_and_ratio(smollm2_config_folder):
     result = run_cli("inspect", smollm2_config_folder, "--compression", "4", "--context", "4096")
     assert result.returncode == 0, result.stderr
