@@ -181,6 +181,54 @@ def test_whitening_damping_keeps_directions_calibration_never_saw_in_range():
     assert damped_fit < 1e-2 and damped_growth < 20
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_rope_statistics_equal_the_moments_of_the_rotated_components_on_the_samples(bias):
+    """Oracle for the real-arithmetic RoPE statistics: on a finite sample, E[z z^H] of the complex key components
+    and E|q|^2 of the query components, computed from the projected samples themselves (bias included)."""
+    from mla_convert.convert.rope import rope_stats_from_moments
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, d = 4, 2, 8, 24
+    x = torch.randn(400, d, dtype=torch.float64) * torch.linspace(0.2, 2.0, d) + 0.5  # uneven scales, nonzero mean
+    q_w, k_w = torch.randn(heads * head_dim, d, dtype=torch.float64), torch.randn(kv_heads * head_dim, d, dtype=torch.float64)
+    q_b = torch.randn(heads * head_dim, dtype=torch.float64) if bias else None
+    k_b = torch.randn(kv_heads * head_dim, dtype=torch.float64) if bias else None
+    stats = rope_stats_from_moments(q_w, q_b, k_w, k_b, x.T @ x / len(x), x.mean(0), heads, kv_heads, head_dim,
+                                    torch.ones(heads, 5))
+
+    def components(w, b, n):  # (samples, n * h/2) complex: z = row j + i row j + h/2 of each head
+        y = (x @ w.T + (b if b is not None else 0)).view(len(x), n, 2, head_dim // 2)
+        return torch.complex(y[:, :, 0], y[:, :, 1]).reshape(len(x), -1)
+
+    k = components(k_w, k_b, kv_heads)
+    q = components(q_w, q_b, heads)
+    assert torch.allclose(stats.key_cov, k.T @ k.conj() / len(x), rtol=1e-10, atol=1e-10)
+    assert torch.allclose(stats.query_energy, (q.abs() ** 2).mean(0).view(heads, -1) / head_dim, rtol=1e-10, atol=1e-12)
+
+
+def test_whitened_factorization_is_the_least_squares_fit_on_the_activations():
+    """The eigenbasis form of the whitening: at full rank W is rebuilt exactly; at rank k the subspace is the top-k
+    of W C^1/2 (the activation error equals the discarded singular energy) and `up` is least squares on x."""
+    from mla_convert.convert.factorize import Whitening, factorize
+
+    torch.manual_seed(1)
+    d, rows = 20, 12
+    x = torch.randn(300, d, dtype=torch.float64) @ torch.randn(d, d, dtype=torch.float64)  # correlated inputs
+    weight = torch.randn(rows, d, dtype=torch.float64)
+    whitening = Whitening.of(x.T @ x / len(x), damping=0.0)
+    moment = whitening.second_moment
+    assert torch.allclose(moment, x.T @ x / len(x), rtol=1e-9, atol=1e-9)
+    full = factorize(weight, rows, whitening)
+    assert torch.allclose(full.up @ full.down, weight, atol=1e-9)
+    low = factorize(weight, 5, whitening)
+    error = x @ (low.up @ low.down - weight).T  # (samples, rows)
+    assert math.isclose(error.pow(2).mean(0).sum().item(), low.singular_values[5:].pow(2).sum().item(), rel_tol=1e-8)
+    latent = x @ low.down.T
+    best_up = torch.linalg.lstsq(latent, x @ weight.T).solution.T  # (rows, 5)
+    assert torch.allclose(low.up, best_up, atol=1e-8)
+    assert torch.allclose(latent.T @ latent / len(x), torch.eye(5, dtype=torch.float64), atol=1e-9)  # unit latent moment
+
+
 # ----------------------------------------------------------------------------- options and errors
 def test_weight_only_svd_and_sequential_run_and_differ(tmp_path):
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)

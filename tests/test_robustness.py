@@ -593,12 +593,12 @@ def _(ws):
 
 
 @case("nan-in-result", "NaN in the conversion result",
-      "fault injection: the project's `convert_attention` returns a NaN in kv_b_proj (convert() API)",
+      "fault injection: the project's `assemble_attention` returns a NaN in kv_b_proj (convert() API)",
       "layer 0, step 'factorization'", "kv_b_proj.weight", "refusing to write", api=True)
 def _(ws):
     import mla_convert.convert.decisions as convert_module
 
-    real = convert_module.convert_attention
+    real = convert_module.assemble_attention
 
     def poisoned(*args, **kwargs):
         weights, report = real(*args, **kwargs)
@@ -606,7 +606,7 @@ def _(ws):
         weights["kv_b_proj.weight"][0, 0] = float("nan")
         return weights, report
 
-    ws.monkeypatch.setattr(convert_module, "convert_attention", poisoned)
+    ws.monkeypatch.setattr(convert_module, "assemble_attention", poisoned)
     return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
                                                           rope_finalists=1, kv_balance_search=False))
 

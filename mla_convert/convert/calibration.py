@@ -159,7 +159,9 @@ class StatsStore:
 
 @dataclass
 class LayerInputStats:
-    second_moment: torch.Tensor  # (d, d) float64, E[x x^T] of the normalised attention input
+    # (d, d) float64, E[x x^T] of the normalised attention input; this moment and `attention_moment` are set to None
+    # by a conversion step that has used them and whose caller needs them no more (decisions.convert_layer)
+    second_moment: torch.Tensor
     mean: torch.Tensor  # (d,) float64
     samples: torch.Tensor  # (error_samples, T, d) attention inputs kept to measure conversion error
     distance_profile: torch.Tensor  # (H, T)

@@ -61,7 +61,7 @@ DEVICE_CLASSES = ("cpu", "cuda")
 LOAD_LAYER_OPS = 60  # open the shard, slice ~12 tensors, widen each to float32
 LAYER_FORWARD_OPS = 50  # norms, q/k/v/o, rotary, attention, MLP
 VOCAB_CHUNK_OPS = 28  # one 8192-row block of the head: read, widen, matmul, release
-ATTEMPT_OPS = 200  # one closed-form conversion of a layer's attention and its error measurement
+ATTEMPT_OPS = 160  # one K/V factorization of a layer and its error measurement
 MEMBER_OPS = 8  # one (kv head, frequency) component visited by a RoPE slot plan
 REFINE_STEP_OPS = 150  # forward, backward and Adam step of one refinement step
 VOCAB_CHUNK_ROWS = 8192  # source.model.EMBED_CHUNK_ROWS
@@ -226,25 +226,36 @@ def statistics_work(z: Sizes, move_hidden: bool, f64: float) -> Work:
                 flops=f32 + f64 * moments)
 
 
+def prepare_work(z: Sizes, method: str, f64: float) -> Work:
+    """`prepare_attention`: what one layer's conversion builds once, whatever the K/V balance (slot projections,
+    the query rows, and with the output-aware method the query moments and the K/V energies)."""
+    s, m = z.source, z.mla
+    d, H, G, h, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, m.rope_dim
+    matmul = 2.0 * H * h * d * d + 4.0 * G * h * d * d if method == "output" else 0.0  # query moments, K/V energies
+    return Work(ops=MEMBER_OPS * G * (h // 2) + 16 * G + 40, flops=f64 * matmul,
+                lapack=2 * G * eigh_flops(h) if method == "output" else 0.0, bytes=8.0 * (H * (h + D) * d * 3 + 4 * G * h * d))
+
+
 def attempt_work(z: Sizes, rank: int, method: str, f64: float) -> Work:
-    """One `convert_attention` call and the attention-output error it is measured by."""
+    """One K/V factorization (`factorize_latent`) and the attention-output error it is measured by."""
     s, m = z.source, z.mla
     d, H, G, h, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, m.rope_dim
     rows = 2 * G * h  # stacked NoPE keys and values
-    matmul = 2.0 * rows * d * d + 2.0 * rank * d * d * 2 + 2.0 * rows * d * rank + rank**3  # whitened target, down, gram, up
+    # into the whitening's eigenbasis, kept vectors back out and in again, down, gram, least-squares up
+    matmul = 2.0 * rows * d * d + 2.0 * rank * d * d * 3 + 2.0 * rank * rank * d + 2.0 * rows * d * rank + rank**3
     if method == "output":
-        matmul += 2.0 * H * h * d * d + 4.0 * G * h * d * d + 2.0 * rows * rows * d  # query moments, K/V energies, row weights
+        matmul += 2.0 * rows * rows * d  # row weighting
     T, n = z.options.calibration.seq_len, z.kept_windows
     mla_params = H * (h + D) * d + (rank + D) * d + H * 2 * h * rank + d * H * h
     measured = 2.0 * n * T * mla_params + 2.0 * n * H * T * T * (2 * h + D)
-    ops = ATTEMPT_OPS + MEMBER_OPS * G * (h // 2) + 16 * G
-    return Work(ops=ops, flops=f64 * matmul + measured, lapack=svd_flops(rows, d) + (2 * G * eigh_flops(h) if method == "output" else 0),
+    return Work(ops=ATTEMPT_OPS, flops=f64 * matmul + measured, lapack=svd_flops(rows, d),
                 bytes=8.0 * (rows * d * 4 + H * (h + D) * d * 2))
 
 
 def whitening_work(z: Sizes, f64: float) -> Work:
+    """`Whitening.of`: damp, symmetrise and eigendecompose the d x d moment (no roots are formed)."""
     d = z.source.hidden_size
-    return Work(ops=12, lapack=eigh_flops(d), flops=f64 * 4.0 * d**3, bytes=8.0 * 6 * d * d)
+    return Work(ops=12, lapack=eigh_flops(d), bytes=8.0 * 5 * d * d)
 
 
 def load_layer_work(z: Sizes) -> Work:
@@ -294,7 +305,7 @@ def phase_work(z: Sizes, f64: float, resident_bytes: int = 0) -> dict[str, Work]
     if z.grids > 1:
         full_rank = s.max_kv_lora_rank
         reference = Work(ops=30, flops=layer_forward_flops(z, z.kept_windows * T, z.kept_windows, mlp=False))
-        per_finalist = attempt_work(z, full_rank, "input", f64)  # the whitening is shared by the finalists
+        per_finalist = prepare_work(z, "input", f64) + attempt_work(z, full_rank, "input", f64)  # the whitening is shared
         work[MEASURING] = (layer + store + reference + whitening_work(z, f64) + per_finalist.scaled(z.finalists)).scaled(L) + tail
     else:
         work[RANKING] = work[RANKING] + tail
@@ -303,7 +314,7 @@ def phase_work(z: Sizes, f64: float, resident_bytes: int = 0) -> dict[str, Work]
     per_layer = layer + store.scaled(0.5) + Work(ops=30, flops=layer_forward_flops(z, z.kept_windows * T, z.kept_windows, mlp=False))
     if method != "weight":
         per_layer = per_layer + whitening_work(z, f64)
-    per_layer = per_layer + attempt_work(z, z.mla.kv_lora_rank, method, f64).scaled(z.attempts)
+    per_layer = per_layer + prepare_work(z, method, f64) + attempt_work(z, z.mla.kv_lora_rank, method, f64).scaled(z.attempts)
     if z.options.sequential:
         advance = Work(ops=-(-z.windows // calib.chunk) * LAYER_FORWARD_OPS, bytes=z.tokens * 4.0 * (8 * d + 3 * s.intermediate_size),
                        flops=2.0 * z.tokens * (H * (h + z.mla.rope_dim) * d + (z.mla.kv_lora_rank + z.mla.rope_dim) * d
@@ -347,13 +358,17 @@ def working_sets(z: Sizes) -> dict[str, float]:
     else:
         sets[READING] = z.tokens * 12.0 * 4  # the text, its tokens
     sets[STATISTICS] = layer + hidden + activations + moments + rope_stats
-    factorization = 8.0 * (6 * d * d + 2 * z.attention_params + 2 * (2 * G * h) * d)  # whitening, float64 weights, target
+    rows = 2 * G * h
+    # whitening: the layer's two moments, the symmetrised copy, the eigenvectors and eigh's 2 d^2 workspace; an attempt:
+    # the eigenvectors, the stacked K/V rows and their products, the SVD's copies and workspace, the RoPE query rows
+    factorization = 8.0 * max(6 * d * d, d * d + 6 * rows * d + 5 * rows * rows + H * z.mla.rope_dim * d)
     samples = z.kept_windows * T * (d + H * h * 2) * 4.0 * 2
     sets[RANKING] = rope_stats + dtype_bytes(z.output_dtype) * VOCAB_CHUNK_ROWS * d * 2.0
     if z.grids > 1:
         sets[MEASURING] = layer + factorization + samples + rope_stats
+    best = 8.0 * ((z.mla.kv_lora_rank + z.mla.rope_dim) * d + H * 2 * h * z.mla.kv_lora_rank)  # the best attempt's latent
     sets[CONVERTING] = layer + factorization + samples + rope_stats + (hidden + activations + moments if z.options.sequential else 0) \
-        + 8.0 * 2 * attention_output_params(s, z.mla)
+        + best
     sets[WRITING] = VOCAB_CHUNK_ROWS * d * 8.0
     return sets
 

@@ -62,11 +62,16 @@ class Factorization:
 
 @dataclass
 class Whitening:
-    """E[x x^T] with its square root and inverse square root, computed once per layer."""
+    """E[x x^T] (ridge-damped) as its eigendecomposition V diag(lam) V^T, computed once per layer.
 
-    second_moment: torch.Tensor
-    root: torch.Tensor
-    inv_root: torch.Tensor
+    Held as eigenvectors and eigenvalues rather than as the moment, its square root and its inverse square
+    root: each d x d float64 matrix is 134 MB at hidden 4096, and `factorize` needs them only as products,
+    which cost no more in the eigenbasis.
+    """
+
+    eigvecs: torch.Tensor  # (d, d) V, orthonormal columns
+    eigvals: torch.Tensor  # (d,) lam: C = V diag(lam) V^T
+    root_eigvals: torch.Tensor  # (d,) lam floored at 1e-8 x its largest (see psd_root): C^1/2 = V diag(sqrt) V^T
 
     @classmethod
     def of(cls, second_moment: torch.Tensor, damping: float | None = None) -> Whitening:
@@ -80,12 +85,21 @@ class Whitening:
         (SmolLM2 2x 41.56 -> 41.47, stories260K 6.84 -> 6.80). The damping is ridge regression on the
         activations, so the least-squares `up` uses it too.
         """
-        moment = second_moment.double()
         damping = WHITENING_DAMPING if damping is None else damping
+        moment = second_moment.double().clone()
         if damping > 0:
-            moment = moment + damping * moment.diagonal().mean() * torch.eye(moment.shape[0], dtype=moment.dtype, device=moment.device)
-        root, inv_root = psd_root(moment)
-        return cls(moment, root, inv_root)
+            moment.diagonal().add_(damping * moment.diagonal().mean())
+        symmetric = (moment + moment.T).mul_(0.5)  # (d, d); one copy at a time: d x d is 134 MB at hidden 4096
+        del moment
+        eigvals, eigvecs = torch.linalg.eigh(symmetric)
+        del symmetric
+        root_eigvals = eigvals.clamp_min(eigvals.max().clamp_min(1e-300) * 1e-8)
+        return cls(eigvecs, eigvals, root_eigvals)
+
+    @property
+    def second_moment(self) -> torch.Tensor:
+        """The damped moment as a matrix (d, d): for callers that need it whole (tests, small shapes)."""
+        return (self.eigvecs * self.eigvals) @ self.eigvecs.T
 
 
 def factorize(
@@ -107,13 +121,19 @@ def factorize(
         up = weight @ down.T  # rows of down are orthonormal: least squares in the weight metric
         energy = singular.pow(2)
         return Factorization(down, up, (energy[:rank].sum() / energy.sum().clamp_min(1e-300)).item(), singular)
-    target = weight @ whitening.root
+    # in the eigenbasis of C: W C^1/2 = (W V) diag(sqrt lam) V^T, and the trailing rotation V^T changes no singular value,
+    # so the SVD runs on (W V) diag(sqrt lam) and its right vectors are rotated back only for the kept rank
+    weight_v = weight @ whitening.eigvecs  # (rows, d_in)
+    target = weight_v * whitening.root_eigvals.sqrt()
     if row_weight_root is not None:
         target = row_weight_root.double() @ target
     _, singular, vh = torch.linalg.svd(target, full_matrices=False)
-    down = canonical_signs(vh[:rank]) @ whitening.inv_root  # (rank, d_in); the latent has unit second moment per dimension
-    moment = whitening.second_moment
-    gram = down @ moment @ down.T  # (rank, rank)
-    up = torch.linalg.solve(gram, (weight @ moment @ down.T).T).T  # (rows, rank): least squares on the activations
+    del target
+    kept = canonical_signs(vh[:rank] @ whitening.eigvecs.T) @ whitening.eigvecs  # (rank, d_in) in the eigenbasis
+    del vh
+    down_v = kept / whitening.root_eigvals.sqrt()  # (rank, d_in): C^-1/2 applied; the latent has unit second moment per dimension
+    down = down_v @ whitening.eigvecs.T  # (rank, d_in)
+    gram = (down_v * whitening.eigvals) @ down_v.T  # (rank, rank): down C down^T
+    up = torch.linalg.solve(gram, ((weight_v * whitening.eigvals) @ down_v.T).T).T  # (rows, rank): least squares on the activations
     energy = singular.pow(2)
     return Factorization(down, up, (energy[:rank].sum() / energy.sum().clamp_min(1e-300)).item(), singular)

@@ -105,6 +105,217 @@ def query_second_moments(
     return moments
 
 
+@dataclass
+class QueryRows:
+    """The exported query rows, from what they are made of: per head [NoPE rows (the source's, scaled) | RoPE rows].
+
+    Kept as these parts (the source rows are the loaded layer's own tensor) and built on demand: the float64 rows
+    are 1.5x W_q, the largest tensor of a layer's conversion.
+    """
+
+    source: torch.Tensor  # (H*h, d) the source query rows, rotate_half layout
+    bias: torch.Tensor | None  # (H*h,) float64
+    rope: torch.Tensor  # (H, D, d+1) float64 slot rows, bias column last
+    nope_scale: torch.Tensor | None  # (H, h): E[cos(omega_j * distance)] per head, on rows j and j + h/2
+    gamma: float  # sqrt((h + D) / h): DeepSeek's softmax scale made equal to the source's
+
+    def rows(self) -> torch.Tensor:
+        """(H*(h+D), d+1) float64: [q_proj | bias column], filled in place (no concatenated copies)."""
+        heads, rope_dim, width = self.rope.shape
+        head_dim = self.source.shape[0] // heads
+        d = width - 1
+        full = torch.empty(heads, head_dim + rope_dim, width, dtype=torch.float64, device=self.rope.device)
+        full[:, :head_dim, :d] = self.source.view(heads, head_dim, d)
+        full[:, :head_dim, d] = self.bias.view(heads, head_dim) if self.bias is not None else 0.0
+        if self.nope_scale is not None:
+            full[:, :head_dim].mul_(self.nope_scale[:, :, None])
+        full[:, head_dim:] = self.rope
+        return full.mul_(self.gamma).reshape(heads * (head_dim + rope_dim), width)
+
+
+@dataclass
+class AttentionParts:
+    """One layer's conversion except the K/V factorization: everything the K/V balance attempts share.
+
+    Why split: the balance only reweights the factorization of [NoPE keys; values]; the queries (a W_q-sized float64
+    product and copy), o_proj and the shared RoPE key are the same for every attempt, so they are built once per
+    layer and no attempt holds a second copy of them (Llama-3-8B width: 201 MB for q_proj alone).
+    """
+
+    fixed: dict[str, torch.Tensor]  # balance-independent output tensors, by target name
+    stacked: torch.Tensor  # (2*G*h, d) float64 [NoPE keys; values]: what the latent must rebuild
+    k_rope: torch.Tensor  # (D, d + 1) float64 shared RoPE key rows, bias column last
+    key_weight: torch.Tensor | None  # (G, h, h) E[q q^T] summed over each kv group's query heads ("output" only)
+    value_weight: torch.Tensor | None  # (G, h, h) W_o^T W_o per kv group, per head block ("output" only)
+    energy_ratio: float  # V energy / NoPE-key energy (clamped): equal K and V energy at kv_balance 1
+    method: str
+    num_kv_heads: int
+    head_dim: int
+    group: int  # query heads per kv head
+    plan_errors: tuple[float, float]  # the slot plan's estimated RoPE error and its error without RoPE
+    query_bias_residual: float | None = None
+    query_latent_scale: float | None = None
+    queries: QueryRows | None = None  # q_proj, when it is not in `fixed` (no query latent)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """`fixed` with q_proj built (a new float64 tensor on each call)."""
+        if self.queries is None:
+            return dict(self.fixed)
+        return {**self.fixed, T.Q_PROJ: self.queries.rows()[:, :-1]}
+
+
+@dataclass
+class LatentFactors:
+    """The K/V factorization for one balance: the latent (kv_a, kv_a_layernorm) and its up-projection (kv_b)."""
+
+    kv_a: torch.Tensor  # (R + D, d): [alpha * W_down | shared RoPE key]
+    kv_a_norm: torch.Tensor  # (R,)
+    kv_b: torch.Tensor  # (H * 2h, R)
+    kept_energy: float
+    alpha: float
+    balance: float  # the effective NoPE-key weight: energy ratio x kv_balance
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {T.KV_A_PROJ: self.kv_a, T.KV_A_NORM: self.kv_a_norm, T.KV_B_PROJ: self.kv_b}
+
+
+def prepare_attention(
+    weights: dict[str, torch.Tensor],
+    shape: SourceConfig,
+    mla: MLAShape,
+    plan: SlotPlan,
+    second_moment: torch.Tensor,
+    mean: torch.Tensor,
+    method: str = "output",
+    use_q_lora: bool = False,
+    nope_scaling: bool = False,
+) -> AttentionParts:
+    """Source attention weights (by role) -> the balance-independent parts of the DeepseekV3 layer (float64).
+
+    The float64 intermediates are each the size of W_q and are dropped as soon as they are used, so that
+    one layer holds a few of them at a time, not all.
+    """
+    H, G, h, D = shape.num_heads, shape.num_kv_heads, shape.head_dim, mla.rope_dim
+    group = H // G
+    d = shape.hidden_size
+    w_q = weights["q_weight"]  # as loaded (float32): W_q-sized float64 copies are made only where needed, one at a time
+    w_k, w_v = (weights[f"{r}_weight"].double() for r in "kv")
+    b_q, b_k, b_v, b_o = (weights.get(f"{r}_bias") for r in "qkvo")
+    b_q, b_k, b_v, b_o = (b.double() if b is not None else None for b in (b_q, b_k, b_v, b_o))
+    device = w_q.device
+
+    # --- RoPE slots: complex rows with a bias column appended (zero when there is no bias)
+    def with_bias(w, b):  # (rows, d) -> (rows, d+1) float64, written into one new tensor (no float64 copy of w first)
+        out = torch.empty(w.shape[0], w.shape[1] + 1, dtype=torch.float64, device=w.device)
+        out[:, :-1] = w
+        out[:, -1] = b if b is not None else 0.0
+        return out
+
+    q_c = complex_components(with_bias(w_q, b_q), H, h)  # (H, h/2, d+1)
+    k_c = complex_components(with_bias(w_k, b_k), G, h)  # (G, h/2, d+1)
+    q_slots, k_slot, k_residual = slot_projections(plan, q_c, k_c, G)
+    del q_c, k_c
+    q_rope = interleave_slots(q_slots)  # (H, D, d+1)
+    k_rope = interleave_slots(k_slot)  # (D, d+1)
+    k_nope = real_rows(k_residual)[:, :d]  # (G*h, d); NoPE key bias dropped (softmax-invariant)
+    del q_slots, k_slot, k_residual
+    stacked = torch.cat([k_nope, w_v], dim=0)  # (2*G*h, d)
+
+    # --- what the K/V factorization weighs its errors by (the same for every balance)
+    key_weight = value_weight = None
+    energy_ratio = 1.0
+    if method == "output":
+        q_moments = query_second_moments(w_q, b_q, second_moment, mean, H, h)  # (H, h, h)
+        if nope_scaling and plan.nope_scale is not None:
+            # the exported NoPE queries are scaled: weight the key errors by what the queries will really be
+            scale = plan.nope_scale.double().to(device).repeat(1, 2)  # (H, h)
+            q_moments = q_moments * scale[:, :, None] * scale[:, None, :]
+        key_weight = q_moments.view(G, group, h, h).sum(1)  # (G, h, h)
+        del q_moments
+        w_o = weights["o_weight"].double()
+        w_o_heads = w_o.view(d, H, h).permute(1, 2, 0)  # (H, h, d): head i's o_proj columns, transposed
+        value_weight = (w_o_heads @ w_o_heads.transpose(1, 2)).view(G, group, h, h).sum(1)  # (G, h, h)
+        del w_o, w_o_heads
+        c = second_moment.double()
+        k_energy = sum(torch.trace(k @ c @ k.T @ m).item() for k, m in zip(k_nope.view(G, h, d), key_weight))
+        v_energy = sum(torch.trace(v @ c @ v.T @ m).item() for v, m in zip(w_v.view(G, h, d), value_weight))
+        del c
+        # equal K and V energy (then shifted by kv_balance); clamped for layers with (almost) no NoPE key
+        energy_ratio = min(max(v_energy / max(k_energy, 1e-300), 1e-6), 1e6)
+    del k_nope
+
+    # --- queries: [nope | rope] per head, with the softmax-scale ratio folded in
+    scale = plan.nope_scale.double().to(device).repeat(1, 2) if nope_scaling and plan.nope_scale is not None else None
+    queries = QueryRows(w_q, b_q, q_rope, scale, math.sqrt((h + D) / h))
+    del q_rope
+
+    # o_proj is the source's (exact in its own dtype: casting it to the export dtype gives the same values)
+    fixed: dict[str, torch.Tensor] = {T.O_PROJ: weights["o_weight"]}
+    if shape.qkv_bias or shape.o_bias:
+        fixed[T.KV_A_BIAS] = torch.cat([torch.zeros(mla.kv_lora_rank, dtype=torch.float64, device=device), k_rope[:, d]])
+        o_bias = b_o.clone() if b_o is not None else torch.zeros(d, dtype=torch.float64, device=device)
+        if b_v is not None:
+            o_bias = o_bias + weights["o_weight"].double() @ b_v.view(G, h).repeat_interleave(group, dim=0).reshape(H * h)
+        fixed[T.O_BIAS] = o_bias
+    parts = AttentionParts(fixed, stacked, k_rope, key_weight, value_weight, energy_ratio, method, G, h, group,
+                           (plan.estimated_error, plan.nope_error))
+    needs_q_lora = use_q_lora or mla.q_lora_rank is not None or (b_q is not None and bool(b_q.abs().max() > 0))
+    if not needs_q_lora:
+        parts.queries = queries  # q_proj is built when asked for (`AttentionParts.tensors`), never held through an attempt
+    else:
+        q_full = queries.rows()
+        q_weight, q_bias = q_full[:, :d], q_full[:, d]
+        q_a_weight, q_a_bias, q_b_weight, residual, q_alpha = _query_lora(
+            q_weight, q_bias, w_q.double(), b_q, mla, second_moment, mean, weights["input_norm"])
+        fixed[T.Q_A_PROJ] = q_a_weight
+        if T.KV_A_BIAS in fixed:
+            fixed[T.Q_A_BIAS] = q_a_bias
+        fixed[T.Q_A_NORM] = T.latent_norm_weight(q_a_weight.shape[0], q_alpha).to(device)
+        fixed[T.Q_B_PROJ] = q_b_weight
+        parts.query_bias_residual, parts.query_latent_scale = residual, q_alpha
+    return parts
+
+
+def factorize_latent(parts: AttentionParts, rank: int, whitening: Whitening | None, input_norm: torch.Tensor,
+                     kv_balance: float = 1.0) -> LatentFactors:
+    """The rank-`rank` latent of [NoPE keys; values] for one K/V balance (`whitening` None: the "weight" method)."""
+    G, h = parts.num_kv_heads, parts.head_dim
+    row_root = None
+    balance = 1.0
+    if parts.method == "output":
+        balance = parts.energy_ratio * kv_balance
+        row_root = torch.block_diag(
+            *[psd_root(m * balance)[0] for m in parts.key_weight], *[psd_root(m)[0] for m in parts.value_weight]
+        )
+    fact = factorize(parts.stacked, rank, None if parts.method == "weight" else whitening, row_root)
+    del row_root
+    up_k = fact.up[: G * h].view(G, h, rank)
+    up_v = fact.up[G * h :].view(G, h, rank)
+    d = parts.stacked.shape[1]
+    alpha = T.latent_scale_for(fact.down, input_norm)
+    kv_a = torch.cat([alpha * fact.down, parts.k_rope[:, :d]], dim=0)  # (R + D, d)
+    kv_b = torch.cat([up_k, up_v], dim=1).repeat_interleave(parts.group, dim=0).reshape(-1, rank)  # (H*(h+h), R)
+    norm = T.latent_norm_weight(rank, alpha).to(parts.stacked.device)
+    return LatentFactors(kv_a, norm, kv_b, fact.kept_energy, alpha, balance)
+
+
+def assemble_attention(parts: AttentionParts, factors: LatentFactors, layer_index: int = 0,
+                       kv_balance: float = 1.0) -> tuple[dict[str, torch.Tensor], LayerReport]:
+    """The layer's `self_attn.*` tensors (in the export's order) and its report."""
+    fixed = parts.tensors()
+    out = {**factors.tensors(), T.O_PROJ: fixed[T.O_PROJ]}
+    for name in (T.KV_A_BIAS, T.O_BIAS, T.Q_PROJ, T.Q_A_PROJ, T.Q_A_BIAS, T.Q_A_NORM, T.Q_B_PROJ):
+        if name in fixed:
+            out[name] = fixed[name]
+    estimated, nope = parts.plan_errors
+    report = LayerReport(layer_index, factors.kept_energy, factors.alpha, estimated, nope, kv_balance=kv_balance)
+    report.extra["kv_energy_ratio"] = factors.balance
+    if parts.query_latent_scale is not None:
+        report.query_bias_residual = parts.query_bias_residual
+        report.extra["query_latent_scale"] = parts.query_latent_scale
+    return out, report
+
+
 def convert_attention(
     weights: dict[str, torch.Tensor],
     shape: SourceConfig,
@@ -119,106 +330,15 @@ def convert_attention(
     whitening: Whitening | None = None,
     nope_scaling: bool = False,
 ) -> tuple[dict[str, torch.Tensor], LayerReport]:
-    """Source attention weights (by role) -> DeepseekV3 `self_attn.*` tensors (float64) and a report.
+    """Source attention weights (by role) -> DeepseekV3 `self_attn.*` tensors (float64, o_proj as given) and a report.
 
     `whitening` may be passed in to share its eigendecomposition across several calls on one layer.
     """
-    H, G, h, D, R = shape.num_heads, shape.num_kv_heads, shape.head_dim, mla.rope_dim, mla.kv_lora_rank
-    group = H // G
-    d = shape.hidden_size
-    w_q, w_k, w_v, w_o = (weights[f"{r}_weight"].double() for r in "qkvo")
-    b_q, b_k, b_v, b_o = (weights.get(f"{r}_bias") for r in "qkvo")
-    b_q, b_k, b_v, b_o = (b.double() if b is not None else None for b in (b_q, b_k, b_v, b_o))
-
-    # --- RoPE slots: complex rows with a bias column appended (zero when there is no bias)
-    def with_bias(w, b):
-        return torch.cat([w, (b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)).view(-1, 1)], dim=1)
-
-    q_c = complex_components(with_bias(w_q, b_q), H, h)  # (H, h/2, d+1)
-    k_c = complex_components(with_bias(w_k, b_k), G, h)  # (G, h/2, d+1)
-    q_slots, k_slot, k_residual = slot_projections(plan, q_c, k_c, G)
-    q_rope = interleave_slots(q_slots)  # (H, D, d+1)
-    k_rope = interleave_slots(k_slot)  # (D, d+1)
-    k_nope = real_rows(k_residual)[:, :d]  # (G*h, d); NoPE key bias dropped (softmax-invariant)
-    # the float64 intermediates of a layer are each the size of W_q: drop them as soon as they are used, so that
-    # one layer's conversion holds a few of them at a time, not all (Llama-3-8B width: 134 MB each)
-    del q_c, k_c, q_slots, k_slot, k_residual
-
-    # --- joint low-rank factorization of [NoPE keys; values]
-    stacked = torch.cat([k_nope, w_v], dim=0)  # (2*G*h, d)
-    row_root = None
-    balance = 1.0
-    if method == "output":
-        q_moments = query_second_moments(w_q, b_q, second_moment, mean, H, h)  # (H, h, h)
-        if nope_scaling and plan.nope_scale is not None:
-            # the exported NoPE queries are scaled: weight the key errors by what the queries will really be
-            scale = plan.nope_scale.double().to(w_q.device).repeat(1, 2)  # (H, h)
-            q_moments = q_moments * scale[:, :, None] * scale[:, None, :]
-        key_weight = q_moments.view(G, group, h, h).sum(1)  # (G, h, h)
-        w_o_heads = w_o.view(d, H, h).permute(1, 2, 0)  # (H, h, d): head i's o_proj columns, transposed
-        value_weight = (w_o_heads @ w_o_heads.transpose(1, 2)).view(G, group, h, h).sum(1)  # (G, h, h)
-        c = second_moment.double()
-        k_energy = sum(torch.trace(k @ c @ k.T @ m).item() for k, m in zip(k_nope.view(G, h, d), key_weight))
-        v_energy = sum(torch.trace(v @ c @ v.T @ m).item() for v, m in zip(w_v.view(G, h, d), value_weight))
-        # equal K and V energy (then shifted by kv_balance); clamped for layers with (almost) no NoPE key
-        balance = min(max(v_energy / max(k_energy, 1e-300), 1e-6), 1e6) * kv_balance
-        row_root = torch.block_diag(
-            *[psd_root(m * balance)[0] for m in key_weight], *[psd_root(m)[0] for m in value_weight]
-        )
+    parts = prepare_attention(weights, shape, mla, plan, second_moment, mean, method, use_q_lora, nope_scaling)
     if method != "weight" and whitening is None:
         whitening = Whitening.of(second_moment)
-    fact = factorize(stacked, R, None if method == "weight" else whitening, row_root)
-    del stacked, k_nope, row_root
-    up_k = fact.up[: G * h].view(G, h, R)
-    up_v = fact.up[G * h :].view(G, h, R)
-
-    # --- latent scale that makes kv_a_layernorm linear
-    alpha = T.latent_scale_for(fact.down, weights["input_norm"])
-    kv_a = torch.cat([alpha * fact.down, k_rope[:, :d]], dim=0)  # (R + D, d)
-    kv_b = torch.cat([up_k, up_v], dim=1).repeat_interleave(group, dim=0).reshape(H * 2 * h, R)  # (H*(h+h), R)
-
-    # --- queries: [nope | rope] per head, with the softmax-scale ratio folded in
-    gamma = math.sqrt((h + D) / h)
-    q_nope = with_bias(w_q, b_q).view(H, h, d + 1)  # (H, h, d+1), rotate_half layout
-    if nope_scaling and plan.nope_scale is not None:
-        # pair j lives in rows j and j + h/2: scale both by E[cos(omega_j * distance)] of this head
-        scale = plan.nope_scale.double().to(w_q.device).repeat(1, 2)  # (H, h)
-        q_nope.mul_(scale[:, :, None])  # in place: a fresh tensor (with_bias concatenates), W_q-sized
-    q_full = torch.cat([q_nope, q_rope], dim=1).mul_(gamma)  # (H, h + D, d+1)
-    del q_nope, q_rope
-    q_full = q_full.reshape(H * (h + D), d + 1)
-    q_weight, q_bias = q_full[:, :d], q_full[:, d]
-
-    out: dict[str, torch.Tensor] = {
-        T.KV_A_PROJ: kv_a,
-        T.KV_A_NORM: T.latent_norm_weight(R, alpha).to(w_q.device),
-        T.KV_B_PROJ: kv_b,
-        T.O_PROJ: w_o,
-    }
-    report = LayerReport(layer_index, fact.kept_energy, alpha, plan.estimated_error, plan.nope_error, kv_balance=kv_balance)
-    report.extra["kv_energy_ratio"] = balance
-    has_bias = shape.qkv_bias or shape.o_bias
-    if has_bias:
-        out[T.KV_A_BIAS] = torch.cat([torch.zeros(R, dtype=torch.float64, device=w_q.device), k_rope[:, d]])
-        o_bias = b_o.clone() if b_o is not None else torch.zeros(d, dtype=torch.float64, device=w_q.device)
-        if b_v is not None:
-            o_bias = o_bias + w_o @ b_v.view(G, h).repeat_interleave(group, dim=0).reshape(H * h)
-        out[T.O_BIAS] = o_bias
-
-    needs_q_lora = use_q_lora or mla.q_lora_rank is not None or (b_q is not None and bool(b_q.abs().max() > 0))
-    if not needs_q_lora:
-        out[T.Q_PROJ] = q_weight
-    else:
-        q_a_weight, q_a_bias, q_b_weight, residual, q_alpha = _query_lora(
-            q_weight, q_bias, w_q, b_q, mla, second_moment, mean, weights["input_norm"])
-        out[T.Q_A_PROJ] = q_a_weight
-        if has_bias:
-            out[T.Q_A_BIAS] = q_a_bias
-        out[T.Q_A_NORM] = T.latent_norm_weight(q_a_weight.shape[0], q_alpha).to(w_q.device)
-        out[T.Q_B_PROJ] = q_b_weight
-        report.query_bias_residual = residual
-        report.extra["query_latent_scale"] = q_alpha
-    return out, report
+    factors = factorize_latent(parts, mla.kv_lora_rank, whitening, weights["input_norm"], kv_balance)
+    return assemble_attention(parts, factors, layer_index, kv_balance)
 
 
 def _query_lora(q_weight, q_bias, w_q_source, b_q_source, mla: MLAShape, second_moment, mean, input_norm_weight):

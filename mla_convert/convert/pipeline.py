@@ -188,7 +188,9 @@ class Converter:
                     stats = LayerInputStats.from_tensors(store.load(index, model.device))
                 step = "refinement" if refine.steps > 0 else "factorization"
                 try:
-                    weights, report = convert_layer(layer, stats, mla, plan, method, options, model, use_q_lora, refine)
+                    # the serving transforms below read the layer's moments; otherwise they are freed during the conversion
+                    weights, report = convert_layer(layer, stats, mla, plan, method, options, model, use_q_lora, refine,
+                                                    keep_moments=target.serving)
                 except torch.linalg.LinAlgError as error:
                     raise ConversionError(f"layer {index}, step '{step}': {str(error).splitlines()[0]}; nothing was written") from error
                 check_finite(weights, f"layer {index}, step '{step}'")

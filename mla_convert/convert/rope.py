@@ -273,9 +273,40 @@ def augmented_moment(second_moment: torch.Tensor, mean: torch.Tensor) -> torch.T
     return out
 
 
-def rows_with_bias(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    column = bias if bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-    return torch.cat([weight.double(), column.double().view(-1, 1)], dim=1)
+def moment_products(rows: torch.Tensor, bias: torch.Tensor | None, second_moment: torch.Tensor, mean: torch.Tensor,
+                    other: torch.Tensor | None = None, other_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """E[(W x + b)(W' x + b')^T] = W C W'^T + b (W' mu)^T + (W mu) b'^T + b b'^T, float64 (rows, other rows).
+
+    The same as [W | b] E[[x;1][x;1]^T] [W' | b']^T, without the (d+1) x (d+1) augmented copy of the moment.
+    `other` None: W' = W, b' = b.
+    """
+    if other is None:
+        other, other_bias = rows, bias
+    w, v = rows.double(), other.double()
+    out = (w @ second_moment) @ v.T
+    mean = mean.double()
+    if bias is not None:
+        out += bias.double()[:, None] * (v @ mean)[None, :]
+    if other_bias is not None:
+        out += (w @ mean)[:, None] * other_bias.double()[None, :]
+    if bias is not None and other_bias is not None:
+        out += bias.double()[:, None] * other_bias.double()[None, :]
+    return out
+
+
+def output_energies(rows: torch.Tensor, bias: torch.Tensor | None, second_moment: torch.Tensor, mean: torch.Tensor,
+                    block: int = 512) -> torch.Tensor:
+    """E[(w_r x + b_r)^2] for every row r: the diagonal of `moment_products`, `block` rows at a time (rows,)."""
+    parts = []
+    for start in range(0, rows.shape[0], block):
+        stop = start + block
+        w = rows[start:stop].double()  # (block, d)
+        energy = ((w @ second_moment) * w).sum(1)
+        if bias is not None:
+            b = bias[start:stop].double()
+            energy += 2 * b * (w @ mean.double()) + b * b
+        parts.append(energy)
+    return torch.cat(parts)
 
 
 def rope_stats_from_moments(
@@ -290,11 +321,24 @@ def rope_stats_from_moments(
     head_dim: int,
     distance_profile: torch.Tensor,
 ) -> RopeStats:
-    """Query energies and key covariance per (head, frequency), from the input moments and the weights."""
-    moment = augmented_moment(second_moment, mean)
-    k_c = complex_components(rows_with_bias(k_weight, k_bias), num_kv_heads, head_dim)  # (G, h/2, d+1)
-    k_flat = k_c.reshape(-1, k_c.shape[-1])
-    key_cov = k_flat @ moment.to(k_flat.dtype) @ k_flat.conj().T  # (G*h/2, G*h/2)
-    q_c = complex_components(rows_with_bias(q_weight, q_bias), num_heads, head_dim)  # (H, h/2, d+1)
-    q_energy = torch.einsum("hjd,de,hje->hj", q_c, moment.to(q_c.dtype), q_c.conj()).real / head_dim
+    """Query energies and key covariance per (head, frequency), from the input moments and the weights.
+
+    Component (g, j) of a key is z = re + i im with re = row j, im = row j + h/2 of head g (rotate_half layout).
+    Real arithmetic on those rows: E[z z'^*] = E[re re'] + E[im im'] + i (E[im re'] - E[re im']) and
+    E|z|^2 = E[re^2] + E[im^2], so no complex copy of the d x d moment is made (268 MB at hidden 4096).
+    """
+    second_moment = second_moment.double()
+    half = head_dim // 2
+
+    def halves(weight, bias, heads):  # rows (and biases) of the real and of the imaginary parts, (heads * h/2, d) each
+        w = weight.reshape(heads, 2, half, -1)
+        b = bias.reshape(heads, 2, half) if bias is not None else None
+        return [(w[:, part].reshape(heads * half, -1), b[:, part].reshape(-1) if b is not None else None) for part in (0, 1)]
+
+    (k_re, kb_re), (k_im, kb_im) = halves(k_weight, k_bias, num_kv_heads)
+    real = moment_products(k_re, kb_re, second_moment, mean) + moment_products(k_im, kb_im, second_moment, mean)
+    imag = moment_products(k_im, kb_im, second_moment, mean, k_re, kb_re) - moment_products(k_re, kb_re, second_moment, mean, k_im, kb_im)
+    key_cov = torch.complex(real, imag)  # (G*h/2, G*h/2)
+    energies = output_energies(q_weight, q_bias, second_moment, mean).view(num_heads, 2, half)  # (H, re|im, h/2)
+    q_energy = energies.sum(1) / head_dim  # (H, h/2)
     return RopeStats(key_cov=key_cov, query_energy=q_energy, distance_profile=distance_profile.double())
