@@ -181,6 +181,8 @@ def plans_section(runs: list[dict]) -> str:
               "| run | device | measured wall | predicted | per layer: statistics + converting (measured) | peak RSS | "
               "of it anonymous (peak) | 1.5 x (largest layer + calibration activations) | peak device |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    notes = sorted({run["code_note"] for run in runs if "8b" in run["name"] and run.get("code_note")})
+    signs = dict(zip(notes, ("†", "‡", "§", "¶")))  # one mark per code state a row was measured in
     for run in runs:
         if "8b" not in run["name"]:
             continue
@@ -192,16 +194,15 @@ def plans_section(runs: list[dict]) -> str:
         bound = 1.5 * (layer + activations)
         anonymous = run.get("peak_anonymous_bytes")
         per_layer = (run["phase_seconds"].get("calibration statistics", 0) + run["phase_seconds"].get("converting layers", 0)) / source.num_layers
-        marker = " (†)" if run.get("code_note") else ""
+        marker = f" ({signs[run['code_note']]})" if run.get("code_note") else ""
         lines.append(f"| {run['name']}{marker} | {'CPU, 2 threads (here)' if run['device'] == 'cpu' else 'H200'} | {run['wall_seconds']:.1f} s "
                      f"| {format_seconds(result.total_seconds)} | {per_layer:.1f} s | {human_bytes(run['peak_rss_bytes'])} "
                      f"| {human_bytes(anonymous) if anonymous else 'not sampled'} "
                      f"| {human_bytes(bound)} ({'below' if (anonymous or run['peak_rss_bytes']) < bound else 'ABOVE'}) "
                      f"| {human_bytes(run['peak_device_bytes']) if run.get('peak_device_bytes') else '-'} |")
-    notes = sorted({run["code_note"] for run in runs if "8b" in run["name"] and run.get("code_note")})
     lines += ["", "Largest layer: one decoder layer's weights in float32 (218 M parameters, 0.81 GiB; the 128256 x 4096 head "
               "and embedding are read in 8192-row blocks, never whole); calibration activations: the 16 x 256 hidden states "
-              "(float32).  " + "".join(f"(†) {note}.  " for note in notes) +
+              "(float32).  " + "".join(f"({signs[note]}) {note}.  " for note in notes) +
               "The H200 row's host RSS includes the CUDA runtime (about 1.9 GiB in every GPU run).  *Anonymous*: the "
               "largest RssAnon seen while polling /proc every 0.2 s (what the converter allocated; peak RSS also counts the "
               "mmapped shard pages it had read).  Where the anonymous peak is above the bound (issue 15's criterion), the "
