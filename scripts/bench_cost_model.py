@@ -178,6 +178,8 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
             raise SystemExit(f"{name}: conversion failed:\n{result.stderr[-3000:]}")
         report = json.loads((output / "mla_convert.json").read_text())
         summary = report["summary"]
+        if "--calib-data" in args:  # the report names the text relative to its (temporary) output folder: keep the given path
+            report["options"]["calibration"]["data"] = portable_path(args[args.index("--calib-data") + 1])
         record = {
             "name": name,
             "command": "mla-convert convert SRC OUT -q " + shlex.join(map(portable_path, args)) if args else "mla-convert convert SRC OUT -q",
