@@ -273,24 +273,17 @@ def augmented_moment(second_moment: torch.Tensor, mean: torch.Tensor) -> torch.T
     return out
 
 
-def moment_products(rows: torch.Tensor, bias: torch.Tensor | None, second_moment: torch.Tensor, mean: torch.Tensor,
-                    other: torch.Tensor | None = None, other_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """E[(W x + b)(W' x + b')^T] = W C W'^T + b (W' mu)^T + (W mu) b'^T + b b'^T, float64 (rows, other rows).
+def moment_products(rows: torch.Tensor, bias: torch.Tensor | None, second_moment: torch.Tensor,
+                    mean: torch.Tensor) -> torch.Tensor:
+    """E[(W x + b)(W x + b)^T] = W C W^T + b (W mu)^T + (W mu) b^T + b b^T, float64 (rows, rows).
 
-    The same as [W | b] E[[x;1][x;1]^T] [W' | b']^T, without the (d+1) x (d+1) augmented copy of the moment.
-    `other` None: W' = W, b' = b.
+    The same as [W | b] E[[x;1][x;1]^T] [W | b]^T, without the (d+1) x (d+1) augmented copy of the moment.
     """
-    if other is None:
-        other, other_bias = rows, bias
-    w, v = rows.double(), other.double()
-    out = (w @ second_moment) @ v.T
-    mean = mean.double()
+    w = rows.double()
+    out = (w @ second_moment) @ w.T
     if bias is not None:
-        out += bias.double()[:, None] * (v @ mean)[None, :]
-    if other_bias is not None:
-        out += (w @ mean)[:, None] * other_bias.double()[None, :]
-    if bias is not None and other_bias is not None:
-        out += bias.double()[:, None] * other_bias.double()[None, :]
+        b, projected_mean = bias.double(), w @ mean.double()
+        out += b[:, None] * projected_mean[None, :] + projected_mean[:, None] * b[None, :] + b[:, None] * b[None, :]
     return out
 
 
@@ -330,15 +323,12 @@ def rope_stats_from_moments(
     second_moment = second_moment.double()
     half = head_dim // 2
 
-    def halves(weight, bias, heads):  # rows (and biases) of the real and of the imaginary parts, (heads * h/2, d) each
-        w = weight.reshape(heads, 2, half, -1)
-        b = bias.reshape(heads, 2, half) if bias is not None else None
-        return [(w[:, part].reshape(heads * half, -1), b[:, part].reshape(-1) if b is not None else None) for part in (0, 1)]
-
-    (k_re, kb_re), (k_im, kb_im) = halves(k_weight, k_bias, num_kv_heads)
-    real = moment_products(k_re, kb_re, second_moment, mean) + moment_products(k_im, kb_im, second_moment, mean)
-    imag = moment_products(k_im, kb_im, second_moment, mean, k_re, kb_re) - moment_products(k_re, kb_re, second_moment, mean, k_im, kb_im)
-    key_cov = torch.complex(real, imag)  # (G*h/2, G*h/2)
+    # key rows ordered [re of every (g, j); im of every (g, j)]: one real product holds all four blocks
+    keys = k_weight.reshape(num_kv_heads, 2, half, -1).transpose(0, 1).reshape(2 * num_kv_heads * half, -1)
+    key_bias = k_bias.reshape(num_kv_heads, 2, half).transpose(0, 1).reshape(-1) if k_bias is not None else None
+    blocks = moment_products(keys, key_bias, second_moment, mean)  # (2n, 2n), n = G*h/2
+    n = num_kv_heads * half
+    key_cov = torch.complex(blocks[:n, :n] + blocks[n:, n:], blocks[n:, :n] - blocks[:n, n:])  # (G*h/2, G*h/2)
     energies = output_energies(q_weight, q_bias, second_moment, mean).view(num_heads, 2, half)  # (H, re|im, h/2)
     q_energy = energies.sum(1) / head_dim  # (H, h/2)
     return RopeStats(key_cov=key_cov, query_energy=q_energy, distance_profile=distance_profile.double())
