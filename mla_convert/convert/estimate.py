@@ -129,7 +129,8 @@ class Sizes:
         s = self.source
         mlp = 3 * s.hidden_size * s.intermediate_size
         widened_matrix = 0 if self.stored == 4 else s.hidden_size * s.intermediate_size * 4
-        return (self.layer_params - mlp) * self.widen + mlp * self.stored + widened_matrix
+        held = self.stored + (0 if self.stored == 4 else 4)  # mapped pages plus the float32 copy (`widen` is traffic)
+        return (self.layer_params - mlp) * held + mlp * self.stored + widened_matrix
 
     @property
     def table_params(self) -> int:
