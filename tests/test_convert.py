@@ -229,6 +229,50 @@ def test_whitened_factorization_is_the_least_squares_fit_on_the_activations():
     assert torch.allclose(latent.T @ latent / len(x), torch.eye(5, dtype=torch.float64), atol=1e-9)  # unit latent moment
 
 
+def test_in_place_whitening_is_bitwise_the_out_of_place_one():
+    """`Whitening.of` symmetrises in place, block by block, and (consuming) writes the eigenvectors over the moment:
+    the result must be exactly what eigh of the damped (M + M^T) / 2 gives, and a moment that is not consumed
+    must come back untouched."""
+    from mla_convert.convert.factorize import Whitening, symmetrize_
+
+    generator = torch.Generator().manual_seed(2)
+    for n in (7, 64, 65, 300):  # below, at and across the block boundaries used below
+        square = torch.randn(n, n, dtype=torch.float64, generator=generator)
+        assert torch.equal(symmetrize_(square.clone(), block=64), (square + square.T).mul_(0.5))
+    x = torch.randn(500, 130, dtype=torch.float64, generator=generator)
+    moment = x.T @ x / len(x)  # float rounding: not bitwise symmetric
+    damped = moment.clone()
+    damped.diagonal().add_(1e-2 * damped.diagonal().mean())
+    eigvals, eigvecs = torch.linalg.eigh((damped + damped.T).mul_(0.5))
+    kept = moment.clone()
+    whitening = Whitening.of(kept, damping=1e-2)
+    assert torch.equal(kept, moment)  # not consumed: the caller's moment is unchanged
+    assert torch.equal(whitening.eigvals, eigvals) and torch.equal(whitening.eigvecs, eigvecs)
+    consumed = moment.clone()
+    whitening = Whitening.of(consumed, damping=1e-2, consume=True)
+    assert whitening.eigvecs.data_ptr() == consumed.data_ptr()  # no second d x d buffer
+    assert torch.equal(whitening.eigvecs, eigvecs)
+    narrow = moment.float()
+    Whitening.of(narrow, consume=True)  # a float32 moment is widened into a new tensor: the caller's stays as it was
+    assert torch.equal(narrow, moment.float())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_query_moments_in_head_blocks_equal_the_moments_of_the_projected_samples(bias, monkeypatch):
+    """Oracle for the blocked E[q q^T] per head: the moments of the queries projected from the samples themselves."""
+    from mla_convert.convert import layer as layer_module
+
+    monkeypatch.setattr(layer_module, "QUERY_MOMENT_BLOCK_ROWS", 16)  # two heads per block, the last block short
+    torch.manual_seed(3)
+    heads, head_dim, d = 5, 8, 24
+    x = torch.randn(400, d, dtype=torch.float64) * torch.linspace(0.2, 2.0, d) + 0.5
+    q_w = torch.randn(heads * head_dim, d)  # float32, as loaded
+    q_b = torch.randn(heads * head_dim, dtype=torch.float64) if bias else None
+    moments = layer_module.query_second_moments(q_w, q_b, x.T @ x / len(x), x.mean(0), heads, head_dim)
+    q = (x @ q_w.double().T + (q_b if bias else 0)).view(len(x), heads, head_dim)  # (samples, H, h)
+    assert torch.allclose(moments, torch.einsum("shi,shj->hij", q, q) / len(x), rtol=1e-10, atol=1e-10)
+
+
 # ----------------------------------------------------------------------------- options and errors
 def test_weight_only_svd_and_sequential_run_and_differ(tmp_path):
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)

@@ -23,7 +23,7 @@ from mla_convert.convert import ConvertOptions, convert
 from mla_convert.options import CalibrationOptions
 
 # Fields of mla_convert.json that measure the run rather than describe the result.
-RUN_MEASUREMENTS = ("seconds", "peak_rss_bytes", "cpu_seconds", "phase_seconds", "phase_cpu_seconds", "device",
+RUN_MEASUREMENTS = ("seconds", "peak_rss_bytes", "cpu_seconds", "phase_seconds", "phase_cpu_seconds", "phase_windows_unix", "device",
                     "peak_device_bytes")
 
 

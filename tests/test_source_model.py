@@ -113,3 +113,22 @@ def test_a_bf16_layer_keeps_its_mlp_as_stored_and_runs_it_as_if_widened(tmp_path
         out, _ = model.layer_forward(hidden, layer, cos, sin)
         expected, _ = model.layer_forward(hidden, widened, cos, sin)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_weights_widened_in_row_blocks_give_the_whole_product(bias, monkeypatch):
+    """`widened_linear` widens a bf16 weight a block of rows at a time (at Llama-3-8B width one whole float32 MLP
+    matrix is 235 MB): the product must equal the one with the whole weight widened."""
+    from mla_convert.source import model as model_module
+
+    monkeypatch.setattr(model_module, "WIDENED_BLOCK_BYTES", 7 * 24 * 4)  # 7 rows per block: 37 rows in 6 blocks
+    torch.manual_seed(4)
+    weight = torch.randn(37, 24).to(torch.bfloat16)
+    b = torch.randn(37).to(torch.bfloat16) if bias else None
+    x = torch.randn(3, 5, 24)
+    whole = torch.nn.functional.linear(x, weight.float(), None if b is None else b.float())
+    blocked = model_module.widened_linear(x, weight, b)
+    assert blocked.shape == (3, 5, 37) and blocked.dtype == torch.float32
+    torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
+    same = torch.randn(37, 24)  # same dtype as x: no widening, the plain product
+    torch.testing.assert_close(model_module.widened_linear(x, same), torch.nn.functional.linear(x, same), rtol=0, atol=0)

@@ -24,7 +24,7 @@ from . import target as T
 from .calibration import LayerInputStats
 from .factorize import Whitening
 from .layer import LayerReport, assemble_attention, convert_attention, factorize_latent, prepare_attention
-from .reference import mla_attention
+from .reference import mla_attention, project_queries
 from .rope import RopeGrid, SlotPlan, candidate_grids, plan_layer
 
 # `--method` names -> the factorization's internal names (factorize.METHODS), and back
@@ -90,14 +90,20 @@ class PhaseTimer(Progress):
     where a conversion's time goes (and what the cost model is fitted to).
     """
 
-    def __init__(self, inner: Progress, seconds: dict[str, float], cpu_seconds: dict[str, float] | None = None):
+    def __init__(self, inner: Progress, seconds: dict[str, float], cpu_seconds: dict[str, float] | None = None,
+                 windows: dict[str, list[float]] | None = None):
         self.inner, self.seconds = inner, seconds
         self.cpu_seconds = {} if cpu_seconds is None else cpu_seconds  # process CPU time (all threads) per phase
+        # name -> [first start, last end] in Unix time: lets a memory sampler outside the process tell which phase
+        # it saw (durations alone place the phases only up to whatever runs between and after them)
+        self.windows = {} if windows is None else windows
         self._current: tuple[str, float, float] | None = None
 
     def phase(self, name: str, total: int | None = None) -> None:
         self.stop()
         self._current = (name, time.perf_counter(), time.process_time())
+        now = time.time()
+        self.windows.setdefault(name, [now, now])
         self.inner.phase(name, total)
 
     def advance(self, done: int, total: int | None = None) -> None:
@@ -111,6 +117,7 @@ class PhaseTimer(Progress):
             name, started, cpu_started = self._current
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
             self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - cpu_started
+            self.windows[name][1] = time.time()
             self._current = None
 
 
@@ -140,13 +147,20 @@ def source_attention_output(layer, x: torch.Tensor, model: StreamedSourceModel) 
     return attention_from_qkv(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, model.shape)
 
 
+def float32_popped(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors in float32, each taken out of `weights` (emptied) as its copy is made, so that its float64
+    original can be freed before the next copy exists."""
+    return {name: weights.pop(name).float() for name in list(weights)}
+
+
 def relative_error(approx: torch.Tensor, reference: torch.Tensor) -> float:
     return ((approx.double() - reference.double()).norm() / reference.double().norm().clamp_min(1e-30)).item()
 
 
 def converted_attention_output(weights: dict[str, torch.Tensor], x: torch.Tensor, source: SourceConfig, mla: MLAShape,
-                               slot_inv_freq: torch.Tensor) -> torch.Tensor:
-    return mla_attention(x, weights, source.num_heads, source.head_dim, mla.rope_dim, source.head_dim, slot_inv_freq)
+                               slot_inv_freq: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+    return mla_attention(x, weights, source.num_heads, source.head_dim, mla.rope_dim, source.head_dim, slot_inv_freq,
+                         queries=queries)
 
 
 def advance_through_converted(model: StreamedSourceModel, layer, weights, hidden: torch.Tensor, mla: MLAShape,
@@ -195,18 +209,9 @@ def choose_rope_grid(
     progress.phase("measuring RoPE grids", len(finalists) * source.num_layers)
     errors = [0.0] * len(finalists)
     for index in range(source.num_layers):
-        layer = layers(index)
-        stats = samples(index)
-        stats.attention_moment = None  # the measurement whitens by the plain moment: 134 MB fewer at hidden 4096
-        x = stats.samples.to(model.dtype)
-        reference = source_attention_output(layer, x, model)
-        whitening = Whitening.of(stats.second_moment)  # one d x d eigendecomposition per layer, shared by the finalists
-        for rank, (_, _, plans) in enumerate(finalists):
-            weights, _ = convert_attention(layer.weights, source, full, plans[index], stats.second_moment, stats.mean,
-                                           method="input", whitening=whitening)
-            out = converted_attention_output({k: v.float() for k, v in weights.items()}, x, source, full, plans[index].slot_inv_freq)
-            errors[rank] += relative_error(out, reference) ** 2 / source.num_layers
-            del weights, out  # not held while the next finalist is converted (full rank: about 3 x W_q at hidden 4096)
+        for rank, error in enumerate(_finalist_errors(layers(index), samples(index), [plans[index] for _, _, plans in finalists],
+                                                       model, full)):
+            errors[rank] += error**2 / source.num_layers
             progress.advance(index * len(finalists) + rank + 1)
         model.release()
     for rank, (_, grid, _) in enumerate(finalists):
@@ -215,6 +220,27 @@ def choose_rope_grid(
                 row["measured_attention_error"] = math.sqrt(errors[rank])
     best = min(range(len(finalists)), key=lambda r: (not math.isfinite(errors[r]), errors[r]))
     return finalists[best][1], finalists[best][2], table
+
+
+def _finalist_errors(layer, stats: LayerInputStats, plans: list[SlotPlan], model: StreamedSourceModel, full: MLAShape):
+    """One layer's attention-output error under each finalist's slot plan, with full-rank K/V; yields one per plan.
+
+    A function of its own so that the layer's tensors (its whitening, samples and reference output) are freed before
+    the next layer is loaded, not held through its peak.
+    """
+    source = model.shape
+    stats.attention_moment = None  # the measurement whitens by the plain moment: 134 MB fewer at hidden 4096
+    x = stats.samples.to(model.dtype)
+    reference = source_attention_output(layer, x, model)
+    whitening = Whitening.of(stats.second_moment)  # one d x d eigendecomposition per layer, shared by the finalists
+    for plan in plans:
+        weights, _ = convert_attention(layer.weights, source, full, plan, stats.second_moment, stats.mean,
+                                       method="input", whitening=whitening)
+        # float32, one tensor at a time: the float64 weights (full rank: about 2 x W_q at hidden 4096) are not held
+        # beside their copies through the measurement, nor while the next finalist is converted
+        out = converted_attention_output(float32_popped(weights), x, source, full, plan.slot_inv_freq)
+        yield relative_error(out, reference)
+        del out
 
 
 # --------------------------------------------------------------------------- refinement policy
@@ -268,8 +294,10 @@ def convert_layer(layer, stats: LayerInputStats, mla: MLAShape, plan: SlotPlan, 
     dropped (set to None) as soon as they are used (Llama-3-8B width: 2 x 134 MB during the K/V search).
     """
     source = model.shape
-    moment = stats.attention_moment if stats.attention_moment is not None else stats.second_moment
-    whitening = None if method == "weight" else Whitening.of(moment)
+    by_attention = stats.attention_moment is not None
+    moment = stats.attention_moment if by_attention else stats.second_moment
+    # the attention moment, when the caller needs it no more, becomes the whitening's eigenvectors in place
+    whitening = None if method == "weight" else Whitening.of(moment, consume=by_attention and not keep_moments)
     del moment
     if not keep_moments:
         stats.attention_moment = None
@@ -280,14 +308,18 @@ def convert_layer(layer, stats: LayerInputStats, mla: MLAShape, plan: SlotPlan, 
                               nope_scaling=True)
     if not keep_moments:
         stats.second_moment = None
+    # the queries do not depend on the balance: projected once, so no attempt builds or holds q_proj (1.5 W_q in float64)
+    queries = project_queries(x, float32_popped({name: tensor for name, tensor in parts.tensors().items()
+                                                 if name in T.QUERY_NAMES}))
+    other_fixed = {name: tensor for name, tensor in parts.fixed.items() if name not in T.QUERY_NAMES}
     best = None  # (factors, balance, attention error): only the best latent is kept, never two attempts' weights
 
     def attempt(balance: float):
         nonlocal best
         factors = factorize_latent(parts, mla.kv_lora_rank, whitening, layer.weights["input_norm"], balance)
-        # float32 copies made here, after the factorization's peak, not held through it (q_proj: W_q-sized)
-        measured = {name: tensor.float() for name, tensor in {**parts.tensors(), **factors.tensors()}.items()}
-        error = relative_error(converted_attention_output(measured, x, source, mla, plan.slot_inv_freq), reference)
+        # float32 copies made here, after the factorization's peak, not held through it
+        measured = float32_popped({**other_fixed, **factors.tensors()})
+        error = relative_error(converted_attention_output(measured, x, source, mla, plan.slot_inv_freq, queries), reference)
         del measured
         if best is None or error < best[2]:
             best = (factors, balance, error)
@@ -306,7 +338,7 @@ def convert_layer(layer, stats: LayerInputStats, mla: MLAShape, plan: SlotPlan, 
         attempt(centre / 2 if towards_below else centre * 2)
     else:
         attempt(1.0)
-    whitening = None  # not needed past the search
+    whitening = queries = other_fixed = None  # not needed past the search
     factors, balance, error = best
     best = assemble_attention(parts, factors, layer.index, balance)
     best[1].attention_error = error

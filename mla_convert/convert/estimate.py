@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..options import ConvertOptions
 from ..source.config import SourceConfig
+from ..source.model import WIDENED_BLOCK_BYTES
 from ..source.shapes import MLAShape, pick_shape
 from ..units import dtype_bytes, human_bytes
 from .calibration import SAMPLING_CACHE_BYTES
@@ -125,10 +126,10 @@ class Sizes:
     @property
     def layer_bytes_held(self) -> int:
         """A loaded layer: attention and norms widened (plus their mapped pages), the MLP as stored (mapped pages),
-        and one MLP matrix widened while it runs (`StreamedSourceModel.load_layer`)."""
+        and one block of MLP rows widened while it runs (`StreamedSourceModel.load_layer`, `widened_linear`)."""
         s = self.source
         mlp = 3 * s.hidden_size * s.intermediate_size
-        widened_matrix = 0 if self.stored == 4 else s.hidden_size * s.intermediate_size * 4
+        widened_matrix = 0 if self.stored == 4 else min(s.hidden_size * s.intermediate_size * 4, WIDENED_BLOCK_BYTES)
         held = self.stored + (0 if self.stored == 4 else 4)  # mapped pages plus the float32 copy (`widen` is traffic)
         return (self.layer_params - mlp) * held + mlp * self.stored + widened_matrix
 
@@ -242,21 +243,21 @@ def attempt_work(z: Sizes, rank: int, method: str, f64: float) -> Work:
     s, m = z.source, z.mla
     d, H, G, h, D = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, m.rope_dim
     rows = 2 * G * h  # stacked NoPE keys and values
-    # into the whitening's eigenbasis, kept vectors back out and in again, down, gram, least-squares up
-    matmul = 2.0 * rows * d * d + 2.0 * rank * d * d * 3 + 2.0 * rank * rank * d + 2.0 * rows * d * rank + rank**3
+    # into the whitening's eigenbasis, kept vectors back out and in again, down, gram, C down^T, least-squares up
+    matmul = 2.0 * rows * d * d + 2.0 * rank * d * d * 4 + 2.0 * rank * rank * d + 2.0 * rows * d * rank + rank**3
     if method == "output":
-        matmul += 2.0 * rows * rows * d  # row weighting
+        matmul += 2.0 * rows * h * d  # row weighting: one h x h block per kv head and role
     T, n = z.options.calibration.seq_len, z.kept_windows
     mla_params = H * (h + D) * d + (rank + D) * d + H * 2 * h * rank + d * H * h
     measured = 2.0 * n * T * mla_params + 2.0 * n * H * T * T * (2 * h + D)
     return Work(ops=ATTEMPT_OPS, flops=f64 * matmul + measured, lapack=svd_flops(rows, d),
-                bytes=8.0 * (rows * d * 4 + H * (h + D) * d * 2))
+                bytes=8.0 * (rows * d * 3 + H * (h + D) * d * 2))
 
 
 def whitening_work(z: Sizes, f64: float) -> Work:
-    """`Whitening.of`: damp, symmetrise and eigendecompose the d x d moment (no roots are formed)."""
+    """`Whitening.of`: damp, symmetrise and eigendecompose the d x d moment (in place; no roots are formed)."""
     d = z.source.hidden_size
-    return Work(ops=12, lapack=eigh_flops(d), bytes=8.0 * 5 * d * d)
+    return Work(ops=12 + d // 512, lapack=eigh_flops(d), bytes=8.0 * 4 * d * d)
 
 
 def load_layer_work(z: Sizes) -> Work:
@@ -360,9 +361,10 @@ def working_sets(z: Sizes) -> dict[str, float]:
         sets[READING] = z.tokens * 12.0 * 4  # the text, its tokens
     sets[STATISTICS] = layer + hidden + activations + moments + rope_stats
     rows = 2 * G * h
-    # whitening: the layer's two moments, the symmetrised copy, the eigenvectors and eigh's 2 d^2 workspace; an attempt:
-    # the eigenvectors, the stacked K/V rows and their products, the SVD's copies and workspace, the RoPE query rows
-    factorization = 8.0 * max(6 * d * d, d * d + 6 * rows * d + 5 * rows * rows + H * z.mla.rope_dim * d)
+    # whitening: the layer's two moments (one becomes the eigenvectors in place) and eigh's 2 d^2 workspace; an attempt:
+    # the eigenvectors, the stacked K/V rows, the weighted target, the SVD's copy, right vectors, left vectors and
+    # workspace, the RoPE query rows
+    factorization = 8.0 * max(4 * d * d, d * d + 4 * rows * d + 4 * rows * rows + H * z.mla.rope_dim * d)
     samples = z.kept_windows * T * (d + H * h * 2) * 4.0 * 2
     sets[RANKING] = rope_stats + dtype_bytes(z.output_dtype) * VOCAB_CHUNK_ROWS * d * 2.0
     if z.grids > 1:

@@ -91,17 +91,29 @@ def slot_projections(plan: SlotPlan, q_c: torch.Tensor, k_c: torch.Tensor, num_k
     return q_slots, k_slot, residual.reshape(num_kv_heads, half, n)
 
 
+QUERY_MOMENT_BLOCK_ROWS = 512  # query rows per block of `query_second_moments` (16 MB of float64 at hidden 4096)
+
+
 def query_second_moments(
     q_weight: torch.Tensor, q_bias: torch.Tensor | None, second_moment: torch.Tensor, mean: torch.Tensor,
     num_heads: int, head_dim: int,
 ) -> torch.Tensor:
-    """E[q_i q_i^T] per query head: (H, h, h), from the input second moment and mean."""
-    w = q_weight.double().view(num_heads, head_dim, -1)  # (H, h, d)
-    moments = w @ second_moment.double() @ w.transpose(1, 2)  # (H, h, h)
-    if q_bias is not None:
-        b = q_bias.double().view(num_heads, head_dim, 1)  # (H, h, 1)
-        wm = w @ mean.double().view(-1, 1)  # (H, h, 1)
-        moments = moments + wm @ b.transpose(1, 2) + b @ wm.transpose(1, 2) + b @ b.transpose(1, 2)
+    """E[q_i q_i^T] per query head: (H, h, h), from the input second moment and mean.
+
+    A few heads at a time: the float64 rows of all heads and their product with the moment (2 x 134 MB at
+    Llama-3-8B width) were the largest buffers at the conversion's peak.
+    """
+    c = second_moment.double()
+    heads_per_block = max(1, QUERY_MOMENT_BLOCK_ROWS // head_dim)
+    moments = torch.empty(num_heads, head_dim, head_dim, dtype=torch.float64, device=c.device)
+    for first in range(0, num_heads, heads_per_block):
+        last = min(first + heads_per_block, num_heads)
+        w = q_weight[first * head_dim : last * head_dim].double().view(last - first, head_dim, -1)  # (heads, h, d)
+        moments[first:last] = w @ c @ w.transpose(1, 2)  # (heads, h, h)
+        if q_bias is not None:
+            b = q_bias[first * head_dim : last * head_dim].double().view(last - first, head_dim, 1)  # (heads, h, 1)
+            wm = w @ mean.double().view(-1, 1)  # (heads, h, 1)
+            moments[first:last] += wm @ b.transpose(1, 2) + b @ wm.transpose(1, 2) + b @ b.transpose(1, 2)
     return moments
 
 
@@ -280,15 +292,12 @@ def factorize_latent(parts: AttentionParts, rank: int, whitening: Whitening | No
                      kv_balance: float = 1.0) -> LatentFactors:
     """The rank-`rank` latent of [NoPE keys; values] for one K/V balance (`whitening` None: the "weight" method)."""
     G, h = parts.num_kv_heads, parts.head_dim
-    row_root = None
+    row_roots = None  # the block-diagonal output weighting: one h x h block per kv head, NoPE keys then values
     balance = 1.0
     if parts.method == "output":
         balance = parts.energy_ratio * kv_balance
-        row_root = torch.block_diag(
-            *[psd_root(m * balance)[0] for m in parts.key_weight], *[psd_root(m)[0] for m in parts.value_weight]
-        )
-    fact = factorize(parts.stacked, rank, None if parts.method == "weight" else whitening, row_root)
-    del row_root
+        row_roots = [psd_root(m * balance)[0] for m in parts.key_weight] + [psd_root(m)[0] for m in parts.value_weight]
+    fact = factorize(parts.stacked, rank, None if parts.method == "weight" else whitening, row_roots)
     up_k = fact.up[: G * h].view(G, h, rank)
     up_v = fact.up[G * h :].view(G, h, rank)
     d = parts.stacked.shape[1]

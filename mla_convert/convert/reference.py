@@ -20,6 +20,17 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return out.flatten(-2)  # (..., T, D)
 
 
+def project_queries(x: torch.Tensor, weights: dict[str, torch.Tensor], latent_norm: bool = True) -> torch.Tensor:
+    """The MLA queries of the normalised input x (b, T, d) -> (b, T, H * (nope + rope)), through the query latent if any."""
+    w = {name: weights[name].to(device=x.device, dtype=x.dtype) for name in T.QUERY_NAMES if name in weights}
+    if T.Q_PROJ in w:
+        return F.linear(x, w[T.Q_PROJ])
+    q_latent = F.linear(x, w[T.Q_A_PROJ], w.get(T.Q_A_BIAS))
+    if latent_norm:
+        q_latent = rms_norm(q_latent, w[T.Q_A_NORM], T.LATENT_NORM_EPS)
+    return F.linear(q_latent, w[T.Q_B_PROJ])
+
+
 def mla_attention(
     x: torch.Tensor,
     weights: dict[str, torch.Tensor],
@@ -29,21 +40,18 @@ def mla_attention(
     v_dim: int,
     inv_freq: torch.Tensor,
     latent_norm: bool = True,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal MLA attention of the normalised input x (b, T, d) -> (b, T, d), weights named as in `self_attn.*`.
 
     latent_norm=False skips kv_a_layernorm / q_a_layernorm: the norm-free form used while refining.
+    queries: `project_queries(x, ...)` when the caller has them (then `weights` needs no query tensors): calls that
+    differ only in the K/V latent share them.
     """
     batch, length, _ = x.shape
     dtype = x.dtype
-    w = {name: tensor.to(device=x.device, dtype=dtype) for name, tensor in weights.items()}
-    if T.Q_PROJ in w:
-        q = F.linear(x, w[T.Q_PROJ])
-    else:
-        q_latent = F.linear(x, w[T.Q_A_PROJ], w.get(T.Q_A_BIAS))
-        if latent_norm:
-            q_latent = rms_norm(q_latent, w[T.Q_A_NORM], T.LATENT_NORM_EPS)
-        q = F.linear(q_latent, w[T.Q_B_PROJ])
+    w = {name: tensor.to(device=x.device, dtype=dtype) for name, tensor in weights.items() if name not in T.QUERY_NAMES}
+    q = project_queries(x, weights, latent_norm) if queries is None else queries
     q = q.view(batch, length, num_heads, nope_dim + rope_dim).transpose(1, 2)  # (b, H, T, nope + rope)
     q_nope, q_rope = q.split([nope_dim, rope_dim], dim=-1)
     rank = w[T.KV_B_PROJ].shape[1]

@@ -58,6 +58,7 @@ LATENT_MODULES = {"kv": ("kv_a_proj_with_mqa", "kv_a_layernorm"), "q": ("q_a_pro
 KV_B_PROJ = "kv_b_proj.weight"
 O_PROJ = "o_proj.weight"
 O_BIAS = "o_proj.bias"
+QUERY_NAMES = (Q_PROJ, Q_A_PROJ, Q_A_BIAS, Q_A_NORM, Q_B_PROJ)  # what makes the queries, with or without a query latent
 
 
 def attention_prefix(layer: int) -> str:
