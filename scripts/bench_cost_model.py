@@ -111,11 +111,10 @@ class AnonymousMemoryPeak(threading.Thread):
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         self.pid, self.peak_anonymous, self.file_at_peak_rss, self._peak_rss = pid, 0, 0, 0
-        self.timeline: list[tuple[float, int]] = []  # (seconds since start, RssAnon), one sample a second
+        self.timeline: list[tuple[float, int]] = []  # (Unix time, RssAnon), every sample
 
     def run(self) -> None:
         status = Path(f"/proc/{self.pid}/status")
-        started, last = time.perf_counter(), -1.0
         while True:
             try:
                 fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
@@ -123,30 +122,26 @@ class AnonymousMemoryPeak(threading.Thread):
             except (OSError, KeyError, ValueError):
                 return  # the process has exited
             self.peak_anonymous = max(self.peak_anonymous, anonymous)
-            now = time.perf_counter() - started
-            if now - last >= 1.0:
-                self.timeline.append((round(now, 1), anonymous))
-                last = now
+            self.timeline.append((time.time(), anonymous))
             if anonymous + file_backed > self._peak_rss:
                 self._peak_rss, self.file_at_peak_rss = anonymous + file_backed, file_backed
             time.sleep(0.2)
 
 
-def anonymous_by_phase(timeline: list[tuple[float, int]], phase_seconds: dict, wall: float) -> dict:
-    """Peak RssAnon within each phase, placing the phases (sequential, in the report's order) at the end of the run.
+def anonymous_by_phase(timeline: list[tuple[float, int]], windows: dict[str, list[float]]) -> dict:
+    """Peak RssAnon within each phase, from the Unix-time window [first start, last end] the report gives it.
 
-    What runs before the first phase (imports, pre-flight) is the slack between the process's wall time and the sum
-    of the phases; the placement is therefore good to about a second, enough to name the phase that holds the peak.
+    "start-up" is what runs before the first phase (imports, pre-flight); "finishing" what runs after the last
+    (report, model card, moving the folder into place, exit). Placing the phases by their durations alone, laid end to
+    end up to the process's exit, shifted every phase by the time spent finishing.
     """
-    from mla_convert.convert.estimate import PHASES  # the pipeline's order (the report's keys are sorted)
-
-    order = [name for name in PHASES if name in phase_seconds] + [n for n in phase_seconds if n not in PHASES]
-    begin = wall - sum(phase_seconds.values())
-    peaks = {"start-up": max((a for t, a in timeline if t < begin), default=0)}
+    order = sorted(windows, key=lambda name: windows[name][0])
+    first, last = windows[order[0]][0], max(end for _, end in windows.values())
+    peaks = {"start-up": max((a for t, a in timeline if t < first), default=0)}
     for name in order:
-        end = begin + phase_seconds[name]
-        peaks[name] = max((a for t, a in timeline if begin <= t < end + 1.0), default=0)
-        begin = end
+        start, end = windows[name]
+        peaks[name] = max((a for t, a in timeline if start <= t <= end), default=0)
+    peaks["finishing"] = max((a for t, a in timeline if t > last), default=0)
     return peaks
 
 
@@ -195,7 +190,7 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
             "peak_rss_bytes": summary["peak_rss_bytes"],
             "peak_anonymous_bytes": memory.peak_anonymous,
             "file_backed_bytes_at_peak_rss": memory.file_at_peak_rss,
-            "anonymous_by_phase": anonymous_by_phase(memory.timeline, summary["phase_seconds"], wall),
+            "anonymous_by_phase": anonymous_by_phase(memory.timeline, summary["phase_windows_unix"]),
             "peak_device_bytes": summary.get("peak_device_bytes"),
             "phase_seconds": summary["phase_seconds"],
             "phase_cpu_seconds": summary["phase_cpu_seconds"],

@@ -179,7 +179,8 @@ def plans_section(runs: list[dict]) -> str:
     lines += ["", "Measured at the real width (hidden 4096, 32 / 8 heads, intermediate 14336, vocab 128256), 2 layers, "
               "`--kv-lora-rank 512 --rope-dim 64`, beside the model's prediction for the same run:", "",
               "| run | device | measured wall | predicted | per layer: statistics + converting (measured) | peak RSS | "
-              "of it anonymous (peak) | 1.5 x (largest layer + calibration activations) | peak device |",
+              "of it anonymous (peak) | bound: 1.5 x (largest layer + calibration activations) / 1.5 x largest layer + "
+              "activations | peak device |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     notes = sorted({run["code_note"] for run in runs if "8b" in run["name"] and run.get("code_note")})
     signs = dict(zip(notes, ("†", "‡", "§", "¶")))  # one mark per code state a row was measured in
@@ -192,28 +193,41 @@ def plans_section(runs: list[dict]) -> str:
         layer = sizes.layer_params * 4  # a decoder layer as the conversion holds it: float32
         activations = sizes.tokens * source.hidden_size * 4
         bound = 1.5 * (layer + activations)
+        strict = 1.5 * layer + activations  # the other reading of the criterion: only the layer scaled by 1.5
         anonymous = run.get("peak_anonymous_bytes")
         per_layer = (run["phase_seconds"].get("calibration statistics", 0) + run["phase_seconds"].get("converting layers", 0)) / source.num_layers
         marker = f" ({signs[run['code_note']]})" if run.get("code_note") else ""
         lines.append(f"| {run['name']}{marker} | {'CPU, 2 threads (here)' if run['device'] == 'cpu' else 'H200'} | {run['wall_seconds']:.1f} s "
                      f"| {format_seconds(result.total_seconds)} | {per_layer:.1f} s | {human_bytes(run['peak_rss_bytes'])} "
                      f"| {human_bytes(anonymous) if anonymous else 'not sampled'} "
-                     f"| {human_bytes(bound)} ({'below' if (anonymous or run['peak_rss_bytes']) < bound else 'ABOVE'}) "
+                     f"| {human_bytes(bound)} / {human_bytes(strict)}: anonymous "
+                     f"{verdict(anonymous, bound, strict) if anonymous else 'not sampled'}, RSS {verdict(run['peak_rss_bytes'], bound, strict)} "
                      f"| {human_bytes(run['peak_device_bytes']) if run.get('peak_device_bytes') else '-'} |")
     lines += ["", "Largest layer: one decoder layer's weights in float32 (218 M parameters, 0.81 GiB; the 128256 x 4096 head "
               "and embedding are read in 8192-row blocks, never whole); calibration activations: the 16 x 256 hidden states "
               "(float32).  " + "".join(f"({signs[note]}) {note}.  " for note in notes) +
               "The H200 row's host RSS includes the CUDA runtime (about 1.9 GiB in every GPU run).  *Anonymous*: the "
               "largest RssAnon seen while polling /proc every 0.2 s (what the converter allocated; peak RSS also counts the "
-              "mmapped shard pages it had read).  Where the anonymous peak is above the bound (issue 15's criterion), the "
-              "bound is **not met** by the converter's own memory, not only by the page cache."]
+              "mmapped shard pages it had read: the source layer's bf16 MLP, which the conversion multiplies and copies "
+              "from the mapping, and the libraries).  Issue 15's criterion reads either way, hence two bounds; *below "
+              "both* / *between* / *ABOVE both* says where a peak falls.  The peak RSS, page cache included, is what the "
+              "criterion names: where it is above, the bound is **not met**, whatever the anonymous peak."]
     for run in runs:
         phases = run.get("anonymous_by_phase")
-        if "8b" in run["name"] and phases:
+        # runs before the report's phase windows placed the phases by their durations alone (off by the time spent
+        # finishing: their start-up bucket swallowed the beginning of the NaN check), so only later runs are itemised
+        if "8b" in run["name"] and phases and "finishing" in phases:
             lines += ["", f"Anonymous memory per phase ({run['name']}, largest RssAnon sampled within each phase): " +
                       "; ".join(f"{name} {human_bytes(value) if value else 'no sample (shorter than the polling interval)'}"
                                 for name, value in phases.items()) + "."]
     return "\n".join(lines)
+
+
+def verdict(value: float, bound: float, strict: float) -> str:
+    """Where a peak falls against the two readings of issue 15's bound (strict <= bound)."""
+    if value < strict:
+        return "below both"
+    return "between" if value < bound else "ABOVE both"
 
 
 def replace_between(text: str, markers: tuple[str, str], body: str) -> str:
