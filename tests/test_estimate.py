@@ -122,6 +122,16 @@ def test_estimate_has_the_phases_of_a_real_stories260k_conversion(stories260k, t
     predicted = estimate(SourceConfig.from_folder(stories260k), options, cores=1)
     assert list(predicted.phases) == list(measured), (list(predicted.phases), list(measured))
     assert math.isclose(sum(predicted.phases.values()) + predicted.startup_seconds, predicted.total_seconds)
+    # each phase's Unix-time window (what places a memory sampler's readings): in pipeline order, one after the other,
+    # each as long as the phase's measured seconds
+    windows = report["summary"]["phase_windows_unix"]
+    assert list(windows) == list(measured)
+    ends = [windows[name][1] for name in measured]
+    starts = [windows[name][0] for name in measured]
+    assert all(start <= end for start, end in zip(starts, ends))
+    assert all(end <= next_start + 0.01 for end, next_start in zip(ends, starts[1:]))  # no two phases overlap
+    for name, (start, end) in windows.items():
+        assert math.isclose(end - start, measured[name], abs_tol=0.05), (name, end - start, measured[name])
     # how close the seconds are is a benchmark (BENCHMARKS.md, "Cost model: predicted vs measured"), not a test: a
     # timed assertion fails whenever the machine is busy.  Memory does not depend on the load.
     rss_ratio = predicted.peak_rss_bytes / report["summary"]["peak_rss_bytes"]
