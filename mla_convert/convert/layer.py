@@ -23,7 +23,7 @@ from ..source.config import SourceConfig
 from ..source.shapes import MLAShape
 from . import target as T
 from .factorize import Whitening, factorize, psd_root
-from .rope import SlotPlan, augmented_moment, complex_components, real_rows
+from .rope import SlotPlan, augmented_moment, complex_components, moment_products, real_rows
 
 
 @dataclass
@@ -91,30 +91,18 @@ def slot_projections(plan: SlotPlan, q_c: torch.Tensor, k_c: torch.Tensor, num_k
     return q_slots, k_slot, residual.reshape(num_kv_heads, half, n)
 
 
-QUERY_MOMENT_BLOCK_ROWS = 512  # query rows per block of `query_second_moments` (16 MB of float64 at hidden 4096)
-
-
 def query_second_moments(
     q_weight: torch.Tensor, q_bias: torch.Tensor | None, second_moment: torch.Tensor, mean: torch.Tensor,
     num_heads: int, head_dim: int,
 ) -> torch.Tensor:
     """E[q_i q_i^T] per query head: (H, h, h), from the input second moment and mean.
 
-    A few heads at a time: the float64 rows of all heads and their product with the moment (2 x 134 MB at
+    One head at a time: the float64 rows of all heads and their product with the moment (2 x 134 MB at
     Llama-3-8B width) were the largest buffers at the conversion's peak.
     """
     c = second_moment.double()
-    heads_per_block = max(1, QUERY_MOMENT_BLOCK_ROWS // head_dim)
-    moments = torch.empty(num_heads, head_dim, head_dim, dtype=torch.float64, device=c.device)
-    for first in range(0, num_heads, heads_per_block):
-        last = min(first + heads_per_block, num_heads)
-        w = q_weight[first * head_dim : last * head_dim].double().view(last - first, head_dim, -1)  # (heads, h, d)
-        moments[first:last] = w @ c @ w.transpose(1, 2)  # (heads, h, h)
-        if q_bias is not None:
-            b = q_bias[first * head_dim : last * head_dim].double().view(last - first, head_dim, 1)  # (heads, h, 1)
-            wm = w @ mean.double().view(-1, 1)  # (heads, h, 1)
-            moments[first:last] += wm @ b.transpose(1, 2) + b @ wm.transpose(1, 2) + b @ b.transpose(1, 2)
-    return moments
+    rows = [slice(i * head_dim, (i + 1) * head_dim) for i in range(num_heads)]
+    return torch.stack([moment_products(q_weight[r], None if q_bias is None else q_bias[r], c, mean) for r in rows])
 
 
 @dataclass
