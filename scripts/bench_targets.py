@@ -1,7 +1,7 @@
 """What each `--target` costs in transformers: perplexity of the serving export vs the default export (issue 13).
 
-  python scripts/bench_targets.py --work /tmp/targets [--models stories260k,smollm2] --write-benchmarks BENCHMARKS.md
-  python scripts/bench_targets.py --from-json /tmp/targets/*.eval.json --write-benchmarks BENCHMARKS.md
+  python scripts/bench_targets.py --work WORK_DIR [--models stories260k,smollm2] --write-benchmarks BENCHMARKS.md
+  python scripts/bench_targets.py --from-json WORK_DIR/*.eval.json --write-benchmarks BENCHMARKS.md
 
 Per model: the default export (`--target transformers`) and each serving target at the same shape, converted by
 `mla-convert convert` with the same (default) calibration, then `mla-convert eval SERVING --baseline DEFAULT`
