@@ -9,14 +9,18 @@ machine a test can only hold it to a generous factor.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
-import torch
 from test_shapes_inspect import SMOLLM2, run_cli
 from tiny_models import tiny_config
 
 from mla_convert.convert.estimate import PHASES, STARTUP, Sizes, estimate, load_constants, phase_work, working_sets
+from mla_convert.convert.report import REPORT_FILE
 from mla_convert.options import CalibrationOptions, ConvertOptions
 from mla_convert.source.config import SourceConfig
 from mla_convert.source.shapes import pick_shape
@@ -109,23 +113,24 @@ def test_sampling_batches_follow_the_kv_cache_budget():
 
 @pytest.mark.real_model
 def test_estimate_has_the_phases_of_a_real_stories260k_conversion(stories260k, tmp_path):
-    from mla_convert.convert import convert
-
+    """Converted in a process of its own, as a user runs it: the report's peak RSS is then that conversion's, not the
+    high-water mark of a test process that loaded other models before."""
     options = ConvertOptions(calibration=CalibrationOptions(num_samples=4, seq_len=64))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matmuls on a shared 2-core machine
-    try:
-        report = convert(stories260k, tmp_path / "out", options).report
-    finally:
-        torch.set_num_threads(threads)
-    measured = report["summary"]["phase_seconds"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # small matmuls, 1 core
+    done = subprocess.run([sys.executable, "-m", "mla_convert", "convert", str(stories260k), str(tmp_path / "out"),
+                           "--calib-samples", "4", "--calib-seq-len", "64", "-q"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    assert report["options"]["calibration"] == dataclasses.asdict(options.calibration)
+    # each phase's Unix-time window (what places a memory sampler's readings) gives the order the phases ran in (the
+    # report's JSON keys are sorted): the estimator's order; one after the other, each as long as its measured seconds
+    windows = report["summary"]["phase_windows_unix"]
+    assert set(windows) == set(report["summary"]["phase_seconds"])
+    measured = {name: report["summary"]["phase_seconds"][name] for name in sorted(windows, key=lambda name: windows[name][0])}
     predicted = estimate(SourceConfig.from_folder(stories260k), options, cores=1)
     assert list(predicted.phases) == list(measured), (list(predicted.phases), list(measured))
     assert math.isclose(sum(predicted.phases.values()) + predicted.startup_seconds, predicted.total_seconds)
-    # each phase's Unix-time window (what places a memory sampler's readings): in pipeline order, one after the other,
-    # each as long as the phase's measured seconds
-    windows = report["summary"]["phase_windows_unix"]
-    assert list(windows) == list(measured)
     ends = [windows[name][1] for name in measured]
     starts = [windows[name][0] for name in measured]
     assert all(start <= end for start, end in zip(starts, ends))
