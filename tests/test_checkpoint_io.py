@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import tiny_model
+from tiny_models import mapped_files, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefusedError
@@ -81,13 +81,6 @@ def shard_files(folder: Path) -> list[str]:
 def assert_nothing_written(output: Path) -> None:
     assert not output.exists(), f"{output} was created"
     assert not partial_path_for(output).exists(), "a partial folder was left behind"
-
-
-def mapped_files(folder: Path) -> set[str]:
-    """Files of `folder` that this process has memory-mapped right now (Linux)."""
-    root = str(folder.resolve())
-    with open("/proc/self/maps") as maps:
-        return {line.split()[-1] for line in maps if root in line}
 
 
 def logits(folder_or_model, input_ids: torch.Tensor) -> torch.Tensor:

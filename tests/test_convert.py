@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -9,7 +10,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import save_tiny_model
+from tiny_models import mapped_files, save_tiny_model
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
 
@@ -255,6 +256,47 @@ def test_in_place_whitening_is_bitwise_the_out_of_place_one():
     narrow = moment.float()
     Whitening.of(narrow, consume=True)  # a float32 moment is widened into a new tensor: the caller's stays as it was
     assert torch.equal(narrow, moment.float())
+
+
+def test_leading_right_singular_vectors_from_the_gram_matrix_equal_the_svd():
+    """Oracle: torch.linalg.svd.  A wide matrix whose kept singular values are above the floor takes the Gram route:
+    every singular value and the kept vectors agree with the SVD's to float64 accuracy (each vector up to its sign).
+    A kept singular value below the floor, or a tall matrix, takes the SVD route: exactly the SVD's vectors."""
+    from mla_convert.convert.factorize import GRAM_SINGULAR_FLOOR, leading_right_singular
+
+    generator = torch.Generator().manual_seed(3)
+
+    def with_spectrum(rows: int, cols: int, singular: torch.Tensor) -> torch.Tensor:
+        left, _ = torch.linalg.qr(torch.randn(rows, len(singular), dtype=torch.float64, generator=generator))
+        right, _ = torch.linalg.qr(torch.randn(cols, len(singular), dtype=torch.float64, generator=generator))
+        return (left * singular) @ right.T  # (rows, cols)
+
+    wide = with_spectrum(40, 90, torch.logspace(0, -3, 40, dtype=torch.float64))  # kept 12: down to ~0.12
+    singular, vh = leading_right_singular(wide, 12)
+    _, svd_singular, svd_vh = torch.linalg.svd(wide, full_matrices=False)
+    torch.testing.assert_close(singular, svd_singular, rtol=1e-8, atol=1e-14)
+    assert vh.shape == (12, 90)
+    torch.testing.assert_close((vh * svd_vh[:12]).sum(1).abs(), torch.ones(12, dtype=torch.float64), rtol=0, atol=1e-10)
+    steep = with_spectrum(40, 90, torch.logspace(0, -8, 40, dtype=torch.float64))
+    rank = int((torch.logspace(0, -8, 40) >= GRAM_SINGULAR_FLOOR).sum()) + 1  # one kept value below the floor
+    assert torch.equal(leading_right_singular(steep, rank)[1], torch.linalg.svd(steep, full_matrices=False)[2][:rank])
+    tall = wide.T.contiguous()
+    assert torch.equal(leading_right_singular(tall, 12)[1], torch.linalg.svd(tall, full_matrices=False)[2][:12])
+
+
+def test_statistics_come_back_as_tensors_of_their_own(tmp_path):
+    """The stored statistics are read into memory of their own, not left as views of a mapped file, whose pages would
+    stay resident for as long as any one of them (the samples) is in use."""
+    from mla_convert.convert.calibration import StatsStore
+
+    store = StatsStore(tmp_path)
+    saved = {"second_moment": torch.randn(64, 64, dtype=torch.float64), "samples": torch.randn(2, 8, 64)}
+    store.save(3, saved)
+    loaded = store.load(3)
+    gc.collect()
+    assert mapped_files(store.path) == set()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[name], saved[name]) for name in saved)
+    store.cleanup()
 
 
 @pytest.mark.parametrize("bias", [False, True])

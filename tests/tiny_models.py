@@ -80,6 +80,13 @@ def tiny_model(seed: int = 0, weight_scale: float = 1.0, **config_kwargs):
     return model
 
 
+def mapped_files(folder: Path) -> set[str]:
+    """Files of `folder` that this process has memory-mapped right now (Linux)."""
+    root = str(Path(folder).resolve())
+    with open("/proc/self/maps") as maps:
+        return {line.split()[-1] for line in maps if root in line}
+
+
 def save_tiny_model(path: Path, max_shard_size: str | int = "5GB", seed: int = 0, weight_scale: float = 1.0, **config_kwargs) -> Path:
     model = tiny_model(seed=seed, weight_scale=weight_scale, **config_kwargs)
     model.save_pretrained(path, max_shard_size=max_shard_size)

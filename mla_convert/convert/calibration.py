@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import MLAConvertError, OutputWriteError
@@ -151,7 +152,23 @@ class StatsStore:
                                    "with more space") from error
 
     def load(self, layer: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / f"layer-{layer:05d}.safetensors"), device=str(device))
+        """The layer's statistics as tensors of their own, not views of the file.
+
+        Why copies: the pages of a mapped file stay resident while any tensor of it lives, so a step that is done with
+        the d x d moments (134 MB each at hidden 4096; `convert_layer`, the RoPE measurement consume them) could not
+        give their memory back while the samples were still in use.  Each tensor is read with the file mapped for it
+        alone.
+        """
+        path = str(self.path / f"layer-{layer:05d}.safetensors")
+        if torch.device(device).type != "cpu":
+            return load_file(path, device=str(device))
+        with safe_open(path, framework="pt") as handle:
+            names = list(handle.keys())
+        out = {}
+        for name in names:
+            with safe_open(path, framework="pt") as handle:
+                out[name] = handle.get_tensor(name).clone()
+        return out
 
     def cleanup(self) -> None:
         self._dir.cleanup()

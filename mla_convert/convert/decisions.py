@@ -232,10 +232,13 @@ def _finalist_errors(layer, stats: LayerInputStats, plans: list[SlotPlan], model
     stats.attention_moment = None  # the measurement whitens by the plain moment: 134 MB fewer at hidden 4096
     x = stats.samples.to(model.dtype)
     reference = source_attention_output(layer, x, model)
-    whitening = Whitening.of(stats.second_moment)  # one d x d eigendecomposition per layer, shared by the finalists
+    # one d x d eigendecomposition per layer, shared by the finalists; written over the moment unless the query LoRA
+    # factorization (a q_lora_rank or a query bias) reads the moment again
+    keeps_moment = full.q_lora_rank is not None or layer.get("q_bias") is not None
+    whitening = Whitening.of(stats.second_moment, consume=not keeps_moment)
+    moment, stats.second_moment = (stats.second_moment if keeps_moment else None), None
     for plan in plans:
-        weights, _ = convert_attention(layer.weights, source, full, plan, stats.second_moment, stats.mean,
-                                       method="input", whitening=whitening)
+        weights, _ = convert_attention(layer.weights, source, full, plan, moment, stats.mean, method="input", whitening=whitening)
         # float32, one tensor at a time: the float64 weights (full rank: about 2 x W_q at hidden 4096) are not held
         # beside their copies through the measurement, nor while the next finalist is converted
         out = converted_attention_output(float32_popped(weights), x, source, full, plan.slot_inv_freq)

@@ -125,13 +125,18 @@ class Sizes:
 
     @property
     def layer_bytes_held(self) -> int:
-        """A loaded layer: attention and norms widened (plus their mapped pages), the MLP as stored (mapped pages),
-        and one block of MLP rows widened while it runs (`StreamedSourceModel.load_layer`, `widened_linear`)."""
+        """A loaded layer (`StreamedSourceModel.load_layer`, `widened_linear`): attention and norms in float32 (a copy, or
+        a float32 source's own mapped pages; the shard is closed after loading), and the MLP either as stored (mapped
+        pages) plus one widened block of rows, or, for matrices larger than one block, one block of mapped rows and its
+        widened copy at a time (`StreamedRows`)."""
         s = self.source
         mlp = 3 * s.hidden_size * s.intermediate_size
-        widened_matrix = 0 if self.stored == 4 else min(s.hidden_size * s.intermediate_size * 4, WIDENED_BLOCK_BYTES)
-        held = self.stored + (0 if self.stored == 4 else 4)  # mapped pages plus the float32 copy (`widen` is traffic)
-        return (self.layer_params - mlp) * held + mlp * self.stored + widened_matrix
+        widened_matrix = s.hidden_size * s.intermediate_size * 4
+        if widened_matrix > WIDENED_BLOCK_BYTES:  # streamed: the mapped block is released before the next one is read
+            mlp_held = WIDENED_BLOCK_BYTES * (self.stored / 4) + WIDENED_BLOCK_BYTES
+        else:
+            mlp_held = mlp * self.stored + (0 if self.stored == 4 else widened_matrix)
+        return int((self.layer_params - mlp) * 4 + mlp_held)
 
     @property
     def table_params(self) -> int:

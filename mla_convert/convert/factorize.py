@@ -27,6 +27,10 @@ METHODS = ("output", "input", "weight")
 
 
 WHITENING_DAMPING = 1e-2  # fraction of the mean input variance added to every direction (see Whitening.of)
+# `leading_right_singular` takes a wide matrix's vectors from its Gram matrix only while every kept singular value is at
+# least this fraction of the largest: squaring the spectrum costs float64 about (largest / kept)^2 x 1e-16 of accuracy
+# in those vectors (<= 1e-8 here, below the float32 export's rounding); below it, the SVD is used
+GRAM_SINGULAR_FLOOR = 1e-4
 
 
 def psd_root(matrix: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +70,30 @@ def canonical_signs(rows: torch.Tensor) -> torch.Tensor:
     value = rows.gather(-1, peak)
     factor = value / value.abs().clamp_min(torch.finfo(rows.abs().dtype).tiny)
     return rows / factor
+
+
+def leading_right_singular(target: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every singular value of `target` (rows, n), descending, and its leading `rank` right singular vectors (rank, n).
+
+    Why not always `torch.linalg.svd`: at Llama-3-8B width the weighted K/V target is 2048 x 4096 float64, and gesdd
+    holds a copy of it, both singular bases and its workspace (about 0.23 GiB, the converting phase's peak) for the
+    512 vectors kept.  For a wide matrix the same vectors follow from the rows x rows Gram matrix: with
+    target target^T = U diag(s^2) U^T, the right vectors are diag(1/s) U^T target, one small eigendecomposition and
+    one product.  Squaring the spectrum costs accuracy on small singular values, so the SVD is used whenever a kept one
+    is below GRAM_SINGULAR_FLOOR of the largest (full rank of an ill-conditioned layer, exactness tests), and for tall
+    matrices, where it holds no more than the Gram matrix would.
+    """
+    rows, n = target.shape
+    if rows < n:
+        eigvals, eigvecs = torch.linalg.eigh(target @ target.T)  # ascending; (rows,), (rows, rows)
+        singular = eigvals.flip(0).clamp_min(0).sqrt()
+        if singular[rank - 1] >= GRAM_SINGULAR_FLOOR * singular[0] > 0:
+            kept = eigvecs[:, -rank:].flip(1)  # (rows, rank): the leading left vectors, largest first
+            del eigvecs
+            return singular, (kept.T @ target).div_(singular[:rank, None])  # (rank, n)
+        del eigvals, eigvecs
+    _, singular, vh = torch.linalg.svd(target, full_matrices=False)
+    return singular, vh[:rank].clone()
 
 
 @dataclass
@@ -160,8 +188,8 @@ def factorize(
     weight = weight.double()
     if whitening is None:
         target = weight if row_weight_roots is None else weigh_rows_(weight.clone(), row_weight_roots)
-        _, singular, vh = torch.linalg.svd(target, full_matrices=False)
-        down = canonical_signs(vh[:rank])
+        singular, vh = leading_right_singular(target, rank)
+        down = canonical_signs(vh)
         up = weight @ down.T  # rows of down are orthonormal: least squares in the weight metric
         energy = singular.pow(2)
         return Factorization(down, up, (energy[:rank].sum() / energy.sum().clamp_min(1e-300)).item(), singular)
@@ -170,9 +198,9 @@ def factorize(
     target = (weight @ whitening.eigvecs).mul_(whitening.root_eigvals.sqrt())  # (rows, d_in)
     if row_weight_roots is not None:
         weigh_rows_(target, row_weight_roots)
-    _, singular, vh = torch.linalg.svd(target, full_matrices=False)
+    singular, vh = leading_right_singular(target, rank)
     del target
-    kept = canonical_signs(vh[:rank] @ whitening.eigvecs.T) @ whitening.eigvecs  # (rank, d_in) in the eigenbasis
+    kept = canonical_signs(vh @ whitening.eigvecs.T) @ whitening.eigvecs  # (rank, d_in) in the eigenbasis
     del vh
     down_v = kept / whitening.root_eigvals.sqrt()  # (rank, d_in): C^-1/2 applied; the latent has unit second moment per dimension
     down = down_v @ whitening.eigvecs.T  # (rank, d_in)

@@ -232,10 +232,12 @@ def prepare_attention(
             q_moments = q_moments * scale[:, :, None] * scale[:, None, :]
         key_weight = q_moments.view(G, group, h, h).sum(1)  # (G, h, h)
         del q_moments
-        w_o = weights["o_weight"].double()
-        w_o_heads = w_o.view(d, H, h).permute(1, 2, 0)  # (H, h, d): head i's o_proj columns, transposed
-        value_weight = (w_o_heads @ w_o_heads.transpose(1, 2)).view(G, group, h, h).sum(1)  # (G, h, h)
-        del w_o, w_o_heads
+        # W_o_i^T W_o_i for head i's o_proj columns W_o_i (d, h), widened a head at a time: a float64 copy of the
+        # whole o_proj is 134 MB at hidden 4096, the converting phase's peak
+        w_o = weights["o_weight"]  # (d, H*h)
+        head_grams = torch.stack([columns.T @ columns for columns in (w_o[:, i * h:(i + 1) * h].double() for i in range(H))])
+        value_weight = head_grams.view(G, group, h, h).sum(1)  # (H, h, h) -> (G, h, h)
+        del head_grams
         c = second_moment.double()
         k_energy = sum(torch.trace(k @ c @ k.T @ m).item() for k, m in zip(k_nope.view(G, h, d), key_weight))
         v_energy = sum(torch.trace(v @ c @ v.T @ m).item() for v, m in zip(w_v.view(G, h, d), value_weight))

@@ -32,7 +32,7 @@ from ..io.signals import signals_deferred
 from ..io.writer import CheckpointWriter, claim_scratch_folder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.config import SourceConfig, read_config_json
-from ..source.model import StreamedSourceModel
+from ..source.model import StreamedRows, StreamedSourceModel
 from ..source.shapes import MLAShape
 from . import serving as S
 from . import target as T
@@ -56,6 +56,9 @@ from .report import REPORT_FILE, ConversionFacts, build_report
 from .rope import deepseek_rope_parameters, grid_inv_freq, plan_layer
 
 __all__ = ["CalibrationOptions", "ConversionResult", "ConvertOptions", "Converter", "Progress", "convert"]
+
+
+COPY_BLOCK_BYTES = 16 * 2**20  # rows of a carried-over tensor are mapped (resident) this many stored bytes at a time
 
 
 @dataclass
@@ -216,8 +219,12 @@ class Converter:
                 prefix = T.attention_prefix(index)
                 for name, tensor in weights.items():
                     writer.add(prefix + name, tensor.to(export_dtype))
+                source_names = source.layer_weight_names(index)
                 for role, dst in T.carried_over_names(source, index).items():
-                    writer.add(dst, carried[role].to(export_dtype))
+                    if isinstance(carried[role], StreamedRows):  # a large MLP matrix: copied a block of rows at a time
+                        self._copy_table(writer, source_names[role], dst, export_dtype)
+                    else:
+                        writer.add(dst, carried[role].to(export_dtype))
                 return report
 
             for index in range(source.num_layers):
@@ -257,7 +264,8 @@ class Converter:
         return ConversionResult(result_path, report, layer_reports)
 
     def _copy_table(self, writer: CheckpointWriter, source_name: str, target_name: str, dtype: torch.dtype) -> None:
-        """Copy a carried-over tensor (embeddings, head, final norm) in row blocks, releasing each block's mapping."""
+        """Copy a carried-over tensor (embeddings, head, final norm, large MLP matrices) in row blocks, releasing each
+        block's mapping."""
         info = self.reader.tensor_infos()[source_name]
 
         def rows(start: int, stop: int) -> torch.Tensor:
@@ -265,7 +273,8 @@ class Converter:
             self.reader.close()
             return block
 
-        writer.add_rows(target_name, info.shape, dtype, rows)
+        row_bytes = max(1, info.nbytes // max(1, info.shape[0]))
+        writer.add_rows(target_name, info.shape, dtype, rows, rows_per_chunk=max(1, COPY_BLOCK_BYTES // row_bytes))
 
     def close(self) -> None:
         if self._stats_lock is not None:

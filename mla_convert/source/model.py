@@ -9,6 +9,7 @@ transformers modeling stack alone costs ~170 MB of resident memory, a third of S
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -82,14 +83,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+@dataclass(frozen=True)
+class StreamedRows:
+    """A weight matrix left in its shard and read a block of rows at a time, each block's mapping closed after it.
+
+    Why: the pages of a memory-mapped tensor stay in the process (file-backed resident memory) for as long as the
+    mapping lives, so a layer held as mapped tensors carried its whole MLP (0.33 GiB bf16 at Llama-3-8B width) into
+    every later peak of that layer.  Read as blocks, one block's pages are resident at a time.
+    """
+
+    reader: CheckpointReader
+    name: str
+    shape: tuple[int, ...]  # (rows, columns)
+    dtype: torch.dtype  # as stored
+
+    def read(self, start: int, stop: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows start:stop as an owned `dtype` tensor on `device` (never a view of the mapping, which is closed)."""
+        rows = self.reader.get_rows(self.name, start, stop)
+        try:
+            return rows.to(device=device, dtype=dtype, copy=True)
+        finally:
+            del rows
+            self.reader.close()
+
+
 @dataclass
 class SourceLayer:
-    """One decoder layer's weights, by role (`q_weight`, `k_bias`, `gate_weight`, `input_norm`, ...)."""
+    """One decoder layer's weights, by role (`q_weight`, `k_bias`, `gate_weight`, `input_norm`, ...).
+
+    Large MLP matrices may be `StreamedRows` (see `StreamedSourceModel.load_layer`); `mlp` and the export read them
+    block by block."""
 
     index: int
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor | StreamedRows]
 
-    def get(self, role: str) -> torch.Tensor | None:
+    def get(self, role: str) -> torch.Tensor | StreamedRows | None:
         return self.weights.get(role)
 
 
@@ -122,22 +150,34 @@ def attention_from_qkv(
 WIDENED_BLOCK_BYTES = 32 * 2**20  # a narrow weight is widened this many bytes of rows at a time (see widened_linear)
 
 
-def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` with a weight stored narrower than x (a bf16 MLP matrix): widened in blocks of output rows.
+def widened_rows(weight: torch.Tensor | StreamedRows, dtype: torch.dtype) -> int:
+    """How many rows of `weight` one block holds once widened to `dtype` (see `widened_linear`)."""
+    return max(1, WIDENED_BLOCK_BYTES // (weight.shape[1] * torch.empty((), dtype=dtype).element_size()))
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor | StreamedRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` with a weight stored narrower than x (a bf16 MLP matrix) or left in its shard: in blocks of output rows.
 
     Why blocks: the whole float32 copy of one Llama-3-8B MLP matrix is 235 MB, the largest buffer of the calibration
     pass; a block of rows gives the same products (each output column is one row's dot products) for 32 MB.
     """
-    if weight.dtype == x.dtype:
+    streamed = isinstance(weight, StreamedRows)
+    if not streamed and weight.dtype == x.dtype:
         return linear(x, weight, bias)
     rows = weight.shape[0]
-    step = max(1, WIDENED_BLOCK_BYTES // (weight.shape[1] * x.element_size()))
+    step = widened_rows(weight, x.dtype)
+
+    def block(start: int, stop: int) -> torch.Tensor:  # (stop - start, columns) in x's dtype
+        if streamed:
+            return weight.read(start, stop, x.dtype, x.device)
+        return weight[start:stop].to(x.dtype)
+
     if step >= rows:
-        return linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return linear(x, block(0, rows), None if bias is None else bias.to(x.dtype))
     out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)  # (..., rows)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        out[..., start:stop] = linear(x, weight[start:stop].to(x.dtype), None if bias is None else bias[start:stop].to(x.dtype))
+        out[..., start:stop] = linear(x, block(start, stop), None if bias is None else bias[start:stop].to(x.dtype))
     return out
 
 
@@ -198,15 +238,33 @@ class StreamedSourceModel:
     def load_layer(self, index: int) -> SourceLayer:
         """One layer's weights on the device: attention and norms in the compute dtype, the MLP as stored.
 
-        The conversion reads the MLP only to run it (`mlp` widens one matrix at a time) and to copy it to the
-        output, so a bf16 checkpoint's MLP stays a view of the mapping instead of an fp32 copy: at Llama-3-8B
-        width that is 0.66 GiB of the 0.81 GiB an fp32 layer would hold.
+        The conversion reads the MLP only to run it (`mlp` widens a block of rows at a time) and to copy it to the
+        output, so a bf16 checkpoint's MLP is never widened whole (0.66 GiB of the 0.81 GiB an fp32 Llama-3-8B layer
+        would hold), and a matrix larger than one block stays in its shard (`StreamedRows`): its pages are not
+        resident while the layer is converted.  The shard is closed before this returns.
         """
         names = self.shape.layer_weight_names(index)
-        tensors = self._tensors(names.values()) if self.resident_bytes else self.reader.get_many(names.values())
         mlp_roles = self.shape.mlp_weight_names(index)
-        return SourceLayer(index, {role: tensors[name].to(device=self.device, dtype=tensors[name].dtype if role in mlp_roles else self.dtype)
-                                   for role, name in names.items()})
+        streamed = {role: self._streamed(name) for role, name in mlp_roles.items() if self._streams(name)}
+        read = [name for role, name in names.items() if role not in streamed]
+        tensors = self._tensors(read) if self.resident_bytes else self.reader.get_many(read)
+        layer = {role: streamed[role] if role in streamed else
+                 tensors[name].to(device=self.device, dtype=tensors[name].dtype if role in mlp_roles else self.dtype)
+                 for role, name in names.items()}
+        del tensors
+        self.release()  # what is left mapped (an fp32 or small MLP's views) keeps its own mapping alive
+        return SourceLayer(index, layer)
+
+    def _streams(self, name: str) -> bool:
+        """Leave `name` in its shard: a safetensors matrix that spans more than one widened block, with no device
+        budget to keep it (pickled checkpoints are loaded whole per shard, so re-reading them per block would not pay)."""
+        info = self.reader.tensor_infos()[name]
+        return (not self.resident_bytes and self.reader.format == "safetensors" and len(info.shape) == 2
+                and widened_rows(info, self.dtype) < info.shape[0])
+
+    def _streamed(self, name: str) -> StreamedRows:
+        info = self.reader.tensor_infos()[name]
+        return StreamedRows(self.reader, name, info.shape, info.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows for `ids` (any shape), read in row chunks so the full table is never resident."""
@@ -300,6 +358,7 @@ def sequence_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "StreamedSourceModel",
+    "StreamedRows",
     "SourceLayer",
     "rms_norm",
     "apply_rotary",
