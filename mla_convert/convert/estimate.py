@@ -133,7 +133,7 @@ class Sizes:
         mlp = 3 * s.hidden_size * s.intermediate_size
         widened_matrix = s.hidden_size * s.intermediate_size * 4
         # streamed: the mapped block is released before the next one is read (on the host only: a GPU conversion keeps
-        # weights resident on the device within its budget, `StreamedSourceModel._streams`)
+        # weights resident on the device within its budget, `StreamedSourceModel._streamed`)
         if widened_matrix > WIDENED_BLOCK_BYTES and self.device == "cpu":
             mlp_held = WIDENED_BLOCK_BYTES * (self.stored / 4) + WIDENED_BLOCK_BYTES
         else:

@@ -219,10 +219,9 @@ class Converter:
                 prefix = T.attention_prefix(index)
                 for name, tensor in weights.items():
                     writer.add(prefix + name, tensor.to(export_dtype))
-                source_names = source.layer_weight_names(index)
                 for role, dst in T.carried_over_names(source, index).items():
                     if isinstance(carried[role], StreamedRows):  # a large MLP matrix: copied a block of rows at a time
-                        self._copy_table(writer, source_names[role], dst, export_dtype)
+                        self._copy_table(writer, carried[role].name, dst, export_dtype)
                     else:
                         writer.add(dst, carried[role].to(export_dtype))
                 return report

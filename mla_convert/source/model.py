@@ -95,7 +95,6 @@ class StreamedRows:
     reader: CheckpointReader
     name: str
     shape: tuple[int, ...]  # (rows, columns)
-    dtype: torch.dtype  # as stored
 
     def read(self, start: int, stop: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows start:stop as an owned `dtype` tensor on `device` (never a view of the mapping, which is closed)."""
@@ -245,7 +244,7 @@ class StreamedSourceModel:
         """
         names = self.shape.layer_weight_names(index)
         mlp_roles = self.shape.mlp_weight_names(index)
-        streamed = {role: self._streamed(name) for role, name in mlp_roles.items() if self._streams(name)}
+        streamed = {role: rows for role, name in mlp_roles.items() if (rows := self._streamed(name)) is not None}
         read = [name for role, name in names.items() if role not in streamed]
         tensors = self._tensors(read) if self.resident_bytes else self.reader.get_many(read)
         layer = {role: streamed[role] if role in streamed else
@@ -255,16 +254,14 @@ class StreamedSourceModel:
         self.release()  # what is left mapped (an fp32 or small MLP's views) keeps its own mapping alive
         return SourceLayer(index, layer)
 
-    def _streams(self, name: str) -> bool:
-        """Leave `name` in its shard: a safetensors matrix that spans more than one widened block, with no device
-        budget to keep it (pickled checkpoints are loaded whole per shard, so re-reading them per block would not pay)."""
+    def _streamed(self, name: str) -> StreamedRows | None:
+        """`name` left in its shard when it is a safetensors matrix that spans more than one widened block and no device
+        budget keeps it (pickled checkpoints are loaded whole per shard, so re-reading them per block would not pay)."""
         info = self.reader.tensor_infos()[name]
-        return (not self.resident_bytes and self.reader.format == "safetensors" and len(info.shape) == 2
-                and widened_rows(info, self.dtype) < info.shape[0])
-
-    def _streamed(self, name: str) -> StreamedRows:
-        info = self.reader.tensor_infos()[name]
-        return StreamedRows(self.reader, name, info.shape, info.dtype)
+        if (not self.resident_bytes and self.reader.format == "safetensors" and len(info.shape) == 2
+                and widened_rows(info, self.dtype) < info.shape[0]):
+            return StreamedRows(self.reader, name, info.shape)
+        return None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows for `ids` (any shape), read in row chunks so the full table is never resident."""
