@@ -426,3 +426,20 @@ def test_refinement_follows_the_effort_and_the_cost_of_a_layer():
     assert (effort_of(ConvertOptions(effort="fast")).kv_balance_search, effort_of(ConvertOptions()).rope_finalists) == (False, 2)
     explicit = effort_of(ConvertOptions(effort="fast", kv_balance_search=True, rope_finalists=3))
     assert (explicit.kv_balance_search, explicit.rope_finalists) == (True, 3)
+
+
+def test_mlp_matrices_streamed_from_their_shard_are_copied_to_the_export_unchanged(tmp_path, monkeypatch):
+    """With MLP matrices larger than one widened block (forced small here) the layer holds them as `StreamedRows` and the
+    export copies them block by block: every MLP tensor of the output must equal the source's, byte for byte."""
+    from mla_convert.source import model as model_module
+
+    source = tmp_path / "src"
+    save_tiny_model(source, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, weight_scale=3.0)
+    monkeypatch.setattr(model_module, "WIDENED_BLOCK_BYTES", 5 * 96 * 4)  # a few rows per block: every MLP matrix streams
+    result = convert(source, tmp_path / "out", fast_options(kv_lora_rank=12, rope_dim=8))
+    exported = load_file(str(result.output / "model.safetensors"))
+    original = load_file(str(source / "model.safetensors"))
+    mlp_names = [name for name in original if ".mlp." in name]
+    assert len(mlp_names) == 6
+    for name in mlp_names:
+        assert torch.equal(exported[name], original[name]), name
