@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 HOPPER_MAX_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
+SCRATCH = 8 * 1024  # shared memory beyond the cache tiles and queries: page ids, staged probabilities
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,36 @@ def test_split_kernel_uses_tensor_cores_and_pipelined_loads(reports):
             assert report["wgmma_ops"] > 0 and report["mma_sync_ops"] == 0, report  # Hopper's warpgroup MMA
         else:
             assert report["mma_sync_ops"] > 0, report
+
+
+def _tile(report):
+    """The TileConfig a split-kernel report was compiled for (parsed from its config string)."""
+    from mla_decode_triton.configs import TileConfig
+
+    values = dict(re.findall(r"(\w+)=(\d+)", report["config"]))
+    return TileConfig(int(values["BLOCK_H"]), int(values["R_SPLIT"]), int(values["BLOCK_N"]), int(values["warps"]),
+                      int(values["stages"]))
+
+
+@pytest.mark.slow
+def test_cache_reads_overlap_the_products_from_three_stages(reports):
+    """What the compiler made of the tile loop: with 3 stages the next tile is copied while one is
+    multiplied (4 stages: the next two), and every case's default tile does this.  The buffers held in
+    shared memory follow `configs.cache_buffers`, the rule the shared-memory budget is computed with,
+    and the compiled shared memory stays within that estimate plus a few KB of scratch."""
+    from mla_decode_triton.compile_check import CASES
+    from mla_decode_triton.configs import cache_buffers, candidate_tiles, shared_bytes_estimate
+
+    by_case = {case.label(): case for case in CASES}
+    for report in _split(reports):
+        case, tile = by_case[report["case"]], _tile(report)
+        element_size = torch.empty((), dtype=case.dtype).element_size()
+        assert report["cache_buffers"] == cache_buffers(tile, element_size), report
+        if tile.num_stages >= 3:
+            assert report["tiles_in_flight"] == tile.num_stages - 2, report
+        assert report["shared_bytes"] <= shared_bytes_estimate(case.rank, case.rope_dim, tile, element_size) + SCRATCH
+        if case.dtype != torch.float32 and tile == candidate_tiles(case.rank, case.rope_dim, case.heads, case.dtype)[0]:
+            assert report["tiles_in_flight"] >= 1, report
 
 
 @pytest.mark.slow

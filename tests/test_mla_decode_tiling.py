@@ -16,7 +16,7 @@ from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import DecodeConfig, candidate_tiles, choose_config, mla_decode, mla_decode_multi, mla_decode_multi_reference, mla_decode_reference
 from mla_decode_triton.configs import TileConfig, choose_tile, load_table, save_table, table_key
 from mla_decode_triton.inputs import check_decode_inputs
-from mla_decode_triton.launcher import plan_launches, row_alignment
+from mla_decode_triton.launcher import INTERPRETED, plan_launches, row_alignment
 from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs
 
 pytestmark = NEEDS_KERNEL_DEVICE
@@ -160,6 +160,10 @@ def test_every_candidate_tile_matches_the_reference(rank, rope_dim, heads, dtype
     expected = mla_decode_reference(*inputs.args())
     tiles = candidate_tiles(rank, rope_dim, heads, dtype)
     assert tiles
+    if INTERPRETED:
+        # num_stages only shapes the compiled software pipeline, which the interpreter does not model
+        # (test_mla_decode_compile checks it for sm_90): one tile per computed shape is enough here.
+        tiles = list({(tile.block_h, tile.r_split, tile.block_n, tile.num_warps): tile for tile in tiles}.values())
     for tile in tiles:
         assert_matches(mla_decode(*inputs.args(), config=config_from_tile(tile, num_splits=2)), expected, dtype)
 

@@ -14,7 +14,12 @@ get that hint), compiles them for sm_90 and reports:
 * the instruction mix: HGMMA (wgmma, Hopper's warpgroup tensor-core MMA) and HMMA (mma.sync, the
   Ampere-style one), LDGSTS (cp.async: pipelined global -> shared copies), and the width of every
   global load (16, 8, 4 or 2 bytes per thread and instruction) - narrow loads are what an unaligned
-  cache row costs.
+  cache row costs;
+* the software pipeline, from the TTGIR (Triton's GPU-level IR) of the tile loop: how many cache tiles
+  the program buffers in shared memory, and how many tiles' copies are still in flight while a tile is
+  multiplied (the loop's `async_wait` count divided by the copies it issues per tile).  0 in flight
+  means each tile is read and then multiplied, one after the other: the cache read never overlaps
+  the products, which no count of cp.async instructions reveals.
 
 Run with the interpreter off (the kernels must be real JIT functions):
     TRITON_INTERPRET=0 python -m mla_decode_triton.compile_check [--json] [--markdown]
@@ -107,6 +112,8 @@ class CompileReport:
     mma_sync_ops: int  # HMMA: warp-level mma.sync
     async_copies: int  # LDGSTS (cp.async): pipelined global -> shared loads
     load_bytes: dict = field(default_factory=dict)  # global-load width in bytes -> instruction count
+    cache_buffers: int | None = None  # cache tiles held in shared memory by the tile loop (split kernel)
+    tiles_in_flight: int | None = None  # tiles still being copied while the loop multiplies one
     triton_version: str = triton.__version__
     note: str = ""
 
@@ -182,6 +189,26 @@ def global_load_widths(sass: str) -> dict[int, int]:
     return dict(sorted(widths.items(), reverse=True))
 
 
+def tile_pipeline(ttgir: str, block_n: int) -> tuple[int | None, int | None]:
+    """(cache buffers, tiles in flight during the products) of the split kernel's tile loop, from its TTGIR.
+
+    Buffers: the leading dimension of the shared-memory allocations that hold BLOCK_N cache rows.  In
+    flight: the loop waits until at most `num` copy groups are outstanding before it multiplies; each
+    tile issues one group per cache copy (latent, RoPE key, the other R half), so num / copies per tile
+    is how many later tiles are still loading while this one is used.
+    """
+    buffers = [int(m.group(1)) for m in re.finditer(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(\d+)x", ttgir)
+               if int(m.group(2)) == block_n]
+    start = ttgir.find("scf.for")
+    if start < 0 or not buffers:
+        return (min(buffers) if buffers else None), None
+    loop = ttgir[start:ttgir.find("scf.yield", start)]
+    copies = len(re.findall(rf"async_copy_global_to_local .*: tensor<{block_n}x\d+x!tt\.ptr", loop))
+    waits = [int(num) for num in re.findall(r"ttg\.async_wait [^{]*\{num = (\d+)", loop)]
+    in_flight = min(waits) // copies if copies and waits else 0
+    return min(buffers), in_flight
+
+
 def build_launches(case: Case, config: DecodeConfig, num_splits: int = 4):
     """The launches `mla_decode` makes for a 2-sequence batch of this shape (CPU tensors, never run)."""
     batch, context = 2, 4 * 64
@@ -207,6 +234,8 @@ def compile_launch(launch, label: str, note: str = "") -> CompileReport:
     )
     registers, stack, sass = _inspect_cubin(compiled.asm["cubin"])
     keys = [key for key in launch.constexprs if key.startswith(("BLOCK", "R_SPLIT", "ROW_ALIGN"))]
+    block_n = launch.constexprs.get("BLOCK_N")
+    buffers, in_flight = tile_pipeline(compiled.asm["ttgir"], block_n) if block_n else (None, None)
     return CompileReport(
         case=label,
         kernel=launch.kernel.fn.__name__,
@@ -220,6 +249,8 @@ def compile_launch(launch, label: str, note: str = "") -> CompileReport:
         mma_sync_ops=len(re.findall(r"\bHMMA\b", sass)),
         async_copies=len(re.findall(r"\bLDGSTS\b", sass)),
         load_bytes=global_load_widths(sass),
+        cache_buffers=buffers,
+        tiles_in_flight=in_flight,
         note=note,
     )
 
@@ -242,18 +273,24 @@ def check_case(case: Case, tiles: list[TileConfig] | None = None, merge: bool = 
     return reports
 
 
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def markdown_table(reports: list[CompileReport]) -> str:
     """One row per compiled launch, for BENCHMARKS.md."""
     lines = [
-        "| case | kernel | config | regs | stack B | spill ops | smem KB | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| case | kernel | config | regs | stack B | spill ops | smem KB | buffers | in flight | HGMMA | HMMA | cp.async "
+        "| global loads (bytes: count) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in reports:
         loads = ", ".join(f"{width}: {count}" for width, count in r.load_bytes.items())
         kernel = r.kernel.removeprefix("mla_decode_").removesuffix("_kernel")
         lines.append(
             f"| {r.case} | {kernel} | {r.config} | {r.registers} | {r.stack_bytes} | {r.local_memory_ops} "
-            f"| {r.shared_bytes / 1024:.0f} | {r.wgmma_ops} | {r.mma_sync_ops} | {r.async_copies} | {loads} |"
+            f"| {r.shared_bytes / 1024:.0f} | {_dash(r.cache_buffers)} | {_dash(r.tiles_in_flight)} | {r.wgmma_ops} "
+            f"| {r.mma_sync_ops} | {r.async_copies} | {loads} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -269,8 +306,8 @@ def side_by_side(runs: list[list[dict]]) -> str:
     lines = [
         "| case | kernel | config | " + " | ".join(f"regs {v}" for v in versions) + " | "
         + " | ".join(f"spill B / ops {v}" for v in versions)
-        + " | smem KB | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
-        "|---|---|---|" + "---:|" * (2 * len(runs)) + "---:|---:|---:|---:|---|",
+        + " | smem KB | buffers | in flight | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
+        "|---|---|---|" + "---:|" * (2 * len(runs)) + "---:|---:|---:|---:|---:|---:|---|",
     ]
     for key, first in by_key[0].items():
         others = [table.get(key) for table in by_key]
@@ -280,6 +317,7 @@ def side_by_side(runs: list[list[dict]]) -> str:
         kernel = first["kernel"].removeprefix("mla_decode_").removesuffix("_kernel")
         config = first["config"].replace(" BLOCK_", " ").replace("BLOCK_", "")
         lines.append(f"| {first['case']} | {kernel} | {config} | {regs} | {spills} | {first['shared_bytes'] / 1024:.0f} "
+                     f"| {_dash(first.get('cache_buffers'))} | {_dash(first.get('tiles_in_flight'))} "
                      f"| {first['wgmma_ops']} | {first['mma_sync_ops']} | {first['async_copies']} | {loads} |")
     return "\n".join(lines) + "\n"
 

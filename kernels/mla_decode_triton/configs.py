@@ -15,23 +15,32 @@ The rules, from those compiles:
   (HGMMA); 16 and 32 rows use mma.sync (HMMA).
 * R_SPLIT: 2 when the accumulator BLOCK_H x BLOCK_R exceeds ACCUMULATOR_BUDGET fp32 elements, else 1.
   64 x 512 in one program (128 KB) spills on sm_90 with 8 or 16 warps under Triton 3.9 and needs
-  212-255 registers under 3.6; split in two it takes 152-208 registers and never spills.  See kernel.py.
+  212-255 registers under 3.6; split in two it takes 166-208 registers and never spills.  See kernel.py.
   The split has a price: both programs of a pair compute the full scores, so at 512+64 the tensor-core
   work per token grows by (2 x 576 + 512) / (576 + 512) = 1.5x, which matters where many heads make
   decode compute-bound.  So such shapes also get the alternative tiles with ACCUMULATOR_BUDGET / BLOCK_R
   rows (32 at R = 512), whole R and no duplicated products (mma.sync instead of wgmma, twice the row
   blocks); the autotuner measures which is faster.
 * num_warps: 8 once the accumulator per program reaches 8K elements, else 4.
-* BLOCK_N in {64, 32} and num_stages in {2, 3}, kept when the pipelined cache tiles plus the queries
-  fit SHARED_BUDGET.  First comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED with two
-  stages (two programs per multiprocessor then fit in shared memory).
+* num_stages: 3 by default, because that is the first count at which the cache read overlaps the
+  products.  Read from the compiled loops (`compile_check`, columns "buffers" and "in flight"): with
+  2 stages every tile is single-buffered for mma.sync and the loop waits for all its copies at the top
+  of each iteration, so nothing overlaps (the tiles shipped before 2026-12-01 all did this; the H200
+  run of 2026-11-30 measured them at a median 10-46 % of copy bandwidth per shape where decode is
+  memory-bound); 3 stages keep the next tile in flight while a tile is multiplied, 4 the next two.  mma.sync tiles hold num_stages - 1 cache buffers in
+  shared memory, wgmma tiles (64 rows) num_stages, since wgmma reads its operand from shared memory
+  while the next copy lands (`cache_buffers`).  2 stages stay among the candidates so that the
+  autotuner measures what the overlap buys on the GPU at hand.
+* BLOCK_N in {64, 32}, kept when the buffered cache tiles plus the queries fit SHARED_BUDGET.  First
+  comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED, with 3 stages (two programs per
+  multiprocessor, each double-buffered, then fit in shared memory).
 * fp32 caches (the exact path: products on CUDA cores, no tensor cores) broadcast a BLOCK_H x BLOCK_N x K
   product through registers and spill easily: 16 rows, BLOCK_N = 16, 4 warps, 2 stages is the one tile
   that compiles clean for every shape under both Triton versions; more rows use more row blocks.
 
 Which candidate is fastest depends on the GPU and is measured (`autotune.py`); the winners are stored
 per (R, D, rows, page size, dtype) in `tuned_configs.json`, shipped with the package.  Without an entry
-the first candidate is used: the largest tile that fits two pipeline stages.
+the first candidate is used: the largest double-buffered tile of which two programs fit a multiprocessor.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ MAX_BLOCK_H = 64
 SHARED_BUDGET = 200 * 1024  # bytes: Hopper allows 227 KB per block; leave room for the compiler's scratch
 TILE_BYTES_PREFERRED = 48 * 1024  # one stage's cache tile, for the default (first) candidate
 BLOCK_N_CHOICES = (64, 32)
-STAGE_CHOICES = (2, 3)
+STAGE_CHOICES = (3, 4, 2)  # 3 = the default (double-buffered), 2 = single-buffered, kept for comparison
+DEFAULT_STAGES = 3
 FP32_TILE = dict(max_block_h=16, block_n=16, num_warps=4, num_stages=2)
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -72,10 +82,21 @@ def pow2_at_least(value: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(value) - 1).bit_length())
 
 
+def cache_buffers(tile: TileConfig, element_size: int) -> int:
+    """Cache tiles the compiled loop keeps in shared memory (what `compile_check` reads from the compiler).
+
+    A 64-row fp16/bf16 tile multiplies with wgmma, which reads the cache tile from shared memory while
+    the next copies land, so it needs one buffer per stage; mma.sync (and fp32 FMA) tiles copy each tile
+    into registers before the next copy overwrites its buffer, so one stage needs no buffer of its own.
+    """
+    uses_wgmma = tile.block_h >= 64 and element_size < 4
+    return tile.num_stages if uses_wgmma else max(1, tile.num_stages - 1)
+
+
 def shared_bytes_estimate(rank: int, rope_dim: int, tile: TileConfig, element_size: int) -> int:
-    """Pipelined cache tiles (all R + D columns: the score needs them) plus the queries kept on chip."""
+    """Buffered cache tiles (all R + D columns: the score needs them) plus the queries kept on chip."""
     width = pow2_at_least(rank) + pow2_at_least(rope_dim)
-    return (tile.num_stages * tile.block_n + tile.block_h) * width * element_size
+    return (cache_buffers(tile, element_size) * tile.block_n + tile.block_h) * width * element_size
 
 
 def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtype) -> list[TileConfig]:
@@ -103,7 +124,7 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
                 tile = TileConfig(rows_per_program, split, block_n, warps, num_stages)
                 if shared_bytes_estimate(rank, rope_dim, tile, element_size) <= SHARED_BUDGET:
                     group.append(tile)
-        group.sort(key=lambda tile: (tile.block_n != preferred or tile.num_stages != 2))  # stable
+        group.sort(key=lambda tile: (tile.block_n != preferred or tile.num_stages != DEFAULT_STAGES))  # stable
         tiles += group
     if not tiles:  # a latent too wide for any pipelined tile: the smallest one, single-buffered
         return [TileConfig(block_h, r_split, 16, num_warps, 1)]

@@ -32,10 +32,21 @@ least `min_split_tokens` tokens (whole tiles), so in a mixed batch a short seque
 and a long one many; programs whose split holds no token of their sequence return at once without
 touching memory, and the merge only reads the splits that hold tokens.
 
+Pipelining.  Triton software-pipelines the loop over cache tiles (cp.async copies into shared memory,
+issued while earlier tiles are multiplied), but it spends one pipeline stage on every level of indirect
+load: had the page ids of a tile been read in the same iteration as the tile, the cache load would
+depend on a load of its own iteration, and with num_stages = 3 the third stage would go to the page
+table, leaving the cache single-buffered.  So a tile's page ids are read one iteration earlier and
+carried over; the cache load then depends only on a loop-carried value.  `compile_check` reads what
+the compiler made of it (cache buffers in shared memory, and how many copy groups the loop leaves in
+flight while it computes): num_stages = 2 gives one buffer and waits for every copy at the top of
+each iteration - the read of a tile and its products do not overlap at all - while num_stages = 3
+keeps the next tile in flight during the products (4: the next two).  See `configs.py`.
+
 Masking rules that keep garbage out.  Every cache load is masked by `token < split_end <= seq_len`
-with `other=0`, and the page-table load is masked the same way, so neither slots past a sequence's end
-nor unused page-table entries (nor any padding columns past R + D in the cache rows) are ever read:
-NaN poison there cannot reach the arithmetic.  Padding lanes (rows >= number of rows, columns >= R or
+with `other=0`, and the page-table loads (the first tile's and each look-ahead) are masked the same
+way, so neither slots past a sequence's end nor unused page-table entries (nor any padding columns
+past R + D in the cache rows) are ever read: NaN poison there cannot reach the arithmetic.  Padding lanes (rows >= number of rows, columns >= R or
 D when those are not powers of two) are zero-filled, which leaves every dot product unchanged, and are
 never stored.
 
@@ -157,14 +168,18 @@ def mla_decode_split_kernel(
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of exp2(score - running_max)
     acc = tl.zeros([BLOCK_H, BLOCK_RC], dtype=tl.float32)  # unnormalised sum of p_t * c_t, own columns
 
+    # Gather through the page table: a tile may span several pages (or, with PAGE_SIZE=1, be one page per
+    # token), so each token finds its own physical row.  The page ids are read one tile ahead (see
+    # "Pipelining" in the module docstring): this tile's come from the previous iteration.
+    page_row = page_table_ptr + seq * stride_pt_b
+    first_tokens = split_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    next_page = tl.load(page_row + (first_tokens // PAGE_SIZE) * stride_pt_p, mask=first_tokens < split_end, other=0)
     for tile_start in range(split_start, split_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
         token_ok = tokens < split_end
-        # Gather through the page table: a tile may span several pages (or, with PAGE_SIZE=1, be one
-        # page per token), so each token finds its own physical row.
-        physical_page = tl.load(
-            page_table_ptr + seq * stride_pt_b + (tokens // PAGE_SIZE) * stride_pt_p, mask=token_ok, other=0
-        ).to(tl.int64)
+        physical_page = next_page.to(tl.int64)  # (BLOCK_N,)
+        ahead = tokens + BLOCK_N  # (BLOCK_N,) the next tile's tokens; masked past the split like every load
+        next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
         row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
         # The launcher guarantees both strides are multiples of ROW_ALIGN; saying so lets the compiler
         # use vector loads for rows whose width is not a multiple of 16 elements.
