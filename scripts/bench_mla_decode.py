@@ -188,7 +188,11 @@ def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, dev
     inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device)
     q_latent, q_rope, kv_cache, page_table, seq_lens, scale = inputs
     shape = mla.inputs.check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, None)
+    # a first call compiles the tile and (on CUDA) records its programs per multiprocessor, which the
+    # split count of the measured configuration uses
+    mla.mla_decode(*inputs, max_seq_len=context, mean_seq_len=context)
     config = mla.choose_config(shape, dtype, kv_cache.device, max_seq_len=context, mean_seq_len=context)
+    resident = mla.launcher.resident_programs(kv_cache.device, shape, dtype, config.tile)
     out, _ = mla.mla_decode(*inputs, config=config)
     ref_out, _ = mla.mla_decode_reference(*inputs)
     max_error = (out.float() - ref_out.float()).abs().max().item()
@@ -196,7 +200,8 @@ def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, dev
     element = kv_cache.element_size()
     cache_bytes = batch * context * (rank + rope_dim) * element
     row = dict(rank=rank, rope_dim=rope_dim, heads=heads, batch=batch, context=context,
-               config=dict(tile=config.tile.label(), splits=config.num_splits, min_split_tokens=config.min_split_tokens),
+               config=dict(tile=config.tile.label(), splits=config.num_splits, min_split_tokens=config.min_split_tokens,
+                           programs_per_sm=resident if on_cuda else None),
                bytes=cache_bytes + batch * heads * (rank + rope_dim) * element,
                flops=2 * batch * heads * context * (2 * rank + rope_dim), max_error=max_error)
     row["kernel_ms"] = time_ms(lambda: mla.mla_decode(*inputs, config=config), on_cuda, args.rep_ms)
@@ -382,6 +387,7 @@ def measure(args, argv) -> dict:
                          "use --dry-run for a CPU plumbing check, or --from-json to render a GPU run")
     import mla_decode_triton as mla
     import mla_decode_triton.inputs  # noqa: F401  (mla.inputs.check_decode_inputs)
+    import mla_decode_triton.launcher  # noqa: F401  (mla.launcher.resident_programs)
     import triton
 
     device = torch.device("cuda" if on_cuda else "cpu")

@@ -278,29 +278,54 @@ def test_choose_config_shares_tiles_across_heads():
         choose_config(_shape(1, 128, 512, 64, 64), torch.bfloat16, cpu, num_splits=0)
 
 
-def _gpu_splits(shape, max_seq_len=None, mean_seq_len=None, dtype=torch.bfloat16):
+def _gpu_splits(shape, max_seq_len=None, mean_seq_len=None, dtype=torch.bfloat16, resident=2):
     from mla_decode_triton.configs import choose_tile
     from mla_decode_triton.launcher import splits_for_gpu
 
     tile = choose_tile(shape.kv_lora_rank, shape.rope_dim, shape.rows, shape.page_size, dtype)
-    return splits_for_gpu(shape, tile, 2, 132, max_seq_len, mean_seq_len), tile
+    return splits_for_gpu(shape, tile, 2, 132, max_seq_len, mean_seq_len, resident), tile
 
 
 @pytest.mark.parametrize("batch, heads, context", [(1, 16, 16384), (1, 16, 1024), (16, 16, 4096), (4, 9, 4096),
                                                    (1, 128, 16384), (2, 64, 4096)])
-def test_split_count_fills_the_multiprocessors(batch, heads, context):
-    """Small batches are split until ~2 programs per multiprocessor run (132 SMs, like an H100/H200)."""
+def test_split_count_fills_one_wave(batch, heads, context):
+    """Small batches are split until their programs fill one wave (132 SMs x 2 resident programs, like an
+    H100/H200 with a tile two of which fit a multiprocessor), never beyond it, or until the chunks
+    reach their floor length (within the cost model's 5 % tolerance) or MAX_SPLITS."""
     from mla_decode_triton.launcher import MAX_SPLITS, min_split_tokens_for
 
     shape = _shape(batch, heads, 512, 64, context)
     splits, tile = _gpu_splits(shape)
     programs = batch * splits * -(-heads // tile.block_h) * tile.r_split
-    fills = programs >= 2 * 132 * 0.9
-    min_tokens = min_split_tokens_for(shape, 2)
-    limited_by_chunk_floor = splits == -(-context // min_tokens)
-    assert fills or limited_by_chunk_floor or splits == MAX_SPLITS, splits
-    assert splits > 1 or fills
-    assert splits <= -(-context // min_tokens)  # no more splits than chunks of the minimum length
+    slots = 2 * 132
+    chunks_at_floor = -(-context // min_split_tokens_for(shape, 2))
+    assert splits <= chunks_at_floor  # no more splits than chunks of the minimum length
+    assert programs <= slots  # one wave: a second, nearly empty one would cost a whole wave more
+    assert programs >= 0.85 * slots or splits >= 0.85 * chunks_at_floor or splits == MAX_SPLITS, splits
+    assert splits > 1
+
+
+def test_split_count_is_chosen_in_whole_waves():
+    """64 sequences x 16 heads at 4K: the flash-decoding count (~2 programs per SM -> 5 splits, 320
+    programs) would run 3 waves of 132 with one resident program per SM, the last 42 % full.  The
+    launcher takes 2 splits there (128 programs, one wave), and 4 (256 programs, one wave of 264) once
+    the compiled kernel shows that two programs fit a multiprocessor."""
+    shape = _shape(64, 16, 512, 64, 4096)
+    assert _gpu_splits(shape, resident=1)[0] == 2
+    assert _gpu_splits(shape, resident=2)[0] == 4
+    # 128 heads x 128 sequences already fill 3.9 waves of 132: splitting would only add partial traffic
+    assert _gpu_splits(_shape(128, 128, 512, 64, 16384), resident=1)[0] == 1
+
+
+def test_programs_per_multiprocessor_from_registers_and_shared_memory():
+    """Residency from the compiled kernel's resources (values from the sm_90 compile check)."""
+    from mla_decode_triton.launcher import programs_per_multiprocessor
+
+    assert programs_per_multiprocessor(128, 91 * 1024, 8) == 2  # 512+64 x16, N32, 3 stages: 32K registers
+    assert programs_per_multiprocessor(171, 164 * 1024, 8) == 1  # N64: registers (and shared memory) allow one
+    assert programs_per_multiprocessor(72, 29 * 1024, 4) == 7  # 64+32 x9: shared memory allows 7
+    assert programs_per_multiprocessor(32, 2 * 1024, 4) == 16  # tiny tiles: 64 warps per SM at most
+    assert programs_per_multiprocessor(255, 220 * 1024, 8) == 1  # never below one
 
 
 def test_split_count_is_one_when_the_batch_already_fills_the_gpu():
@@ -320,11 +345,11 @@ def test_split_count_follows_the_real_lengths_not_the_table_capacity():
     assert real_splits == -(-1024 // min_split_tokens_for(preallocated, 2)) < capacity_splits
     # mixed batch: one 4096-token sequence among 31 of 7 tokens.  Sized from the batch's real total
     # (4313 tokens) the long one is cut as finely as the chunk floor allows; sized as if every sequence
-    # were 4096 long (32 x 4096 tokens would nearly fill the GPU) it would get 9 splits.
+    # were 4096 long (32 x 4096 tokens would nearly fill the GPU) it would get 8 splits.
     mixed = _shape(32, 16, 512, 64, 65536)
     uniform, _ = _gpu_splits(mixed, max_seq_len=4096, mean_seq_len=4096)
     skewed, _ = _gpu_splits(mixed, max_seq_len=4096, mean_seq_len=(4096 + 31 * 7) / 32)
-    assert uniform == 9
+    assert uniform == 8  # 256 programs: one wave of 264
     assert skewed == -(-4096 // min_split_tokens_for(mixed, 2)) == 32
 
 
@@ -388,3 +413,31 @@ def test_gpu_multi_token_decode():
     inputs = make_decode_inputs(8, 128, 512, 64, [4, 100, 2000, 4096, 7, 513, 64, 1500], page_size=64,
                                 dtype=torch.bfloat16, q_len=4, device="cuda", seed=21)
     assert_matches(mla_decode_multi(*inputs.args()), mla_decode_multi_reference(*inputs.args()), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+def test_gpu_first_launch_records_programs_per_multiprocessor():
+    """The split kernel's first launch reads its registers and shared memory; later calls size splits by it.
+
+    The recorded residency must be the one the compiled kernel's own resources give (Hopper: 64K
+    registers, 227 KB shared memory per program), and the next call's split count must use it.
+    """
+    from mla_decode_triton import launcher
+    from mla_decode_triton.configs import choose_tile
+
+    inputs = make_decode_inputs(64, 16, 512, 64, [4096] * 64, page_size=64, dtype=torch.bfloat16, device="cuda",
+                                seed=22)
+    shape = check_decode_inputs(*inputs.args()[:5], None)
+    tile = choose_tile(512, 64, 16, 64, torch.bfloat16)
+    key = launcher._residency_key(inputs.kv_cache.device, shape, torch.bfloat16, tile)
+    launcher._RESIDENT.pop(key, None)
+    expected = mla_decode_reference(*inputs.args())
+    assert_matches(mla_decode(*inputs.args(), max_seq_len=4096, mean_seq_len=4096), expected, torch.bfloat16)
+    resident = launcher._RESIDENT[key]
+    assert 1 <= resident <= 8
+    config = choose_config(shape, torch.bfloat16, inputs.kv_cache.device, max_seq_len=4096, mean_seq_len=4096)
+    element = inputs.kv_cache.element_size()
+    assert config.num_splits == launcher.splits_for_gpu(
+        shape, tile, element, launcher._multiprocessor_count(0), 4096, 4096, resident)
+    assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)

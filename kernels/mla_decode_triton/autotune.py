@@ -74,7 +74,8 @@ def config_for_tile(shape: DecodeShape, tile: TileConfig, cache_dtype: torch.dty
     if device.type == "cuda":
         element_size = torch.empty((), dtype=cache_dtype).element_size()
         splits = launcher.splits_for_gpu(shape, tile, element_size, launcher._multiprocessor_count(device.index or 0),
-                                         max_seq_len, mean_seq_len)
+                                         max_seq_len, mean_seq_len,
+                                         launcher.resident_programs(device, shape, cache_dtype, tile))
     return DecodeConfig(tile.block_h, tile.block_n, splits, tile.num_warps, tile.num_stages, tile.r_split,
                         chosen.min_split_tokens)
 
@@ -107,20 +108,23 @@ def autotune(
     result = TuneResult(key=key, best=None)
     reference_out = None
     for tile in candidate_tiles(shape.kv_lora_rank, shape.rope_dim, shape.rows, kv_cache.dtype):
-        config = config_for_tile(shape, tile, kv_cache.dtype, device, max_seq_len, mean_seq_len)
 
-        def run(config=config):
+        def run(config):
             return _launch(rows_latent, rows_rope, kv_cache, page_table, seq_lens, softmax_scale, shape, config,
                            q_latent.dtype)
 
-        out, _ = run()
+        # The first launch compiles the tile and, on CUDA, records its programs per multiprocessor,
+        # which the split count of the timed configuration then uses.
+        run(config_for_tile(shape, tile, kv_cache.dtype, device, max_seq_len, mean_seq_len))
+        config = config_for_tile(shape, tile, kv_cache.dtype, device, max_seq_len, mean_seq_len)
+        out, _ = run(config)
         if reference_out is None:
             reference_out = out
         else:
             error = (out.float() - reference_out.float()).abs().max().item()
             if not error <= AGREEMENT[kv_cache.dtype]:
                 raise MLADecodeInputError(f"tile {tile.label()} disagrees with the default tile by {error:.3g}")
-        result.times_ms[tile.label()] = time_ms(run, on_cuda, rep_ms)
+        result.times_ms[tile.label()] = time_ms(lambda config=config: run(config), on_cuda, rep_ms)
         result.splits[tile.label()] = config.num_splits
         if result.best is None or result.times_ms[tile.label()] < result.times_ms[result.best.label()]:
             result.best = tile

@@ -8,12 +8,22 @@ Choices and why (none of this changes results beyond fp rounding; tests pin that
   of a sequence up to 64, so all heads share each cache tile.
 * num_splits (flash-decoding): decode with a small batch has far fewer (sequence, row block) programs
   than multiprocessors, so each context is cut into chunks handled in parallel and merged afterwards.
-  On CUDA the target is ~2 programs per multiprocessor (one to run, one to hide the next one's
-  start-up).  The count is sized from the real lengths the caller passes (`max_seq_len`,
-  `mean_seq_len`: plain Python numbers it already knows, so the launcher never reads seq_lens back
-  from the device and stays CUDA-graph friendly): the longest sequence is cut into chunks of the size
-  that would spread the batch's total tokens evenly over the target programs.  Without them the page
-  table's capacity stands in for both, which over-splits a preallocated table.
+  The count is chosen in whole waves: the GPU runs `multiprocessors x resident` programs at once
+  (resident = programs one multiprocessor holds, from the compiled kernel's registers and shared
+  memory, `programs_per_multiprocessor`; until a tile has been launched once, 2), and a launch whose
+  programs spill into a partly filled extra wave pays for the whole wave.  Every split count up to the
+  useful maximum is costed as waves x (tiles per program + SPLIT_FIXED_TILES) (+ MERGE_TILES for the
+  merge, and the partial outputs that splitting writes) and the fewest splits within 5 % of the
+  cheapest win - e.g. 64 sequences x 16 heads at 4K on 132 multiprocessors holding one program each:
+  2 splits (128 programs, one wave) rather than the 5 that "about 2 programs per multiprocessor" gave
+  (320 programs, three waves, the last 42 % full); 4 splits where two programs fit a multiprocessor.
+  The H200 run of 2026-11-30 is consistent with this (512+64, 16 heads, context 16K, one program per
+  multiprocessor): at batch 64 (320 programs, 81 % of three waves busy) the kernel reached 48 % of copy
+  bandwidth, at batch 128 (384 programs, 97 %) 56 %.
+  The count is sized from the real lengths the caller passes (`max_seq_len`, `mean_seq_len`: plain
+  Python numbers it already knows, so the launcher never reads seq_lens back from the device and
+  stays CUDA-graph friendly); without them the page table's capacity stands in for both, which
+  over-splits a preallocated table.
 * min_split_tokens: a split costs a query load, and with several splits a partial output (fp32, rows x
   R) written and read back by the merge.  Each chunk is made long enough that this partial traffic
   stays below PARTIAL_TRAFFIC_FRACTION of the cache bytes the chunk reads (and at least
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +58,11 @@ from mla_decode_triton.kernel import LOG2E, mla_decode_merge_kernel, mla_decode_
 MIN_TOKENS_PER_SPLIT = 128
 PARTIAL_TRAFFIC_FRACTION = 0.5
 MAX_SPLITS = 64
-PROGRAMS_PER_MULTIPROCESSOR = 2
+PROGRAMS_PER_MULTIPROCESSOR = 2  # resident programs assumed until the compiled kernel says otherwise
+SPLIT_FIXED_TILES = 2  # a program's cost beyond its tiles, in tile times: pipeline fill, query load, epilogue
+MERGE_TILES = 1  # the merge launch, in tile times
+SPLIT_COST_TOLERANCE = 1.05  # the cost model is coarse: more splits only when they are predicted 5 % cheaper
+REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in blocks of this many (sm_70 onwards)
 CPU_MAX_SPLITS = 2
 MERGE_BLOCK_C = 128
 MERGE_BLOCK_ROWS = 16
@@ -90,23 +105,87 @@ def min_split_tokens_for(shape: DecodeShape, cache_element_size: int) -> int:
     return -(-tokens // 16) * 16  # a multiple of 16, so the JIT compiles one specialisation for all shapes
 
 
-def splits_for_gpu(shape: DecodeShape, tile: TileConfig, cache_element_size: int, multiprocessors: int,
-                   max_seq_len: int | None = None, mean_seq_len: float | None = None) -> int:
-    """Splits per sequence so that the batch's work spreads over ~2 programs per multiprocessor.
+def programs_per_multiprocessor(registers: int, shared_bytes: int, num_warps: int, max_registers: int = 65536,
+                                max_shared_bytes: int = 232448, max_warps: int = 64) -> int:
+    """Programs of one compiled kernel that a multiprocessor holds at once (at least 1).
 
-    The batch holds batch x mean tokens; spread over the target number of programs, each program should
-    get `batch * mean / target` tokens, so the longest sequence is cut into max / that many chunks.
-    With uniform lengths this is target / (batch x row programs), the classic flash-decoding count.
-    Capped by the shortest worthwhile chunk (`min_split_tokens_for`) and MAX_SPLITS.  A pure function of
-    sizes (no tensor is read), so it is testable without a GPU.
+    The tightest of three limits: the register file (each warp gets its registers in blocks of
+    REGISTER_ALLOCATION_UNIT), shared memory, and warps per multiprocessor.  Defaults are Hopper's
+    (64K registers, 227 KB shared memory per program, 64 warps).
+    """
+    unit = REGISTER_ALLOCATION_UNIT
+    registers_per_warp = -(-max(1, registers) * 32 // unit) * unit
+    by_registers = max_registers // (registers_per_warp * num_warps)
+    by_shared = max_shared_bytes // shared_bytes if shared_bytes > 0 else max_warps
+    return max(1, min(by_registers, by_shared, max_warps // num_warps))
+
+
+_RESIDENT: dict[tuple, int] = {}  # residency key -> programs per multiprocessor, read from compiled kernels
+
+
+def _residency_key(device: torch.device, shape: DecodeShape, cache_dtype: torch.dtype, tile: TileConfig) -> tuple:
+    return (device.index or 0, shape.kv_lora_rank, shape.rope_dim, shape.page_size, cache_dtype, tile)
+
+
+def resident_programs(device: torch.device, shape: DecodeShape, cache_dtype: torch.dtype, tile: TileConfig) -> int:
+    """Programs per multiprocessor of this tile: measured from its compiled kernel once it has run, else 2."""
+    return _RESIDENT.get(_residency_key(device, shape, cache_dtype, tile), PROGRAMS_PER_MULTIPROCESSOR)
+
+
+def _record_residency(compiled, key: tuple) -> None:
+    """Read registers and shared memory of a launched kernel (Triton's CompiledKernel) into _RESIDENT."""
+    if key in _RESIDENT or compiled is None:
+        return
+    from triton.runtime import driver
+
+    try:
+        limits = driver.active.utils.get_device_properties(key[0])
+        max_threads = getattr(torch.cuda.get_device_properties(key[0]), "max_threads_per_multi_processor", 2048)
+        _RESIDENT[key] = programs_per_multiprocessor(
+            int(compiled.n_regs), int(compiled.metadata.shared), int(compiled.metadata.num_warps),
+            int(limits["max_num_regs"]), int(limits["max_shared_mem"]), max_threads // 32,
+        )
+    except (AttributeError, KeyError, TypeError) as error:  # another Triton's CompiledKernel: keep the default
+        _RESIDENT[key] = PROGRAMS_PER_MULTIPROCESSOR
+        warnings.warn(f"mla_decode: could not read the compiled kernel's registers / shared memory ({error!r}); "
+                      f"split counts assume {PROGRAMS_PER_MULTIPROCESSOR} programs per multiprocessor", stacklevel=3)
+
+
+def splits_for_gpu(shape: DecodeShape, tile: TileConfig, cache_element_size: int, multiprocessors: int,
+                   max_seq_len: int | None = None, mean_seq_len: float | None = None,
+                   resident: int = PROGRAMS_PER_MULTIPROCESSOR) -> int:
+    """Splits per sequence that finish the batch in the fewest tile times, counted in whole waves.
+
+    For each split count s up to the useful maximum (chunks no shorter than `min_split_tokens_for`,
+    at most MAX_SPLITS): a split holds ceil(longest / s) tokens (the kernel's `split_extent`), the batch
+    about batch x mean / that many non-empty programs per row program (at least one per sequence),
+    which run in ceil(programs / (multiprocessors x resident)) waves.  A program costs its tiles plus
+    SPLIT_FIXED_TILES, and with s > 1 also the fp32 partial output it writes and the merge reads back
+    (in tile-sized units of bytes); the merge launch adds MERGE_TILES.  The fewest splits whose cost is
+    within SPLIT_COST_TOLERANCE of the cheapest win.  A pure function of sizes (no tensor is read), so
+    it is testable without a GPU.
     """
     longest = max(1, shape.max_context if max_seq_len is None else int(max_seq_len))
     mean = float(longest if mean_seq_len is None else min(max(mean_seq_len, 1.0), longest))
     row_programs = math.ceil(shape.rows / tile.block_h) * tile.r_split
-    target = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors
-    wanted = math.ceil(target * longest / (row_programs * shape.batch * mean))
-    useful = max(1, math.ceil(longest / min_split_tokens_for(shape, cache_element_size)))
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    slots = max(1, multiprocessors * resident)
+    floor = min_split_tokens_for(shape, cache_element_size)
+    useful = max(1, min(math.ceil(longest / floor), MAX_SPLITS))
+
+    tile_bytes = tile.block_n * (shape.kv_lora_rank + shape.rope_dim) * cache_element_size
+    columns = -(-shape.kv_lora_rank // tile.r_split)
+    partial_tiles = tile.block_h * columns * 4 * 2 / tile_bytes  # fp32 partial: written, then read by the merge
+
+    def cost(splits: int) -> float:
+        per_split = -(-max(-(-longest // splits), floor) // tile.block_n) * tile.block_n  # as split_extent
+        programs = row_programs * max(shape.batch, math.ceil(shape.batch * mean / per_split))
+        waves = -(-programs // slots)
+        program = -(-per_split // tile.block_n) + SPLIT_FIXED_TILES + (partial_tiles if splits > 1 else 0)
+        return waves * program + (MERGE_TILES if splits > 1 else 0)
+
+    costs = {splits: cost(splits) for splits in range(1, useful + 1)}
+    cheapest = min(costs.values())
+    return min(splits for splits, value in costs.items() if value <= cheapest * SPLIT_COST_TOLERANCE)
 
 
 def _check_length_hints(shape: DecodeShape, max_seq_len: int | None, mean_seq_len: float | None) -> None:
@@ -141,7 +220,7 @@ def choose_config(
         min_tokens = min_split_tokens_for(shape, element_size)
         if num_splits is None:
             num_splits = splits_for_gpu(shape, tile, element_size, _multiprocessor_count(device.index or 0),
-                                        max_seq_len, mean_seq_len)
+                                        max_seq_len, mean_seq_len, resident_programs(device, shape, cache_dtype, tile))
     else:
         min_tokens = 1
         if num_splits is None:
@@ -220,8 +299,10 @@ class KernelLaunch:
     num_warps: int
     num_stages: int
 
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+    def run(self):
+        """Launch; returns what Triton returns (the CompiledKernel on a GPU)."""
+        return self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps,
+                                      num_stages=self.num_stages)
 
 
 def plan_launches(
@@ -319,10 +400,17 @@ def _maybe_autotune(shape: DecodeShape, args: tuple, q_len_dim: bool, max_seq_le
 
 
 def _launch(*plan_args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run split + merge (arguments as `plan_launches`); returns out (batch, rows, R), lse (batch, rows)."""
+    """Run split + merge (arguments as `plan_launches`); returns out (batch, rows, R), lse (batch, rows).
+
+    On CUDA the split kernel's first launch per tile also records how many of its programs a
+    multiprocessor holds (`resident_programs`), which sizes the split count of later calls.
+    """
     launches, out, lse = plan_launches(*plan_args)
-    for launch in launches:
-        launch.run()
+    kv_cache, shape, config = plan_args[2], plan_args[6], plan_args[7]
+    for index, launch in enumerate(launches):
+        compiled = launch.run()
+        if index == 0 and kv_cache.device.type == "cuda":
+            _record_residency(compiled, _residency_key(kv_cache.device, shape, kv_cache.dtype, config.tile))
     return out, lse
 
 
