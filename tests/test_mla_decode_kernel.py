@@ -426,18 +426,18 @@ def test_gpu_first_launch_records_programs_per_multiprocessor():
     from mla_decode_triton import launcher
     from mla_decode_triton.configs import choose_tile
 
-    inputs = make_decode_inputs(64, 16, 512, 64, [4096] * 64, page_size=64, dtype=torch.bfloat16, device="cuda",
+    inputs = make_decode_inputs(64, 16, 512, 64, [1024] * 64, page_size=64, dtype=torch.bfloat16, device="cuda",
                                 seed=22)
     shape = check_decode_inputs(*inputs.args()[:5], None)
     tile = choose_tile(512, 64, 16, 64, torch.bfloat16)
     key = launcher._residency_key(inputs.kv_cache.device, shape, torch.bfloat16, tile)
     launcher._RESIDENT.pop(key, None)
     expected = mla_decode_reference(*inputs.args())
-    assert_matches(mla_decode(*inputs.args(), max_seq_len=4096, mean_seq_len=4096), expected, torch.bfloat16)
+    assert_matches(mla_decode(*inputs.args(), max_seq_len=1024, mean_seq_len=1024), expected, torch.bfloat16)
     resident = launcher._RESIDENT[key]
     assert 1 <= resident <= 8
-    config = choose_config(shape, torch.bfloat16, inputs.kv_cache.device, max_seq_len=4096, mean_seq_len=4096)
+    config = choose_config(shape, torch.bfloat16, inputs.kv_cache.device, max_seq_len=1024, mean_seq_len=1024)
     element = inputs.kv_cache.element_size()
     assert config.num_splits == launcher.splits_for_gpu(
-        shape, tile, element, launcher._multiprocessor_count(0), 4096, 4096, resident)
+        shape, tile, element, launcher._multiprocessor_count(0), 1024, 1024, resident)
     assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)
