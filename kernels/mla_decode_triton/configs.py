@@ -45,6 +45,7 @@ the first candidate is used: the largest double-buffered tile of which two progr
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,15 +100,19 @@ def shared_bytes_estimate(rank: int, rope_dim: int, tile: TileConfig, element_si
     return (cache_buffers(tile, element_size) * tile.block_n + tile.block_h) * width * element_size
 
 
-def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtype) -> list[TileConfig]:
-    """Every tile the launcher or the autotuner may use for this shape, default first (see module doc)."""
+@functools.lru_cache(maxsize=512)
+def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtype) -> tuple[TileConfig, ...]:
+    """Every tile the launcher or the autotuner may use for this shape, default first (see module doc).
+
+    Cached: it is asked on every decode call, and a tuple, so no caller can change the cached answer.
+    """
     element_size = torch.empty((), dtype=cache_dtype).element_size()
     block_r = pow2_at_least(rank)
     width = block_r + pow2_at_least(rope_dim)
     if cache_dtype == torch.float32:
         block_h = min(pow2_at_least(rows), FP32_TILE["max_block_h"])
         r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET // 2 else 1
-        return [TileConfig(block_h, r_split, FP32_TILE["block_n"], FP32_TILE["num_warps"], FP32_TILE["num_stages"])]
+        return (TileConfig(block_h, r_split, FP32_TILE["block_n"], FP32_TILE["num_warps"], FP32_TILE["num_stages"]),)
     block_h = min(pow2_at_least(rows), MAX_BLOCK_H)
     r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET else 1
     num_warps = 8 if block_h * block_r // r_split >= WARPS_8_AT else 4
@@ -127,8 +132,8 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
         group.sort(key=lambda tile: (tile.block_n != preferred or tile.num_stages != DEFAULT_STAGES))  # stable
         tiles += group
     if not tiles:  # a latent too wide for any pipelined tile: the smallest one, single-buffered
-        return [TileConfig(block_h, r_split, 16, num_warps, 1)]
-    return tiles
+        return (TileConfig(block_h, r_split, 16, num_warps, 1),)
+    return tuple(tiles)
 
 
 def table_key(rank: int, rope_dim: int, rows: int, page_size: int, cache_dtype: torch.dtype) -> str:

@@ -47,7 +47,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from mla_decode_triton.configs import TileConfig, choose_tile, pow2_at_least
@@ -151,6 +150,7 @@ def _record_residency(compiled, key: tuple) -> None:
                       f"split counts assume {PROGRAMS_PER_MULTIPROCESSOR} programs per multiprocessor", stacklevel=3)
 
 
+@functools.lru_cache(maxsize=1024)  # ~80 µs of Python per new set of sizes on a slow host; a hit is ~1 µs
 def splits_for_gpu(shape: DecodeShape, tile: TileConfig, cache_element_size: int, multiprocessors: int,
                    max_seq_len: int | None = None, mean_seq_len: float | None = None,
                    resident: int = PROGRAMS_PER_MULTIPROCESSOR) -> int:
@@ -176,16 +176,18 @@ def splits_for_gpu(shape: DecodeShape, tile: TileConfig, cache_element_size: int
     columns = -(-shape.kv_lora_rank // tile.r_split)
     partial_tiles = tile.block_h * columns * 4 * 2 / tile_bytes  # fp32 partial: written, then read by the merge
 
-    def cost(splits: int) -> float:
-        per_split = -(-max(-(-longest // splits), floor) // tile.block_n) * tile.block_n  # as split_extent
-        programs = row_programs * max(shape.batch, math.ceil(shape.batch * mean / per_split))
+    block_n, batch, tokens = tile.block_n, shape.batch, shape.batch * mean
+    costs = []  # costs[s - 1]: the cost of s splits
+    for splits in range(1, useful + 1):
+        tiles = -(-max(-(-longest // splits), floor) // block_n)  # tiles per split, as split_extent
+        programs = row_programs * max(batch, math.ceil(tokens / (tiles * block_n)))
         waves = -(-programs // slots)
-        program = -(-per_split // tile.block_n) + SPLIT_FIXED_TILES + (partial_tiles if splits > 1 else 0)
-        return waves * program + (MERGE_TILES if splits > 1 else 0)
-
-    costs = {splits: cost(splits) for splits in range(1, useful + 1)}
-    cheapest = min(costs.values())
-    return min(splits for splits, value in costs.items() if value <= cheapest * SPLIT_COST_TOLERANCE)
+        if splits == 1:
+            costs.append(waves * (tiles + SPLIT_FIXED_TILES))
+        else:
+            costs.append(waves * (tiles + SPLIT_FIXED_TILES + partial_tiles) + MERGE_TILES)
+    limit = min(costs) * SPLIT_COST_TOLERANCE
+    return next(index + 1 for index, value in enumerate(costs) if value <= limit)
 
 
 def _check_length_hints(shape: DecodeShape, max_seq_len: int | None, mean_seq_len: float | None) -> None:
@@ -338,7 +340,7 @@ def plan_launches(
     launches = [
         KernelLaunch(
             kernel=mla_decode_split_kernel,
-            grid=(triton.cdiv(rows, config.block_h) * config.r_split, splits, batch),
+            grid=(-(-rows // config.block_h) * config.r_split, splits, batch),  # -(-a // b): no triton.cdiv on the host
             args=[
                 rows_latent, rows_rope, kv_cache, page_table, seq_lens, part_out, part_lse,
                 float(softmax_scale) * LOG2E,
@@ -369,7 +371,7 @@ def plan_launches(
         launches.append(
             KernelLaunch(
                 kernel=mla_decode_merge_kernel,
-                grid=(triton.cdiv(rank, block_c), triton.cdiv(rows, block_rows), batch),
+                grid=(-(-rank // block_c), -(-rows // block_rows), batch),
                 args=[
                     part_out, part_lse, seq_lens, out, lse, rows, splits, config.min_split_tokens,
                     *part_out.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
