@@ -19,6 +19,9 @@ What is measured, per (latent shape R+D, heads, batch, context), all in one run:
   * autotuning: per shape, every candidate tile (`mla_decode_triton.configs`) is timed once at batch 64,
     context 4096 (`mla_decode_triton.autotune`); the winner is used for every case of the shape, and the
     timings are kept in the JSON (`--write-tuned-table` turns them into the shipped table).
+  * a split-count sweep: per shape at batch 16 and 64, context 4096, the tuned tile timed at several
+    split counts beside the launcher's own choice (`launcher.splits_for_gpu`, sized in whole waves from
+    the compiled kernel's programs per multiprocessor), which shows whether its cost model picks well.
 
 All sequences of a case have the full context (uniform lengths) so the dense baseline needs no masks.
 
@@ -56,6 +59,8 @@ LATENT_SHAPES = [(512, 64, 16), (512, 64, 128), (144, 48, 9), (64, 32, 9)]
 BATCHES = [1, 16, 64, 128]
 CONTEXTS = [1024, 4096, 16384]
 TUNE_BATCH, TUNE_CONTEXT = 64, 4096
+SWEEP_BATCHES, SWEEP_CONTEXT, SWEEP_SPLITS = (16, 64), 4096, (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+DRY_SWEEP_SPLITS = (1, 2, 3)
 DRY_BATCHES = [1, 2]
 DRY_CONTEXTS = [16, 40]
 LARGE_COPY_BYTES = 2 * 1024**3
@@ -182,6 +187,24 @@ def tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device) -> dict:
     return dict(shape=f"{rank}+{rope_dim} x{heads}", key=result.key, workload=f"batch {batch}, context {context}",
                 best=result.best.label(), best_tile=vars(result.best), default=default.label(),
                 times_ms=result.times_ms, splits=result.splits)
+
+
+def sweep_splits(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, on_cuda, splits) -> dict:
+    """Time the launcher's tile at each split count in `splits` and at the launcher's own choice."""
+    import dataclasses
+
+    inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device)
+    q_latent, q_rope, kv_cache, page_table, seq_lens, _ = inputs
+    shape = mla.inputs.check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, None)
+    mla.mla_decode(*inputs, max_seq_len=context, mean_seq_len=context)  # compiles; records the residency
+    chosen = mla.choose_config(shape, dtype, kv_cache.device, max_seq_len=context, mean_seq_len=context)
+    times = {}
+    for count in sorted({*splits, chosen.num_splits}):
+        config = dataclasses.replace(chosen, num_splits=count)
+        times[str(count)] = time_ms(lambda config=config: mla.mla_decode(*inputs, config=config), on_cuda, args.rep_ms)
+    return dict(shape=f"{rank}+{rope_dim} x{heads}", batch=batch, context=context, tile=chosen.tile.label(),
+                programs_per_sm=mla.launcher.resident_programs(kv_cache.device, shape, dtype, chosen.tile)
+                if on_cuda else None, chosen=chosen.num_splits, times_ms=times)
 
 
 def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, on_cuda) -> dict:
@@ -319,6 +342,27 @@ def tuning_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_sweep_table(results: dict) -> str:
+    """Per swept workload: the launcher's split count and time against the fastest count measured."""
+    lines = ["| shape | batch | context | tile | programs / SM | launcher's splits | µs | fastest splits | µs "
+             "| launcher / fastest | every count: µs |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for entry in results.get("split_sweep", []):
+        if "error" in entry:
+            lines.append(f"| {entry['shape']} | {entry['batch']} | {entry['context']} | failed: {entry['error']} "
+                         "|" + " |" * 7)
+            continue
+        times = {int(count): ms for count, ms in entry["times_ms"].items()}
+        fastest = min(times, key=times.get)
+        chosen = entry["chosen"]
+        every = ", ".join(f"{count}: {ms * 1e3:.0f}" for count, ms in sorted(times.items()))
+        resident = "-" if entry.get("programs_per_sm") is None else entry["programs_per_sm"]
+        lines.append(f"| {entry['shape']} | {entry['batch']} | {entry['context']} | {entry['tile']} | {resident} "
+                     f"| {chosen} | {times[chosen] * 1e3:.1f} | {fastest} | {times[fastest] * 1e3:.1f} "
+                     f"| {times[chosen] / times[fastest]:.2f} | {every} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(results: dict) -> str:
     meta = results["meta"]
     peak = f" = {meta['tensor_peak_tflops']:.0f} TFLOP/s" if meta.get("tensor_peak_tflops") else ""
@@ -343,6 +387,10 @@ def render(results: dict) -> str:
     if results.get("tuning"):
         body += "\nAutotuning (`mla_decode_triton.autotune`, every candidate tile timed once per shape):\n\n"
         body += tuning_table(results)
+    if results.get("split_sweep"):
+        body += ("\nSplit counts (`launcher.splits_for_gpu`: whole waves from the compiled kernel's programs per "
+                 "multiprocessor) against the fastest count measured, same tile:\n\n")
+        body += split_sweep_table(results)
     if results.get("skipped"):
         body += f"\nSkipped (time budget): {', '.join(results['skipped'])}.\n"
     body += f"\nTotal benchmark wall time: {meta.get('wall_s', 0):.0f} s.\n"
@@ -406,7 +454,7 @@ def measure(args, argv) -> dict:
                   large_copy_bytes=large,
                   large_copy_gbps=2 * large / (copy_ms(torch, large, device, on_cuda, args.rep_ms) * 1e-3) / 1e9,
                   tensor_peak_tflops=_peak_tflops(device_name) if on_cuda else None),
-        tuning=[], cases=[], skipped=[],
+        tuning=[], split_sweep=[], cases=[], skipped=[],
     )
     print(f"# {device_name}: large-copy bandwidth {results['meta']['large_copy_gbps']:.0f} GB/s", file=sys.stderr)
     shapes = [(r, d, h if not args.dry_run else min(h, 3)) for r, d, h in LATENT_SHAPES]
@@ -426,6 +474,23 @@ def measure(args, argv) -> dict:
             results["tuning"].append(entry)
             print(f"# tuned {entry['shape']}: {entry.get('best', entry.get('error'))}", file=sys.stderr)
             _save(results, args)
+    sweep_batches = DRY_BATCHES[-1:] if args.dry_run else SWEEP_BATCHES
+    sweep_context = contexts[-1] if args.dry_run else SWEEP_CONTEXT
+    split_counts = DRY_SWEEP_SPLITS if args.dry_run else SWEEP_SPLITS
+    for (rank, rope_dim, heads), batch in [(shape, batch) for shape in shapes for batch in sweep_batches]:
+        if out_of_time():
+            results["skipped"].append(f"split sweep {rank}+{rope_dim} x{heads} b{batch}")
+            continue
+        try:
+            entry = sweep_splits(torch, mla, rank, rope_dim, heads, batch, sweep_context, args, dtype, device, on_cuda,
+                                 split_counts)
+        except Exception as error:  # report and go on
+            entry = dict(shape=f"{rank}+{rope_dim} x{heads}", batch=batch, context=sweep_context,
+                         error=f"{type(error).__name__}: {error}"[:200])
+        results["split_sweep"].append(entry)
+        print(f"# split sweep {entry['shape']} b{batch}: chosen {entry.get('chosen', entry.get('error'))}",
+              file=sys.stderr)
+        _save(results, args)
     # The memory-bound cases (the 70 %-of-copy target) first, so that a run cut short by the time budget
     # loses the least informative cases; the table is sorted back afterwards.
     grid = [(shape, batch, context) for shape in shapes for batch in batches for context in contexts]

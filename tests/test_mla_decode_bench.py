@@ -46,6 +46,9 @@ def synthetic_run():
                      best_tile=dict(block_h=16, r_split=1, block_n=64, num_warps=8, num_stages=2),
                      times_ms={"H16 r1 N32 w8 st2": 0.05, "H16 r1 N64 w8 st2": 0.04}, splits={"H16 r1 N32 w8 st2": 1,
                                                                                            "H16 r1 N64 w8 st2": 1})],
+        split_sweep=[dict(shape="512+64 x16", batch=64, context=4096, tile="H16 r1 N32 w8 st3", programs_per_sm=2,
+                          chosen=4, times_ms={"1": 0.40, "2": 0.22, "4": 0.12, "5": 0.15}),
+                     dict(shape="64+32 x9", batch=16, context=4096, error="OutOfMemoryError: ...")],
         cases=[case(16, 4096, 0.020, 0.030), case(1, 1024, 0.010, 0.004),
                dict(rank=512, rope_dim=64, heads=128, batch=128, context=16384, error="OutOfMemoryError: ...")],
         skipped=["64+32 x9 b1 ctx1024"],
@@ -65,6 +68,15 @@ def test_render_reports_percent_of_copy_and_roofline(bench):
     assert "| 512+64 | 16 | 1 | 75% | 75% | 4.0x |" in body  # memory-bound summary: the batch-16 case only
     assert "failed: OutOfMemoryError" in body and "Skipped (time budget): 64+32 x9 b1 ctx1024" in body
     assert "| 512+64 x16 | batch 64, context 4096 | H16 r1 N64 w8 st2 | 1 | 40.0 | chosen |" in body
+
+
+def test_split_sweep_compares_the_launchers_count_with_the_fastest(bench):
+    body = bench.render(synthetic_run())
+    row = next(line for line in body.splitlines() if line.startswith("| 512+64 x16 | 64 | 4096 | H16 r1 N32 w8 st3 "))
+    cells = [cell.strip() for cell in row.split("|")][1:-1]
+    assert cells[4:10] == ["2", "4", "120.0", "4", "120.0", "1.00"]
+    assert cells[10] == "1: 400, 2: 220, 4: 120, 5: 150"
+    assert "| 64+32 x9 | 16 | 4096 | failed: OutOfMemoryError: ... |" in body
 
 
 def test_write_section_replaces_only_its_own_section(bench, tmp_path):
@@ -99,5 +111,12 @@ def test_dry_run_measures_renders_and_writes_json(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert len(results["cases"]) == 4 and all("error" not in case for case in results["cases"])
+    # the split sweep: every shape once (16 and 128 heads are both 3 in a dry run), each count timed, the
+    # launcher's own count among them
+    assert [entry["shape"] for entry in results["split_sweep"]] == ["512+64 x3", "512+64 x3", "144+48 x3", "64+32 x3"]
+    for entry in results["split_sweep"]:
+        assert {"1", "2", "3", str(entry["chosen"])} == set(entry["times_ms"]), entry
+        assert all(ms > 0 for ms in entry["times_ms"].values())
+    assert "Split counts (`launcher.splits_for_gpu`" in done.stdout
     assert {entry["shape"] for entry in results["tuning"]} == {"512+64 x3", "144+48 x3", "64+32 x3"}
     assert "## " not in done.stdout and "| 144+48 | 3 | 2 | 40 |" in done.stdout
