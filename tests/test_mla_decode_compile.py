@@ -100,13 +100,15 @@ def test_cache_reads_overlap_the_products_from_three_stages(reports):
 
 @pytest.mark.slow
 def test_many_heads_share_one_row_block(reports):
-    """64 and 128 heads run 64-row programs with R split in two at R = 512 (the default, wgmma), or the
-    32-row whole-R alternative the autotuner may prefer - never 16-row ones."""
+    """64 and 128 heads run 64-row programs with R split in two at R = 512 (the default, wgmma), or one of
+    the whole-R alternatives the autotuner may prefer - 32 rows (mma.sync), or 64 rows with 16-token tiles
+    (wgmma) - never 16-row ones."""
     for heads in (64, 128):
         cases = [r for r in _split(reports) if r["case"].startswith(f"512+64 x{heads} ")]
         assert "BLOCK_H=64" in cases[0]["config"] and "R_SPLIT=2" in cases[0]["config"]
-        assert all(("BLOCK_H=64" in r["config"] and "R_SPLIT=2" in r["config"])
-                   or ("BLOCK_H=32" in r["config"] and "R_SPLIT=1" in r["config"]) for r in cases)
+        tiles = [_tile(r) for r in cases]
+        assert {(tile.block_h, tile.r_split) for tile in tiles} == {(64, 2), (32, 1), (64, 1)}
+        assert all(tile.block_n == 16 for tile in tiles if (tile.block_h, tile.r_split) == (64, 1))
 
 
 @pytest.mark.slow

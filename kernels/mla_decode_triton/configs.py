@@ -14,13 +14,17 @@ The rules, from those compiles:
   R = 512, the whole register file), so 128 heads use two row blocks.  64 rows use Hopper's wgmma
   (HGMMA); 16 and 32 rows use mma.sync (HMMA).
 * R_SPLIT: 2 when the accumulator BLOCK_H x BLOCK_R exceeds ACCUMULATOR_BUDGET fp32 elements, else 1.
-  64 x 512 in one program (128 KB) spills on sm_90 with 8 or 16 warps under Triton 3.9 and needs
-  212-255 registers under 3.6; split in two it takes 166-208 registers and never spills.  See kernel.py.
-  The split has a price: both programs of a pair compute the full scores, so at 512+64 the tensor-core
-  work per token grows by (2 x 576 + 512) / (576 + 512) = 1.5x, which matters where many heads make
-  decode compute-bound.  So such shapes also get the alternative tiles with ACCUMULATOR_BUDGET / BLOCK_R
-  rows (32 at R = 512), whole R and no duplicated products (mma.sync instead of wgmma, twice the row
-  blocks); the autotuner measures which is faster.
+  64 x 512 in one program (128 KB of fp32) is at the edge of the register file: split in two, it takes
+  148-194 registers with 32-token tiles and never spills.  See kernel.py.  The split has a price: both
+  programs of a pair compute the full scores, so at 512+64 the tensor-core work per token grows by
+  (2 x 576 + 512) / (576 + 512) = 1.5x, which matters where many heads make decode compute-bound.  So
+  such shapes also get two kinds of whole-R tiles, without duplicated products, for the autotuner to
+  measure against it:
+  - ACCUMULATOR_BUDGET / BLOCK_R rows (32 at R = 512) with mma.sync: twice the row blocks;
+  - all 64 rows in one program with wgmma and 16-token tiles (WHOLE_ACCUMULATOR_BLOCK_N), up to
+    WHOLE_ACCUMULATOR_LIMIT elements: since the kernel reads one page id per tile (2026-12-01) this
+    compiles without spills, at 214 registers under Triton 3.6 and 249 under 3.9 (32-token tiles spill
+    16 B under 3.9; 16 warps spill 328 B); 128 heads then read each cache tile twice, not four times.
 * num_warps: 8 once the accumulator per program reaches 8K elements, else 4.
 * num_stages: 3 by default, because that is the first count at which the cache read overlaps the
   products.  Read from the compiled loops (`compile_check`, columns "buffers" and "in flight"): with
@@ -53,6 +57,8 @@ from pathlib import Path
 import torch
 
 ACCUMULATOR_BUDGET = 16384  # fp32 elements of BLOCK_H x BLOCK_R one program may accumulate
+WHOLE_ACCUMULATOR_LIMIT = 32768  # ... and with the whole-R 64-row tiles (64 x 512), which need 16-token tiles
+WHOLE_ACCUMULATOR_BLOCK_N = 16
 WARPS_8_AT = 8192  # accumulator elements per program from which 8 warps are used
 MAX_BLOCK_H = 64
 SHARED_BUDGET = 200 * 1024  # bytes: Hopper allows 227 KB per block; leave room for the compiler's scratch
@@ -118,14 +124,17 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     num_warps = 8 if block_h * block_r // r_split >= WARPS_8_AT else 4
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
-    shapes = [(block_h, r_split, num_warps)]
-    if r_split == 2:  # the alternative: fewer rows, whole R, no duplicated score products (see module doc)
-        shapes.append((max(16, ACCUMULATOR_BUDGET // block_r), 1, 8))
+    shapes = [(block_h, r_split, num_warps, BLOCK_N_CHOICES, STAGE_CHOICES)]
+    if r_split == 2:  # the alternatives: whole R, no duplicated score products (see module doc)
+        shapes.append((max(16, ACCUMULATOR_BUDGET // block_r), 1, 8, BLOCK_N_CHOICES, STAGE_CHOICES))
+        if block_h == MAX_BLOCK_H and block_h * block_r <= WHOLE_ACCUMULATOR_LIMIT:
+            # pipelined only: new tiles need no single-buffered comparison point (the others give it)
+            shapes.append((block_h, 1, 8, (WHOLE_ACCUMULATOR_BLOCK_N,), (3, 4)))
     tiles = []
-    for rows_per_program, split, warps in shapes:
+    for rows_per_program, split, warps, block_n_choices, stage_choices in shapes:
         group = []
-        for num_stages in STAGE_CHOICES:
-            for block_n in BLOCK_N_CHOICES:
+        for num_stages in stage_choices:
+            for block_n in block_n_choices:
                 tile = TileConfig(rows_per_program, split, block_n, warps, num_stages)
                 if shared_bytes_estimate(rank, rope_dim, tile, element_size) <= SHARED_BUDGET:
                     group.append(tile)

@@ -13,14 +13,15 @@ separate programs ("flash-decoding"); each writes a normalised partial output an
 a second kernel combines them: out = sum_s exp(lse_s - lse) * out_s with lse = logsumexp_s lse_s.
 
 Many heads, wide latent (R_SPLIT).  With 64 query rows and R = 512 the fp32 output accumulator alone
-is 64 x 512 x 4 B = 128 KB, half of a multiprocessor's register file; compiled for sm_90 it spills
-(see `compile_check`).  With R_SPLIT = 2 the accumulator's R columns are split over two programs that
+is 64 x 512 x 4 B = 128 KB, half of a multiprocessor's register file; compiled for sm_90 it fits only
+with 16-token tiles (see `configs` and `compile_check`).  With R_SPLIT = 2 the accumulator's R columns are split over two programs that
 share a (row block, split): each computes the full scores (the product over all R + D columns needs the
 whole row) but accumulates only its own half of the output columns.  Both programs read the same tile
 at the same time (adjacent program ids), so the second read comes from L2; a 64-head sequence then
 costs one HBM read of its cache, where 16-row programs would read it four times.  The price is that
 both programs compute the scores (1.5x the tensor-core work at 512+64), which is why `configs` also
-offers 32-row tiles without the split for these shapes and lets the autotuner choose.
+offers whole-R tiles for these shapes (32 rows, or 64 rows with 16-token tiles) and lets the autotuner
+choose.
 
 Query rows.  A row is one (query token, head) pair; rows are numbered token-major, row = i * heads + h,
 so a single decode token is just q_len = 1.  With several query tokens per sequence (speculative
@@ -168,19 +169,29 @@ def mla_decode_split_kernel(
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of exp2(score - running_max)
     acc = tl.zeros([BLOCK_H, BLOCK_RC], dtype=tl.float32)  # unnormalised sum of p_t * c_t, own columns
 
-    # Gather through the page table: a tile may span several pages (or, with PAGE_SIZE=1, be one page per
-    # token), so each token finds its own physical row.  The page ids are read one tile ahead (see
-    # "Pipelining" in the module docstring): this tile's come from the previous iteration.
+    # Gather through the page table.  Tiles start at multiples of BLOCK_N (splits are whole tiles), so when
+    # BLOCK_N divides PAGE_SIZE a tile lies in one page and needs one page id; otherwise (PAGE_SIZE = 1 at
+    # the extreme) each token finds its own.  The ids are read one tile ahead (see "Pipelining" in the
+    # module docstring): this tile's come from the previous iteration.
+    ONE_PAGE_PER_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     page_row = page_table_ptr + seq * stride_pt_b
-    first_tokens = split_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    next_page = tl.load(page_row + (first_tokens // PAGE_SIZE) * stride_pt_p, mask=first_tokens < split_end, other=0)
+    if ONE_PAGE_PER_TILE:
+        next_page = tl.load(page_row + (split_start // PAGE_SIZE) * stride_pt_p, mask=split_start < split_end,
+                            other=0)  # scalar
+    else:
+        first_tokens = split_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        next_page = tl.load(page_row + (first_tokens // PAGE_SIZE) * stride_pt_p, mask=first_tokens < split_end,
+                            other=0)  # (BLOCK_N,)
     for tile_start in range(split_start, split_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
         token_ok = tokens < split_end
-        physical_page = next_page.to(tl.int64)  # (BLOCK_N,)
-        ahead = tokens + BLOCK_N  # (BLOCK_N,) the next tile's tokens; masked past the split like every load
+        physical_page = next_page.to(tl.int64)  # scalar, or (BLOCK_N,)
+        if ONE_PAGE_PER_TILE:
+            ahead = tile_start + BLOCK_N  # the next tile's first token; masked past the split like every load
+        else:
+            ahead = tokens + BLOCK_N  # (BLOCK_N,) the next tile's tokens
         next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
-        row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok  # (BLOCK_N,)
         # The launcher guarantees both strides are multiples of ROW_ALIGN; saying so lets the compiler
         # use vector loads for rows whose width is not a multiple of 16 elements.
         row_offset = tl.multiple_of(row_offset, ROW_ALIGN)
