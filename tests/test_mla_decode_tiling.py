@@ -17,7 +17,7 @@ from mla_decode_triton import DecodeConfig, candidate_tiles, choose_config, mla_
 from mla_decode_triton.configs import TileConfig, choose_tile, load_table, save_table, table_key
 from mla_decode_triton.inputs import check_decode_inputs
 from mla_decode_triton.launcher import INTERPRETED, plan_launches, row_alignment
-from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs
+from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs, paginate
 
 pytestmark = NEEDS_KERNEL_DEVICE
 
@@ -202,3 +202,22 @@ def test_tuned_table_round_trip_and_stale_entries_are_ignored(tmp_path):
         assert choose_tile(64, 32, 9, 16, torch.bfloat16) == candidate_tiles(64, 32, 9, torch.bfloat16)[0]
     finally:
         configs._TABLE = saved
+
+
+# ------------------------------------------------------------------------------------- page gathers
+def test_every_page_gather_gives_identical_results():
+    """A 64-token tile gathers its rows three ways (kernel.py): one page id per tile (pages of 64 or 128),
+    one per page (pages of 8 to 32 tokens: the tile holds whole pages), one per token (pages of 1 to 4,
+    and sizes that do not divide the tile).  The same logical cache in each layout decodes bit-identically,
+    and past-the-end page-table entries and slots are poison in every layout."""
+    base = make_decode_inputs(3, 9, 64, 32, [1, 77, 300], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=60)
+    tile = TileConfig(16, 1, 64, 4, 3)
+    results = []
+    for page_size in (128, 64, 32, 16, 8, 4, 1, 24):
+        kv_cache, page_table = paginate(base.logical.cpu(), base.seq_lens.cpu(), page_size,
+                                        torch.Generator().manual_seed(page_size))
+        results.append(mla_decode(base.q_latent, base.q_rope, kv_cache.to(DEVICE), page_table.to(DEVICE),
+                                  base.seq_lens, base.softmax_scale, config=config_from_tile(tile, num_splits=2)))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    assert_matches(results[0], mla_decode_reference(*base.args()), torch.bfloat16)

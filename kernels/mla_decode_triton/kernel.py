@@ -169,15 +169,23 @@ def mla_decode_split_kernel(
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of exp2(score - running_max)
     acc = tl.zeros([BLOCK_H, BLOCK_RC], dtype=tl.float32)  # unnormalised sum of p_t * c_t, own columns
 
-    # Gather through the page table.  Tiles start at multiples of BLOCK_N (splits are whole tiles), so when
-    # BLOCK_N divides PAGE_SIZE a tile lies in one page and needs one page id; otherwise (PAGE_SIZE = 1 at
-    # the extreme) each token finds its own.  The ids are read one tile ahead (see "Pipelining" in the
-    # module docstring): this tile's come from the previous iteration.
+    # Gather through the page table.  Tiles start at multiples of BLOCK_N (splits are whole tiles), so
+    # when BLOCK_N divides PAGE_SIZE a tile lies in one page and needs one page id (a scalar); when
+    # PAGE_SIZE divides BLOCK_N it holds BLOCK_N / PAGE_SIZE whole pages and needs one id per page; only
+    # pages under 8 tokens or of sizes that divide neither way read one id per token.  Fewer ids mean
+    # fewer loads and a row offset the compiler sees as page base + contiguous rows: compiled for sm_90
+    # this saves tens of registers per thread (BENCHMARKS.md, compile check).  The ids are read one tile
+    # ahead (see "Pipelining" in the module docstring): this tile's come from the previous iteration.
     ONE_PAGE_PER_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    WHOLE_PAGES_PER_TILE: tl.constexpr = (BLOCK_N % PAGE_SIZE == 0) and (PAGE_SIZE >= 8)
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if WHOLE_PAGES_PER_TILE else 1
     page_row = page_table_ptr + seq * stride_pt_b
     if ONE_PAGE_PER_TILE:
         next_page = tl.load(page_row + (split_start // PAGE_SIZE) * stride_pt_p, mask=split_start < split_end,
                             other=0)  # scalar
+    elif WHOLE_PAGES_PER_TILE:
+        first_pages = split_start // PAGE_SIZE + tl.arange(0, PAGES)  # (PAGES,)
+        next_page = tl.load(page_row + first_pages * stride_pt_p, mask=first_pages * PAGE_SIZE < split_end, other=0)
     else:
         first_tokens = split_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         next_page = tl.load(page_row + (first_tokens // PAGE_SIZE) * stride_pt_p, mask=first_tokens < split_end,
@@ -185,13 +193,21 @@ def mla_decode_split_kernel(
     for tile_start in range(split_start, split_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
         token_ok = tokens < split_end
-        physical_page = next_page.to(tl.int64)  # scalar, or (BLOCK_N,)
+        physical_page = next_page.to(tl.int64)  # scalar, (PAGES,) or (BLOCK_N,)
         if ONE_PAGE_PER_TILE:
             ahead = tile_start + BLOCK_N  # the next tile's first token; masked past the split like every load
+            next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
+            row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        elif WHOLE_PAGES_PER_TILE:
+            ahead_pages = (tile_start + BLOCK_N) // PAGE_SIZE + tl.arange(0, PAGES)  # (PAGES,)
+            next_page = tl.load(page_row + ahead_pages * stride_pt_p, mask=ahead_pages * PAGE_SIZE < split_end, other=0)
+            in_page = tl.arange(0, PAGE_SIZE).to(tl.int64) * stride_kv_tok  # (PAGE_SIZE,)
+            # (PAGES, PAGE_SIZE) -> (BLOCK_N,): page-major, i.e. token order within the tile
+            row_offset = tl.reshape(physical_page[:, None] * stride_kv_page + in_page[None, :], (BLOCK_N,))
         else:
             ahead = tokens + BLOCK_N  # (BLOCK_N,) the next tile's tokens
-        next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
-        row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok  # (BLOCK_N,)
+            next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
+            row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
         # The launcher guarantees both strides are multiples of ROW_ALIGN; saying so lets the compiler
         # use vector loads for rows whose width is not a multiple of 16 elements.
         row_offset = tl.multiple_of(row_offset, ROW_ALIGN)
