@@ -37,6 +37,7 @@ scale on CPU with the kernel under the Triton interpreter (plumbing check).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -191,8 +192,6 @@ def tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device) -> dict:
 
 def sweep_splits(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, on_cuda, splits) -> dict:
     """Time the launcher's tile at each split count in `splits` and at the launcher's own choice."""
-    import dataclasses
-
     inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device)
     q_latent, q_rope, kv_cache, page_table, seq_lens, _ = inputs
     shape = mla.inputs.check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, None)

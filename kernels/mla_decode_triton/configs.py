@@ -31,10 +31,11 @@ The rules, from those compiles:
   2 stages every tile is single-buffered for mma.sync and the loop waits for all its copies at the top
   of each iteration, so nothing overlaps (the tiles shipped before 2026-12-01 all did this; the H200
   run of 2026-11-30 measured them at a median 10-46 % of copy bandwidth per shape where decode is
-  memory-bound); 3 stages keep the next tile in flight while a tile is multiplied, 4 the next two.  mma.sync tiles hold num_stages - 1 cache buffers in
-  shared memory, wgmma tiles (64 rows) num_stages, since wgmma reads its operand from shared memory
-  while the next copy lands (`cache_buffers`).  2 stages stay among the candidates so that the
-  autotuner measures what the overlap buys on the GPU at hand.
+  memory-bound); 3 stages keep the next tile in flight while a tile is multiplied, 4 the next two.
+  mma.sync tiles hold num_stages - 1 cache buffers in shared memory, wgmma tiles (64 rows) num_stages,
+  since wgmma reads its operand from shared memory while the next copy lands (`cache_buffers`).
+  2 stages stay among the candidates so that the autotuner measures what the overlap buys on the GPU
+  at hand.
 * BLOCK_N in {64, 32}, kept when the buffered cache tiles plus the queries fit SHARED_BUDGET.  First
   comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED, with 3 stages (two programs per
   multiprocessor, each double-buffered, then fit in shared memory).

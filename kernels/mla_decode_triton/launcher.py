@@ -340,7 +340,8 @@ def plan_launches(
     launches = [
         KernelLaunch(
             kernel=mla_decode_split_kernel,
-            grid=(-(-rows // config.block_h) * config.r_split, splits, batch),  # -(-a // b): no triton.cdiv on the host
+            # ceil divisions as -(-a // b): triton.cdiv is a jit function, slow to call on the host
+            grid=(-(-rows // config.block_h) * config.r_split, splits, batch),
             args=[
                 rows_latent, rows_rope, kv_cache, page_table, seq_lens, part_out, part_lse,
                 float(softmax_scale) * LOG2E,
