@@ -24,6 +24,7 @@ from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import (
     DecodeConfig,
     MLADecodeInputError,
+    candidate_tiles,
     choose_config,
     mla_decode,
     mla_decode_multi,
@@ -276,6 +277,22 @@ def test_choose_config_shares_tiles_across_heads():
     assert choose_config(_shape(1, 128, 512, 64, 64), torch.bfloat16, cpu, num_splits=5).num_splits == 5
     with pytest.raises(MLADecodeInputError, match="num_splits must be at least 1"):
         choose_config(_shape(1, 128, 512, 64, 64), torch.bfloat16, cpu, num_splits=0)
+
+
+def test_narrow_rows_also_get_128_token_tiles_after_the_default():
+    """Rows up to 192 padded columns get 128-token candidates (a tile within TILE_BYTES_PREFERRED), placed
+    after every other tile, so the default stays the measured 64-token one until a GPU times them; wider
+    rows (SmolLM2 2x at 144+48 pads to 320 columns, DeepSeek's 576) do not get them."""
+    from mla_decode_triton.configs import TILE_BYTES_PREFERRED, WIDE_BLOCK_N
+
+    for rank, rope_dim, heads in [(64, 32, 9), (24, 8, 8), (4, 4, 8), (128, 64, 64)]:
+        tiles = candidate_tiles(rank, rope_dim, heads, torch.bfloat16)
+        wide = [index for index, tile in enumerate(tiles) if tile.block_n == WIDE_BLOCK_N]
+        assert wide and wide == list(range(len(tiles) - len(wide), len(tiles))), (rank, rope_dim)
+        assert tiles[0].block_n == 64 and tiles[0].num_stages == 3
+    for rank, rope_dim, heads in [(144, 48, 9), (512, 64, 16), (512, 64, 128)]:
+        assert all(tile.block_n < WIDE_BLOCK_N for tile in candidate_tiles(rank, rope_dim, heads, torch.bfloat16))
+    assert WIDE_BLOCK_N * (128 + 64) * 2 == TILE_BYTES_PREFERRED  # the widest row that qualifies
 
 
 def _gpu_splits(shape, max_seq_len=None, mean_seq_len=None, dtype=torch.bfloat16, resident=2):

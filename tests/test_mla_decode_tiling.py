@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, NEEDS_KERNEL_DEVICE, assert_matches
 from mla_decode_triton import DecodeConfig, candidate_tiles, choose_config, mla_decode, mla_decode_multi, mla_decode_multi_reference, mla_decode_reference
-from mla_decode_triton.configs import TileConfig, choose_tile, load_table, save_table, table_key
+from mla_decode_triton.configs import WIDE_BLOCK_N, TileConfig, choose_tile, load_table, save_table, table_key
 from mla_decode_triton.inputs import check_decode_inputs
 from mla_decode_triton.launcher import INTERPRETED, plan_launches, row_alignment
 from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inputs, paginate
@@ -205,13 +205,16 @@ def test_tuned_table_round_trip_and_stale_entries_are_ignored(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- page gathers
-def test_every_page_gather_gives_identical_results():
-    """A 64-token tile gathers its rows three ways (kernel.py): one page id per tile (pages of 64 or 128),
-    one per page (pages of 8 to 32 tokens: the tile holds whole pages), one per token (pages of 1 to 4,
-    and sizes that do not divide the tile).  The same logical cache in each layout decodes bit-identically,
-    and past-the-end page-table entries and slots are poison in every layout."""
+@pytest.mark.parametrize("block_n", [64, WIDE_BLOCK_N])
+def test_every_page_gather_gives_identical_results(block_n):
+    """A tile gathers its rows three ways (kernel.py): one page id per tile (pages of at least BLOCK_N),
+    one per page (pages of 8 tokens up to BLOCK_N / 2: the tile holds whole pages), one per token (pages
+    of 1 to 4, and sizes that do not divide the tile).  The same logical cache in each layout decodes
+    bit-identically, and past-the-end page-table entries and slots are poison in every layout.  Run for
+    the 64-token tile and for the 128-token one that narrow rows such as this 64+32 also get."""
+    assert TileConfig(16, 1, block_n, 4, 3) in candidate_tiles(64, 32, 9, torch.bfloat16)
     base = make_decode_inputs(3, 9, 64, 32, [1, 77, 300], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=60)
-    tile = TileConfig(16, 1, 64, 4, 3)
+    tile = TileConfig(16, 1, block_n, 4, 3)
     results = []
     for page_size in (128, 64, 32, 16, 8, 4, 1, 24):
         kv_cache, page_table = paginate(base.logical.cpu(), base.seq_lens.cpu(), page_size,

@@ -39,6 +39,12 @@ The rules, from those compiles:
 * BLOCK_N in {64, 32}, kept when the buffered cache tiles plus the queries fit SHARED_BUDGET.  First
   comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED, with 3 stages (two programs per
   multiprocessor, each double-buffered, then fit in shared memory).
+* Narrow rows (up to 192 padded columns, e.g. SmolLM2 4x at 64+32: 12 KB per 64-token tile) also get
+  WIDE_BLOCK_N = 128-token tiles, after the others, while such a tile fits TILE_BYTES_PREFERRED.  On
+  the H200 (2026-11-30) a 64-token 64+32 tile took about 3.2 us (BENCHMARKS.md), mostly waiting on
+  memory, and 64 tokens beat 32 by 1.5x; a 128-token tile halves the loop iterations per split, each
+  with its own reductions and page-id read.  Not the default until a GPU has timed it (the autotuner
+  does).
 * fp32 caches (the exact path: products on CUDA cores, no tensor cores) broadcast a BLOCK_H x BLOCK_N x K
   product through registers and spill easily: 16 rows, BLOCK_N = 16, 4 warps, 2 stages is the one tile
   that compiles clean for every shape under both Triton versions; more rows use more row blocks.
@@ -65,6 +71,7 @@ MAX_BLOCK_H = 64
 SHARED_BUDGET = 200 * 1024  # bytes: Hopper allows 227 KB per block; leave room for the compiler's scratch
 TILE_BYTES_PREFERRED = 48 * 1024  # one stage's cache tile, for the default (first) candidate
 BLOCK_N_CHOICES = (64, 32)
+WIDE_BLOCK_N = 128  # an extra candidate for narrow rows (see module doc)
 STAGE_CHOICES = (3, 4, 2)  # 3 = the default (double-buffered), 2 = single-buffered, kept for comparison
 DEFAULT_STAGES = 3
 FP32_TILE = dict(max_block_h=16, block_n=16, num_warps=4, num_stages=2)
@@ -126,6 +133,8 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
     shapes = [(block_h, r_split, num_warps, BLOCK_N_CHOICES, STAGE_CHOICES)]
+    if WIDE_BLOCK_N * width * element_size <= TILE_BYTES_PREFERRED:  # narrow rows: fewer, larger tiles
+        shapes.append((block_h, r_split, num_warps, (WIDE_BLOCK_N,), STAGE_CHOICES))
     if r_split == 2:  # the alternatives: whole R, no duplicated score products (see module doc)
         shapes.append((max(16, ACCUMULATOR_BUDGET // block_r), 1, 8, BLOCK_N_CHOICES, STAGE_CHOICES))
         if block_h == MAX_BLOCK_H and block_h * block_r <= WHOLE_ACCUMULATOR_LIMIT:
