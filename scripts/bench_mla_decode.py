@@ -18,7 +18,10 @@ What is measured, per (latent shape R+D, heads, batch, context), all in one run:
   * max |kernel - reference| of the output, so a fast but wrong kernel cannot go unnoticed.
   * autotuning: per shape, every candidate tile (`mla_decode_triton.configs`) is timed once at batch 64,
     context 4096 (`mla_decode_triton.autotune`); the winner is used for every case of the shape, and the
-    timings are kept in the JSON (`--write-tuned-table` turns them into the shipped table).
+    timings are kept in the JSON (`--write-tuned-table` turns them into the shipped table).  The table is
+    keyed by page size, and `mla-convert generate` decodes with pages of RUNTIME_PAGE_SIZE (16), not
+    the 64 timed here, so after the cases every shape is tuned once more at the runtime's page size
+    (`--also-tune-page-size`; last, because a run cut short by the time budget should lose it first).
   * a split-count sweep: per shape at batch 16 and 64, context 4096, the tuned tile timed at several
     split counts beside the launcher's own choice (`launcher.splits_for_gpu`, sized in whole waves from
     the compiled kernel's programs per multiprocessor), which shows whether its cost model picks well.
@@ -60,6 +63,7 @@ LATENT_SHAPES = [(512, 64, 16), (512, 64, 128), (144, 48, 9), (64, 32, 9)]
 BATCHES = [1, 16, 64, 128]
 CONTEXTS = [1024, 4096, 16384]
 TUNE_BATCH, TUNE_CONTEXT = 64, 4096
+RUNTIME_PAGE_SIZE = 16  # mla_convert.runtime's DEFAULT_PAGE_SIZE (tests/test_mla_decode_bench.py keeps them equal)
 SWEEP_BATCHES, SWEEP_CONTEXT, SWEEP_SPLITS = (16, 64), 4096, (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 DRY_SWEEP_SPLITS = (1, 2, 3)
 DRY_BATCHES = [1, 2]
@@ -86,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tiny sizes on CPU (kernel under the Triton interpreter): checks the plumbing only")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="cache and query dtype")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--also-tune-page-size", type=int, default=RUNTIME_PAGE_SIZE, metavar="N",
+                        help="after the cases, tune every shape again with pages of N, so that the tuned table "
+                             f"also covers that page size (default {RUNTIME_PAGE_SIZE}: the runtime's); "
+                             "0, or N equal to --page-size: no second pass")
     parser.add_argument("--batches", type=int, nargs="+", help=f"default {BATCHES}")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the (slow) reference")
@@ -96,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.page_size < 1:
         parser.error("--page-size must be at least 1")
+    if args.also_tune_page_size < 0:
+        parser.error("--also-tune-page-size must be 0 (off) or a page size")
     if args.write_tuned_table and not args.from_json:
         parser.error("--write-tuned-table needs --from-json")
     return args
@@ -177,15 +187,16 @@ def copy_ms(torch, size: int, device, on_cuda: bool, rep_ms: int, graph: bool = 
     return time_ms(lambda: target.copy_(source), on_cuda, rep_ms)  # both freed on return
 
 
-def tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device) -> dict:
+def tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device, page_size: int) -> dict:
     """Time every candidate tile of this shape at the tuning workload; the autotuner remembers the best."""
     from mla_decode_triton import autotune
 
     batch, context = (TUNE_BATCH, TUNE_CONTEXT) if not args.dry_run else (2, 40)
-    inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device)
+    inputs = build_paged_inputs(torch, rank, rope_dim, heads, batch, context, page_size, dtype, device)
     result = autotune.autotune(*inputs, rep_ms=args.rep_ms)
     default = mla.candidate_tiles(rank, rope_dim, heads, dtype)[0]
-    return dict(shape=f"{rank}+{rope_dim} x{heads}", key=result.key, workload=f"batch {batch}, context {context}",
+    workload = f"batch {batch}, context {context}" + (f", pages of {page_size}" if page_size != args.page_size else "")
+    return dict(shape=f"{rank}+{rope_dim} x{heads}", key=result.key, workload=workload, page_size=page_size,
                 best=result.best.label(), best_tile=vars(result.best), default=default.label(),
                 times_ms=result.times_ms, splits=result.splits)
 
@@ -461,18 +472,23 @@ def measure(args, argv) -> dict:
     def out_of_time() -> bool:
         return args.time_budget is not None and time.perf_counter() - started > args.time_budget
 
-    if not args.no_autotune:
+    def tune_all(page_size: int) -> None:
         for rank, rope_dim, heads in shapes:
+            pages = f" (pages of {page_size})" if page_size != args.page_size else ""
             if out_of_time():
-                results["skipped"].append(f"tuning {rank}+{rope_dim} x{heads}")
+                results["skipped"].append(f"tuning {rank}+{rope_dim} x{heads}{pages}")
                 continue
             try:
-                entry = tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device)
+                entry = tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device, page_size)
             except Exception as error:  # report and go on: the launcher's default tile is then used
-                entry = dict(shape=f"{rank}+{rope_dim} x{heads}", error=f"{type(error).__name__}: {error}"[:200])
+                entry = dict(shape=f"{rank}+{rope_dim} x{heads}", page_size=page_size,
+                             error=f"{type(error).__name__}: {error}"[:200])
             results["tuning"].append(entry)
-            print(f"# tuned {entry['shape']}: {entry.get('best', entry.get('error'))}", file=sys.stderr)
+            print(f"# tuned {entry['shape']}{pages}: {entry.get('best', entry.get('error'))}", file=sys.stderr)
             _save(results, args)
+
+    if not args.no_autotune:
+        tune_all(args.page_size)
     sweep_batches = DRY_BATCHES[-1:] if args.dry_run else SWEEP_BATCHES
     sweep_context = contexts[-1] if args.dry_run else SWEEP_CONTEXT
     split_counts = DRY_SWEEP_SPLITS if args.dry_run else SWEEP_SPLITS
@@ -515,6 +531,8 @@ def measure(args, argv) -> dict:
     order = {(shape, batch, context): index for index, (shape, batch, context) in
              enumerate((shape, b, c) for shape in shapes for b in batches for c in contexts)}
     results["cases"].sort(key=lambda r: order[((r["rank"], r["rope_dim"], r["heads"]), r["batch"], r["context"])])
+    if not args.no_autotune and args.also_tune_page_size not in (0, args.page_size):
+        tune_all(args.also_tune_page_size)  # for the shipped table's entries at the runtime's page size
     results["meta"]["wall_s"] = time.perf_counter() - started
     _save(results, args)
     return results

@@ -6,8 +6,9 @@
 #
 # Parts, each under its own timeout so that one failing or hanging part does not stop the others:
 #   1. bench_kernel   scripts/bench_mla_decode.py: autotune + kernel vs torch, batch {1,16,64,128} x context
-#                     {1K,4K,16K} x (512+64 at 16/128 heads, SmolLM2 144+48 / 64+32 at 9 heads), bf16, and a
-#                     split-count sweep (batch 16 and 64, context 4K)
+#                     {1K,4K,16K} x (512+64 at 16/128 heads, SmolLM2 144+48 / 64+32 at 9 heads), bf16, a
+#                     split-count sweep (batch 16 and 64, context 4K), and last, time permitting, the tuning
+#                     again at the runtime's pages of 16 (the tuned table is keyed by page size)
 #   2. pytest_gpu     the `gpu`-marked kernel / runtime tests, plus the tiling tests compiled for the GPU
 #   3. bench_runtime  scripts/bench_runtime_decode.py: end-to-end decode tok/s, transformers vs our runtime
 # Results in $OUT: bench_mla_decode.{json,md}, bench_runtime_decode.{json,md}, pytest_gpu.{log,xml},

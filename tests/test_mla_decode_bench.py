@@ -107,7 +107,7 @@ def test_tuned_table_from_a_gpu_run_is_used_by_the_launcher(bench, tmp_path):
 def test_dry_run_measures_renders_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--batches", "2", "--contexts", "40",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--also-tune-page-size", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert len(results["cases"]) == 4 and all("error" not in case for case in results["cases"])
@@ -119,4 +119,17 @@ def test_dry_run_measures_renders_and_writes_json(tmp_path):
         assert all(ms > 0 for ms in entry["times_ms"].values())
     assert "Split counts (`launcher.splits_for_gpu`" in done.stdout
     assert {entry["shape"] for entry in results["tuning"]} == {"512+64 x3", "144+48 x3", "64+32 x3"}
+    # every shape tuned at the run's pages (16 in a dry run) and then again at the second page size, last
+    assert [entry["page_size"] for entry in results["tuning"]] == [16] * 4 + [4] * 4
+    assert all(entry["key"].endswith(f"/page{entry['page_size']}/bf16") for entry in results["tuning"])
+    assert "| 64+32 x3 | batch 2, context 40, pages of 4 |" in done.stdout
     assert "## " not in done.stdout and "| 144+48 | 3 | 2 | 40 |" in done.stdout
+
+
+def test_second_tuning_pass_defaults_to_the_runtimes_page_size(bench):
+    """The shipped table is keyed by page size: the benchmark's default second pass must tune at the page
+    size `mla-convert generate` decodes with, or the runtime would never use a tuned tile."""
+    from mla_convert.runtime.generate import DEFAULT_PAGE_SIZE
+
+    assert bench.RUNTIME_PAGE_SIZE == DEFAULT_PAGE_SIZE
+    assert bench.parse_args([]).also_tune_page_size == DEFAULT_PAGE_SIZE != bench.parse_args([]).page_size
