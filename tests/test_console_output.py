@@ -77,3 +77,31 @@ def test_piped_eval_prints_its_table_unwrapped(source, tmp_path):
     tables = markdown_tables(done.stdout)
     assert tables and len(tables[0]) >= 4  # header, separator, the model, the baseline
     assert all(line.endswith("|") for line in tables[0])
+
+
+def test_piped_convert_prints_a_long_bracketed_output_path_as_one_exact_line(source, tmp_path):
+    """The last line of `convert` is the output folder, for scripts (`out=$(mla-convert convert ...)`): rich
+    would wrap it at 80 columns when piped and read `[v2]` as markup."""
+    output = tmp_path / "runs [v2]" / ("a-folder-name-longer-than-the-console-" * 2) / "out"
+    output.parent.mkdir(parents=True)
+    assert len(str(output)) > 80
+    done = run_piped("convert", source, output, "-c", "2", *QUICK, "-q")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(output)]
+    assert (output / "config.json").is_file()
+    inspected = run_piped("inspect", output.parent / "missing-on-purpose", "-c", "2")  # the error names the path whole
+    assert inspected.returncode == 2 and str(output.parent / "missing-on-purpose") in inspected.stderr
+
+
+def test_terminal_tables_show_cells_as_text_not_markup():
+    """On a terminal the tables are rich tables; a cell such as a path with brackets stays as it is."""
+    import io
+
+    from rich.console import Console
+
+    from mla_convert.console import print_table
+
+    buffer = io.StringIO()
+    terminal = Console(file=buffer, force_terminal=True, color_system=None, width=120)
+    print_table(terminal, "title", ("what", "where"), [("calibration", "runs/[v2]/text.txt [bold]x[/]")])
+    assert "runs/[v2]/text.txt [bold]x[/]" in buffer.getvalue()
