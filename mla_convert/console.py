@@ -60,8 +60,8 @@ class RichProgress(Progress):
             self._bar.update(self._task, completed=done, total=total if total is not None else self._bar.tasks[0].total)
 
     def message(self, text: str) -> None:
-        if not self.quiet:
-            self.console.print(text, highlight=False, soft_wrap=True)
+        if not self.quiet:  # plain text: a message quoting a path or an error like `[v2]` keeps its brackets
+            self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def finish(self) -> None:
         self._close()

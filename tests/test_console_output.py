@@ -105,3 +105,16 @@ def test_terminal_tables_show_cells_as_text_not_markup():
     terminal = Console(file=buffer, force_terminal=True, color_system=None, width=120)
     print_table(terminal, "title", ("what", "where"), [("calibration", "runs/[v2]/text.txt [bold]x[/]")])
     assert "runs/[v2]/text.txt [bold]x[/]" in buffer.getvalue()
+
+
+def test_progress_messages_are_plain_text():
+    """Messages (a sweep point's label, a failure quoting a path) keep their brackets."""
+    import io
+
+    from rich.console import Console
+
+    from mla_convert.console import RichProgress
+
+    buffer = io.StringIO()
+    RichProgress(Console(file=buffer, width=40)).message("[2/4] 2x: failed: no folder runs/[v2]/" + "x" * 60)
+    assert buffer.getvalue() == "[2/4] 2x: failed: no folder runs/[v2]/" + "x" * 60 + "\n"
