@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mla_convert.demo import self_sampled_perplexity
+from mla_convert.convert.pipeline import Progress
+from mla_convert.demo import compare_models, self_sampled_perplexity
 from mla_convert.eval.sampling import sample_from_model
 
 
@@ -44,3 +45,31 @@ def test_self_sampled_windows_are_seeded_and_the_models_kind_of_text(stories260k
     assert scores["model"] < 0.1 * scores["uniform"], scores
     assert scores == self_sampled_perplexity({"model": model, "uniform": UniformModel(model.config.vocab_size)}, model,
                                              num=3, length=48, seed=1)
+
+
+class PhaseRecorder(Progress):
+    def __init__(self):
+        self.phases: list[str] = []
+        self.advances: list[tuple[int, int | None]] = []
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        self.phases.append(name)
+
+    def advance(self, done: int, total: int | None = None) -> None:
+        self.advances.append((done, total))
+
+
+@pytest.mark.real_model
+def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260k):
+    """The demo's comparison after the conversion: announced as two phases (so the console does not count
+    its time into the conversion's last phase), and a model compared with itself scores and continues
+    identically (the oracle for the side-by-side plumbing)."""
+    phases = PhaseRecorder()
+    perplexity, generations = compare_models(stories260k, stories260k, prompts=("Once upon a time", "The cat"),
+                                             max_new_tokens=8, progress=phases)
+    assert phases.phases == ["perplexity of the source and the MLA model", "greedy continuations from both models"]
+    assert phases.advances == [(1, 2), (2, 2)]
+    [scores] = perplexity.values()
+    assert scores["source"] == scores["converted"] and 1 < scores["source"] < 100
+    assert [prompt for prompt, _, _ in generations] == ["Once upon a time", "The cat"]
+    assert all(source == converted and source.strip() for _, source, converted in generations)
