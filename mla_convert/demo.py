@@ -90,15 +90,16 @@ def compare_models(source: Path, converted: Path, eval_data: str | None = None,
     """
     from .eval.perplexity import evaluate_perplexity
     from .eval.textdata import load_text
-    from .io.hf_loading import load_causal_lm, load_tokenizer
+    from .io.hf_loading import load_causal_lm, load_tokenizer, without_load_progress_bars
 
     progress = progress or Progress()
     progress.phase("perplexity of the source and the MLA model")
     tokenizer = load_tokenizer(source)
-    models = {
-        "source": load_causal_lm(source, dtype=torch.float32).eval(),
-        "converted": load_causal_lm(converted, dtype=torch.float32).eval(),
-    }
+    with without_load_progress_bars():
+        models = {
+            "source": load_causal_lm(source, dtype=torch.float32).eval(),
+            "converted": load_causal_lm(converted, dtype=torch.float32).eval(),
+        }
     perplexity = {"text sampled from the source model (4 x 256 tokens, unseen seed)":
                   self_sampled_perplexity(models, sampler=models["source"])}
     if eval_data:

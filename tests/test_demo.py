@@ -60,7 +60,7 @@ class PhaseRecorder(Progress):
 
 
 @pytest.mark.real_model
-def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260k):
+def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260k, capfd):
     """The demo's comparison after the conversion: announced as two phases (so the console does not count
     its time into the conversion's last phase), and a model compared with itself scores and continues
     identically (the oracle for the side-by-side plumbing)."""
@@ -73,3 +73,4 @@ def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260
     assert scores["source"] == scores["converted"] and 1 < scores["source"] < 100
     assert [prompt for prompt, _, _ in generations] == ["Once upon a time", "The cat"]
     assert all(source == converted and source.strip() for _, source, converted in generations)
+    assert "Loading weights" not in capfd.readouterr().err  # transformers' bar would cut across ours

@@ -536,15 +536,10 @@ def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, m
 
 def _load_quietly(model_path: Path, device: str | None, dtype: str):
     """`load_model_for_eval` without transformers' per-load progress bar (a sweep loads many models)."""
-    from transformers.utils import logging as hf_logging
+    from ..io.hf_loading import without_load_progress_bars
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with without_load_progress_bars():
         return load_model_for_eval(model_path, device, dtype)[0]
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _model_name(source: str | os.PathLike) -> str:

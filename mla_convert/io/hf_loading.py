@@ -11,6 +11,7 @@ refused before transformers sees it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -54,6 +55,21 @@ def load_tokenizer(folder: str | os.PathLike):
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"{folder}: transformers cannot load its tokenizer ({_first_line(error)})") from error
+
+
+@contextlib.contextmanager
+def without_load_progress_bars():
+    """Silence transformers' per-load "Loading weights" bar: our own phases already say what is loading,
+    and two bars drawn at once (rich's and tqdm's) garble a terminal and litter a log."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto", allow_pickle: bool = False, **kwargs):
