@@ -125,3 +125,29 @@ def test_cache_rows_are_read_with_vector_loads(reports):
     assert widest("20+6 x8 page 16 bfloat16") == 4
     assert widest("20+6 x8 page 16 bfloat16 row 32") >= 8
     assert widest("512+64 x16 page 64 bfloat16") == 16
+
+
+def test_rendered_report_gives_programs_per_multiprocessor_of_each_version():
+    """The committed reports (kernels/mla_decode_triton/compile_reports/, the tables in BENCHMARKS.md) render
+    with a programs-per-multiprocessor column per Triton version, every row as wide as the header; the
+    16-row default tiles hold at least two programs per multiprocessor under both versions, and a tile
+    with 164 KB of shared memory one (no GPU needed: the rendering reads JSON)."""
+    from pathlib import Path
+
+    from mla_decode_triton.compile_check import programs_per_sm, side_by_side
+
+    folder = Path(__file__).resolve().parents[1] / "kernels" / "mla_decode_triton" / "compile_reports"
+    runs = [json.loads(path.read_text().strip().splitlines()[-1]) for path in sorted(folder.glob("*.json"))]
+    assert len(runs) == 2
+    table = side_by_side(runs).splitlines()
+    versions = [run[0]["triton_version"] for run in runs]
+    assert all(f"programs / SM {version}" in table[0] for version in versions)
+    assert {line.count("|") for line in table} == {table[0].count("|")}
+    for run in runs:
+        for report in _split(run):
+            held = programs_per_sm(report)
+            assert held >= 1
+            if report["shared_bytes"] > 114 * 1024:  # more than half of Hopper's 227 KB per program
+                assert held == 1, report
+            if report["case"].startswith("512+64 x16 ") and "N=32" in report["config"] and "stages=3" in report["config"]:
+                assert held == 2, report  # the 512+64 x16 default: 91 KB, 96-98 registers x 8 warps

@@ -45,7 +45,13 @@ from triton.compiler import ASTSource
 
 from mla_decode_triton.configs import TileConfig, candidate_tiles
 from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
-from mla_decode_triton.launcher import INTERPRETED, DecodeConfig, min_split_tokens_for, plan_launches
+from mla_decode_triton.launcher import (
+    INTERPRETED,
+    DecodeConfig,
+    min_split_tokens_for,
+    plan_launches,
+    programs_per_multiprocessor,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER_TAGS = {
@@ -295,8 +301,18 @@ def markdown_table(reports: list[CompileReport]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def programs_per_sm(report: dict) -> int | None:
+    """Programs of this compiled launch one Hopper multiprocessor holds at once (registers, shared memory,
+    warps: `launcher.programs_per_multiprocessor`, the rule the split count is sized with on the GPU)."""
+    warps = re.search(r"warps=(\d+)", report["config"])
+    if report.get("registers") is None or warps is None:
+        return None
+    return programs_per_multiprocessor(report["registers"], report["shared_bytes"], int(warps.group(1)))
+
+
 def side_by_side(runs: list[list[dict]]) -> str:
-    """One markdown row per launch, with registers and spills of every run (e.g. two Triton versions).
+    """One markdown row per launch, with registers, spills and programs per multiprocessor of every run
+    (e.g. two Triton versions).
 
     Instruction mix, shared memory and load widths are taken from the first run; the per-version
     columns are what differs between compiler versions.
@@ -305,14 +321,16 @@ def side_by_side(runs: list[list[dict]]) -> str:
     by_key = [{(r["case"], r["kernel"], r["config"]): r for r in run} for run in runs]
     lines = [
         "| case | kernel | config | " + " | ".join(f"regs {v}" for v in versions) + " | "
-        + " | ".join(f"spill B / ops {v}" for v in versions)
+        + " | ".join(f"spill B / ops {v}" for v in versions) + " | "
+        + " | ".join(f"programs / SM {v}" for v in versions)
         + " | smem KB | buffers | in flight | HGMMA | HMMA | cp.async | global loads (bytes: count) |",
-        "|---|---|---|" + "---:|" * (2 * len(runs)) + "---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|" + "---:|" * (3 * len(runs)) + "---:|---:|---:|---:|---:|---:|---|",
     ]
     for key, first in by_key[0].items():
         others = [table.get(key) for table in by_key]
         regs = " | ".join("-" if r is None else str(r["registers"]) for r in others)
         spills = " | ".join("-" if r is None else f"{r['stack_bytes']} / {r['local_memory_ops']}" for r in others)
+        spills += " | " + " | ".join(_dash(None if r is None else programs_per_sm(r)) for r in others)
         loads = ", ".join(f"{width}: {count}" for width, count in first["load_bytes"].items())
         kernel = first["kernel"].removeprefix("mla_decode_").removesuffix("_kernel")
         config = first["config"].replace(" BLOCK_", " ").replace("BLOCK_", "")

@@ -38,7 +38,9 @@ The rules, from those compiles:
   at hand.
 * BLOCK_N in {64, 32}, kept when the buffered cache tiles plus the queries fit SHARED_BUDGET.  First
   comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED, with 3 stages (two programs per
-  multiprocessor, each double-buffered, then fit in shared memory).
+  multiprocessor, each double-buffered, then fit in shared memory; registers or shared memory allow
+  only one for the 32- and 64-row tiles at R >= 256: column "programs / SM" of the compile check in
+  BENCHMARKS.md).
 * Narrow rows (up to 192 padded columns, e.g. SmolLM2 4x at 64+32: 12 KB per 64-token tile) also get
   WIDE_BLOCK_N = 128-token tiles, after the others, while such a tile fits TILE_BYTES_PREFERRED.  On
   the H200 (2026-11-30) a 64-token 64+32 tile took about 3.2 us (BENCHMARKS.md), mostly waiting on
@@ -51,7 +53,8 @@ The rules, from those compiles:
 
 Which candidate is fastest depends on the GPU and is measured (`autotune.py`); the winners are stored
 per (R, D, rows, page size, dtype) in `tuned_configs.json`, shipped with the package.  Without an entry
-the first candidate is used: the largest double-buffered tile of which two programs fit a multiprocessor.
+the first candidate is used: the largest double-buffered tile of which two programs fit the shared memory
+of a multiprocessor.
 """
 
 from __future__ import annotations
