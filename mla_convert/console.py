@@ -59,6 +59,9 @@ class RichProgress(Progress):
         if self._bar is not None:
             self._bar.update(self._task, completed=done, total=total if total is not None else self._bar.tasks[0].total)
 
+    def end(self) -> None:
+        self._close()
+
     def message(self, text: str) -> None:
         if not self.quiet:  # plain text: a message quoting a path or an error like `[v2]` keeps its brackets
             self.console.print(text, highlight=False, markup=False, soft_wrap=True)

@@ -118,3 +118,19 @@ def test_progress_messages_are_plain_text():
     buffer = io.StringIO()
     RichProgress(Console(file=buffer, width=40)).message("[2/4] 2x: failed: no folder runs/[v2]/" + "x" * 60)
     assert buffer.getvalue() == "[2/4] 2x: failed: no folder runs/[v2]/" + "x" * 60 + "\n"
+
+
+def test_piped_sweep_reports_each_evaluation_before_its_result(source, tmp_path):
+    """Each scored model's `done: perplexity: <label>` line comes before the line with its result, not after
+    the next point's header (the phase used to stay open until the next one started)."""
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a tiny model that read a tiny text. " * 30)
+    done = run_piped("sweep", source, "--ratios", "2", "--data", text, "--out-dir", tmp_path / "sweep", "--context", "32",
+                     "--max-windows", "2", "--methods", "svd", *QUICK)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    for label in ("source", "weight-only SVD 2x"):
+        finished = next(i for i, line in enumerate(lines) if re.fullmatch(rf"done: perplexity: {label} \([\d.]+ s\)", line))
+        result = next(i for i, line in enumerate(lines) if line.startswith(f"{label}") and "perplexity" in line
+                      and not line.startswith("done:"))
+        assert finished < result, lines

@@ -82,6 +82,10 @@ class Progress:
     def advance(self, done: int, total: int | None = None) -> None: ...
     def message(self, text: str) -> None: ...
 
+    def end(self) -> None:
+        """The current phase is over and no other has started yet (a log can show its time now, not
+        after whatever comes next)."""
+
 
 class PhaseTimer(Progress):
     """Passes every callback on to `inner` and adds each phase's wall time to `seconds` (name -> seconds).

@@ -531,6 +531,7 @@ def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, m
         hook.remove()
         del model
         gc.collect()
+        progress.end()
     return result, time.time() - started
 
 
