@@ -30,13 +30,13 @@ console = Console(stderr=False)
 err_console = Console(stderr=True)
 
 
-def print_plain(text: str, error: bool = False) -> None:
+def print_plain(text: str) -> None:
     """Print text that carries user strings (paths, names, tables, commit messages) exactly as it is.
 
     No markup, or a folder like `runs/[v2]` loses `[v2]`; never wrapped, or a path longer than rich's
     80 columns (its width when piped) breaks the line a script reads, e.g. `out=$(mla-convert convert ...)`.
     """
-    (err_console if error else console).print(text, highlight=False, markup=False, soft_wrap=True)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 def user_errors(command):
