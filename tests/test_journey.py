@@ -67,6 +67,37 @@ def test_eval_update_card_writes_the_measured_numbers(converted, stories260k, ti
 
 
 @pytest.mark.real_model
+def test_a_fine_tuned_card_shows_the_converted_models_numbers_as_before_fine_tuning(converted, stories260k,
+                                                                                    tinystories_text, tmp_path):
+    """`eval --update-card` measured the converted folder; its fine-tuned copy is another model.  Its card keeps
+    those numbers as "before fine-tuning" (never as this model's) until the fine-tuned folder is evaluated itself,
+    and no card names where the text lay on this machine (reports keep it relative to the folder: ../../...)."""
+    folder = copy_of(converted, tmp_path)
+    run("eval", folder, "--baseline", stories260k, "--data", tinystories_text, "--max-windows", "4", "--update-card")
+    converted_ppl = json.loads((folder / "mla_convert.json").read_text())["evaluation"]["converted_perplexity"]
+    tuned = tmp_path / "tuned"
+    run("finetune", folder, tuned, "--max-steps", "2", "--lr", "1e-3", "--seq-len", "64", "--teacher-samples", "4",
+        "--sample-batch-size", "4", "--micro-batch-size", "2", "--no-verify-save", "--teacher", stories260k,
+        "--num-threads", "1", "--warmup-steps", "0")
+    report = json.loads((tuned / "mla_convert.json").read_text())
+    assert report["evaluation"] is None
+    assert report["evaluation_before_finetuning"]["converted_perplexity"] == converted_ppl
+    card = (tuned / "README.md").read_text()
+    assert f"| MLA before fine-tuning | {converted_ppl:.4g} |" in card
+    quality = card.split("\n## Quality\n")[1].split("\n## ")[0]
+    assert "MLA (this model)" not in quality and "the perplexity change above" not in card
+
+    run("eval", tuned, "--baseline", stories260k, "--data", tinystories_text, "--max-windows", "4", "--update-card")
+    tuned_ppl = json.loads((tuned / "mla_convert.json").read_text())["evaluation"]["converted_perplexity"]
+    assert tuned_ppl != converted_ppl  # two steps of Adam changed the model
+    card = (tuned / "README.md").read_text()
+    assert f"| MLA (this model) | {tuned_ppl:.4g} |" in card
+    assert f"| MLA before fine-tuning | {converted_ppl:.4g} |" in card
+    assert f"`{tinystories_text.name}`" in card and "../" not in card
+    assert "\n\n## Quality\n" in card and "\n\n## How it was made\n" in card  # a blank line before each section
+
+
+@pytest.mark.real_model
 @pytest.mark.parametrize("args, message", [
     (["--context", "1024"], "--context 1024: longer than"),
     (["--dtype", "fp16"], f"--dtype fp16: {T.FP16_REFUSED}"),

@@ -209,7 +209,7 @@ def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():
     # vLLM is "no" for this export: no serve command that would not work (SGLang shares vLLM's constraints)
     assert "vllm serve alice/smollm2-mla" not in text and "sglang.launch_server" not in text
     assert "**Attention biases.**" in text and "`attention_bias`" in text
-    assert "64-value latent plus a 32-value RoPE key" in text
+    assert "a latent of 64 values plus a RoPE key of 32 values" in text
     assert "not float16" in text and "1.5e-06" in text
 
 
@@ -262,6 +262,23 @@ def test_card_redacts_a_token_typed_on_the_command_line():
     text = str(build_model_card(report))
     assert TOKEN_LIKE not in text
     assert "--token hf_***" in text
+
+
+@pytest.mark.parametrize("recorded, shown", [
+    ("../../../srv/corpora/calib.txt", "calib.txt"),  # relative to the output folder, as reports record it
+    ("/srv/corpora/calib.txt", "calib.txt"),
+    ("wikitext:wikitext-2-raw-v1:test", "wikitext:wikitext-2-raw-v1:test"),  # a datasets spec is a public name
+    ("alice/corpus", "alice/corpus"),
+    ("texts/calib.txt", "texts/calib.txt"),  # below the folder: travels with it
+])
+def test_card_names_texts_without_this_machines_layout(recorded, shown):
+    report = converter_shaped_report()
+    report["options"]["calibration"]["data"] = recorded
+    report["evaluation"] = dict(stories260k_report()["evaluation"], data=recorded)
+    text = str(build_model_card(report))
+    assert f"| `calibration.data` | {shown} |" in text
+    assert f"Perplexity measured with `mla-convert eval` (`{shown}`," in text
+    assert "/srv/" not in text
 
 
 def test_card_survives_save_and_load(tmp_path):

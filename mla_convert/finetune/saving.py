@@ -50,7 +50,10 @@ def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
 
 
 def updated_report(report: dict, sites: list[LatentSite], scales: list[float], finetuning: dict, dtype: torch.dtype) -> dict:
-    """The conversion report with the folded latent scales, the save dtype and the finetuning section."""
+    """The conversion report with the folded latent scales, the save dtype and the finetuning section.
+
+    A perplexity measured on the input folder is kept as `evaluation_before_finetuning`, not as this model's.
+    """
     out = copy.deepcopy(report) if report else {}
     layers = out.get("layers") or []
     by_index = {layer.get("layer", i): layer for i, layer in enumerate(layers) if isinstance(layer, dict)}
@@ -70,6 +73,11 @@ def updated_report(report: dict, sites: list[LatentSite], scales: list[float], f
     if isinstance(out.get("options"), dict):
         out["options"]["dtype"] = dtype_name
     out["finetuning"] = finetuning
+    # `mla-convert eval --update-card` measured the folder that was fine-tuned, not this one: its numbers move
+    # to their own key (the card shows them as "before fine-tuning") until this folder is evaluated itself
+    earlier = out.get("evaluation")
+    out["evaluation"] = None
+    out["evaluation_before_finetuning"] = earlier if isinstance(earlier, dict) else None
     return out
 
 

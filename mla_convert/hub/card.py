@@ -105,6 +105,20 @@ def _text(value: Any) -> str:
     return _scrub(text).replace("\n", " ")
 
 
+def _public_path(value: Any) -> Any:
+    """A path the report records relative to the model folder (or absolute), reduced to its last part.
+
+    Reports keep such paths so that tools run beside the folder find the text or source again; on the Hub,
+    `../../data/x.txt` names nothing and tells readers how the converting machine's disk is laid out.
+    Anything else (a hub id, a datasets spec, a path below the folder) is kept as it is.
+    """
+    if not isinstance(value, str):
+        return value
+    if os.path.isabs(value) or value.replace("\\", "/").split("/")[0] == "..":
+        return Path(value).name or value
+    return value
+
+
 def _cell(value: Any) -> str:
     """A report value for a Markdown table cell: as `_text`, with pipes escaped."""
     return _text(value).replace("|", "\\|")
@@ -241,7 +255,7 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
         calib = _get(report, "calibration", "description")
         if not calib:
             calib = _joined(
-                f"calibration data `{_text(options['calib_data'])}`" if options.get("calib_data") else "",
+                f"calibration data `{_text(_public_path(options['calib_data']))}`" if options.get("calib_data") else "",
                 f"{options['calib_samples']} samples" if options.get("calib_samples") else "",
                 f"{options['calib_seq_len']} tokens each" if options.get("calib_seq_len") else "",
             )
@@ -283,6 +297,25 @@ def _section_cache(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead: str = "Perplexity measured") -> list[str]:
+    """One `mla-convert eval` result as its setup sentence and a perplexity table (original vs converted)."""
+    before, after = _number(evaluation.get("source_perplexity")), _number(evaluation.get("converted_perplexity"))
+    setup = _joined(
+        f"`{_text(_public_path(evaluation['data']))}`" if evaluation.get("data") else "",
+        f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
+        f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
+    )
+    lines = [f"{lead} with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":"]
+    lines += ["", "| model | perplexity |", "|---|---:|"]
+    if before is not None:
+        lines.append(f"| original | {before:.4g} |")
+    if after is not None:
+        lines.append(f"| {converted_label} | {after:.4g} |")
+    if before and after is not None:
+        lines.append(f"| change | {100 * (after - before) / before:+.1f}% |")
+    return lines + [""]
+
+
 def _section_quality(report: Mapping[str, Any]) -> list[str]:
     evaluation = _get(report, "evaluation")
     finetuning = _get(report, "finetuning")
@@ -290,25 +323,15 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         return []
     lines = ["## Quality", ""]
     if isinstance(evaluation, Mapping):
-        before, after = _number(evaluation.get("source_perplexity")), _number(evaluation.get("converted_perplexity"))
-        setup = _joined(
-            f"`{_text(evaluation['data'])}`" if evaluation.get("data") else "",
-            f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
-            f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
-        )
-        lines.append("Perplexity measured with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":")
-        lines += ["", "| model | perplexity |", "|---|---:|"]
-        if before is not None:
-            lines.append(f"| original | {before:.4g} |")
-        if after is not None:
-            lines.append(f"| MLA (this model) | {after:.4g} |")
-        if before and after is not None:
-            lines.append(f"| change | {100 * (after - before) / before:+.1f}% |")
-        lines.append("")
+        lines += _evaluation_lines(evaluation, "MLA (this model)")
         lines.append("Lower is better. Judge the model on your own task before relying on it.")
         lines.append("")
     if isinstance(finetuning, Mapping):
         lines += ["### Fine-tuning after conversion", ""]
+        earlier = _get(report, "evaluation_before_finetuning")
+        if isinstance(earlier, Mapping):
+            # measured on the folder that was fine-tuned: its numbers are not this model's
+            lines += _evaluation_lines(earlier, "MLA before fine-tuning", lead="Before fine-tuning, perplexity measured")
         lines.append("After the conversion the model was trained further (distillation from the source) to recover quality:")
         lines += ["", "| | |", "|---|---|"]
         for key, value in finetuning.items():
@@ -379,7 +402,7 @@ def _section_reproduce(report: Mapping[str, Any]) -> list[str]:
         lines += ["Command:", "", "```bash", _scrub(str(command)), "```", ""]
     if options:
         lines += ["| option | value |", "|---|---|"]
-        lines += [f"| `{_cell(key)}` | {_cell(value)} |" for key, value in options.items()]
+        lines += [f"| `{_cell(key)}` | {_cell(_public_path(value))} |" for key, value in options.items()]
         lines.append("")
     version = report.get("mla_convert_version") or _get(report, "versions", "mla_convert")
     if version:
@@ -537,19 +560,17 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
         )
     if rank and rope and (rank, rope) != (DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM):
         lines.append(
-            f"- **Shape.** This model caches a {rank}-value latent plus a {rope}-value RoPE key. The fastest MLA "
+            f"- **Shape.** This model caches a latent of {rank} values plus a RoPE key of {rope} values. The fastest MLA "
             f"kernels are built for DeepSeek-V3's {DEEPSEEK_KV_LORA_RANK} + {DEEPSEEK_ROPE_DIM}; what was measured at "
             "this shape is in the serving table."
         )
-    measured = isinstance(_get(report, "evaluation"), Mapping)
-    lines.append(
-        "- **It is an approximation.** Compressing the KV cache loses some information; "
-        + (
-            "the perplexity change above measures how much on one corpus only."
-            if measured
-            else "no perplexity was measured during conversion, so evaluate it on your task."
-        )
-    )
+    if isinstance(_get(report, "evaluation"), Mapping):
+        measured = "the perplexity change above measures how much on one corpus only."
+    elif isinstance(_get(report, "evaluation_before_finetuning"), Mapping) or _get(report, "finetuning", "perplexity_after"):
+        measured = "the fine-tuning perplexities above measure it on one corpus only, so evaluate it on your task too."
+    else:
+        measured = "no perplexity was measured during conversion, so evaluate it on your task."
+    lines.append("- **It is an approximation.** Compressing the KV cache loses some information; " + measured)
     lines.append("")
     return lines
 
