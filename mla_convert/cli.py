@@ -8,6 +8,7 @@ with status 2; nothing else is caught.
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -189,7 +190,8 @@ def evaluate(
     text_column: str = typer.Option("text", help="Text column of a datasets dataset."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)."),
     dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 is refused for converted models."),
-    kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache for this many tokens (0: skip)."),
+    kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache after this many tokens "
+                                  "(0: skip); printed, and under kv_cache in --json."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
     update_card: bool = typer.Option(False, help="Write the measured perplexities into MODEL's mla_convert.json and "
                                      "regenerate its model card (MODEL: a folder written by `mla-convert convert`; "
@@ -235,15 +237,17 @@ def evaluate(
     if kv_context > 0:
         from .eval.kv_cache import measure_kv_cache
         from .eval.perplexity import load_model_for_eval
-        from .units import human_bytes
 
-        for name in [model] + ([baseline] if baseline else []):
-            loaded, _ = load_model_for_eval(name, device, dtype, revision, allow_pickle)
-            measured = measure_kv_cache(loaded, tokens=kv_context)
-            print_plain(
-                f"{name}: KV cache {human_bytes(measured.total_bytes)} for {kv_context} tokens "
-                f"({measured.bytes_per_token:.0f} B/token, {measured.bytes_per_token_per_layer:.0f} B/token/layer, {measured.cache_class})"
-            )
+        measured = {}
+        for name, path in [(model, facts[0].path)] + ([(baseline, facts[1].path)] if baseline else []):
+            loaded, _ = load_model_for_eval(path, device, dtype, revision, allow_pickle)
+            measured[name] = measure_kv_cache(loaded, tokens=kv_context)
+            del loaded
+            print_plain(f"{name}: {measured[name].summary()}")
+        if json_out is not None:  # the results file holds everything this run measured
+            results = json.loads(json_out.read_text())
+            results["kv_cache"] = {name: measurement.to_dict() for name, measurement in measured.items()}
+            json_out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 @app.command()

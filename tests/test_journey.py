@@ -98,6 +98,24 @@ def test_a_fine_tuned_card_shows_the_converted_models_numbers_as_before_fine_tun
 
 
 @pytest.mark.real_model
+def test_eval_kv_context_reports_the_cache_the_conversion_promised(converted, stories260k, tinystories_text, tmp_path):
+    """`eval --kv-context` reads the bytes the transformers cache really holds, for the model and the baseline,
+    prints them and adds them to --json; they are the bytes per token the conversion report announced."""
+    out = tmp_path / "eval.json"
+    result = run("eval", converted, "--baseline", stories260k, "--data", tinystories_text, "--max-windows", "1",
+                 "--context", "64", "--kv-context", "48", "--json", out)
+    cache = json.loads((converted / "mla_convert.json").read_text())["cache"]
+    measured = json.loads(out.read_text())["kv_cache"]
+    assert measured[str(converted)]["bytes_per_token"] == cache["mla_bytes_per_token"]
+    assert measured[str(stories260k)]["bytes_per_token"] == cache["source_bytes_per_token"]
+    assert measured[str(converted)]["tokens"] == 48 and len(measured[str(converted)]["per_layer_bytes"]) == 5
+    per_layer = cache["mla_bytes_per_token"] // 5
+    assert (f"{converted}: KV cache" in result.output
+            and f"({cache['mla_bytes_per_token']} B/token, {per_layer} B/token/layer over 5 layers" in result.output)
+    assert "perplexity" in json.loads(out.read_text())["results"][str(converted)]  # the evaluation is still there
+
+
+@pytest.mark.real_model
 @pytest.mark.parametrize("args, message", [
     (["--context", "1024"], "--context 1024: longer than"),
     (["--dtype", "fp16"], f"--dtype fp16: {T.FP16_REFUSED}"),

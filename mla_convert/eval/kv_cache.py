@@ -52,6 +52,17 @@ class KVCacheMeasurement:
     def bytes_per_token_per_layer(self) -> tuple[float, ...]:
         return tuple(b / (self.tokens * self.batch_size) for b in self.per_layer_bytes)
 
+    def summary(self) -> str:
+        """One line: total bytes, bytes per token, per token and layer (a range where layers differ), cache class."""
+        from ..units import human_bytes
+
+        per_layer = self.bytes_per_token_per_layer
+        low, high = min(per_layer), max(per_layer)
+        layer = f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
+        return (f"KV cache {human_bytes(self.total_bytes)} for {self.tokens} tokens x batch {self.batch_size} "
+                f"({self.bytes_per_token:.0f} B/token, {layer} B/token/layer over {self.num_layers} layers, "
+                f"{', '.join(self.dtypes)}, {self.cache_class})")
+
     def to_dict(self) -> dict:
         return {
             "tokens": self.tokens,
