@@ -21,6 +21,7 @@ from mla_convert.hub.card import (
     HUB_BASE_MODEL_RELATIONS,
     CardValidationError,
     build_model_card,
+    card_option_problems,
     load_report,
     validate_card,
     write_model_card,
@@ -279,6 +280,23 @@ def test_card_names_texts_without_this_machines_layout(recorded, shown):
     assert f"| `calibration.data` | {shown} |" in text
     assert f"Perplexity measured with `mla-convert eval` (`{shown}`," in text
     assert "/srv/" not in text
+
+
+@pytest.mark.parametrize("base_model, license_id, message", [
+    ("meta-llama/Llama-3.2-1B", "llama3.2", None),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", None),
+    ("/models/llama", None, "--base-model '/models/llama': not a Hub model id"),
+    ("smollm2", None, "--base-model 'smollm2': not a Hub model id"),  # a bare name links nowhere
+    (None, "Apache 2.0", "--license 'Apache 2.0': not a Hub license id"),
+    (None, "other", "--license other: the Hub needs a license_name and license_link"),
+])
+def test_card_options_are_checked_before_a_conversion_writes_the_card(base_model, license_id, message):
+    problems = card_option_problems(base_model, license_id)
+    assert problems == ([] if message is None else [problems[0]]) and (message is None or message in problems[0])
+    if message is None:  # what passes here, the Hub's validation accepts in the card
+        report = stories260k_report()
+        report["source"].update(hub_id=base_model, license=license_id)
+        assert validate_card(build_model_card(report))["base_model"] == base_model
 
 
 def test_card_survives_save_and_load(tmp_path):

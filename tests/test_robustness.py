@@ -405,6 +405,18 @@ def _(ws):
     return ["--calib-seq-len", "1"]
 
 
+@case("calib-seq-len-past-positions", "calibration windows longer than the source was trained on",
+      "--calib-seq-len max_position_embeddings + 1", "longer than the source's max_position_embeddings")
+def _(ws):
+    return ["--calib-seq-len", str(json.loads((ws.src / "config.json").read_text())["max_position_embeddings"] + 1)]
+
+
+@case("card-metadata", "model card metadata the Hub would refuse", "--license 'Not A License' --base-model ./my-llama",
+      "--license 'Not A License': not a Hub license id", "--base-model './my-llama': not a Hub model id")
+def _(ws):
+    return ["--license", "Not A License", "--base-model", "./my-llama"]
+
+
 # --------------------------------------------------------------------------- D. calibration text
 @case("calib-text-missing", "calibration text file missing", "--calib-data <tmp>/nowhere.txt", "no such file")
 def _(ws):

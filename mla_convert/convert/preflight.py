@@ -169,6 +169,18 @@ def calibration_problems(folder: Path, calibration) -> list[str]:
     return problems
 
 
+def calibration_length_problems(source: SourceConfig, calibration) -> list[str]:
+    """Calibration windows no longer than the positions the source was trained on.
+
+    Past `max_position_embeddings` the factorization would be fitted to attention the model never computed in
+    training (and sampling that much text from the model is slow: 100K tokens take hours on a CPU).
+    """
+    if calibration.seq_len > source.max_position_embeddings:
+        return [f"--calib-seq-len {calibration.seq_len}: longer than the source's max_position_embeddings "
+                f"{source.max_position_embeddings}"]
+    return []
+
+
 def tokenizer_code_problems(folder: Path) -> list[str]:
     """A tokenizer that exists only as custom code in the model folder is refused, never run.
 
@@ -368,6 +380,8 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
 
     Reads only headers and the file system; `message` receives what was cleaned up and the disk estimate.
     """
+    from ..hub.card import card_option_problems  # the Hub's metadata rules live with the card (import cycle)
+
     problems: list[str] = option_problems(options)
     target = options.target if options.target in T.TARGETS else None  # a bad name is already one of the problems
     output_ok = True
@@ -401,6 +415,8 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     problems += special_file_problems(reader.folder) + sidecar_problems(reader.folder)
     problems += tensor_problems(reader, source)
     problems += calibration_problems(reader.folder, options.calibration)
+    problems += calibration_length_problems(source, options.calibration)
+    problems += card_option_problems(options.base_model, options.license)
     problems += shard_size_problems(options.max_shard_size) + device_problems(options.device)
     storage_summary = None
     if output_ok and mla is not None:

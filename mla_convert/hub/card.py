@@ -141,6 +141,22 @@ def _valid_repo_id(value: Any) -> bool:
     return True
 
 
+def card_option_problems(base_model: str | None, license_id: str | None) -> list[str]:
+    """`--base-model` and `--license` checked as the Hub checks the card's metadata, before a conversion writes a
+    card that `push` would then refuse (or, for a base model that is a local path, silently leave out)."""
+    problems = []
+    if base_model is not None and not _valid_repo_id(base_model):
+        problems.append(f"--base-model {base_model!r}: not a Hub model id like 'org/name' (the card's base_model "
+                        "links to the source on the Hub)")
+    if license_id is not None:
+        if not _LICENSE_ID.match(license_id):
+            problems.append(f"--license {license_id!r}: not a Hub license id such as apache-2.0, mit or llama3.1")
+        elif license_id == "other":
+            problems.append("--license other: the Hub needs a license_name and license_link with it, which the card "
+                            "does not take from the command line; leave --license out and edit README.md's metadata")
+    return problems
+
+
 def load_report(folder: str | Path) -> dict:
     """Read `mla_convert.json` from a converted folder; a missing or unreadable report is a user error."""
     path = Path(folder) / REPORT_FILE
