@@ -316,7 +316,8 @@ def sweep(
     out_dir: Path = typer.Option(..., "--out-dir", help="Where to write the table (md), CSV, JSON and PNG plot."),
     ratios: str = typer.Option("2,4,8", "--ratios", help="Comma-separated KV-cache ratios."),
     methods: str = typer.Option("activation-aware,svd", help="Comma-separated methods to compare."),
-    context: int = typer.Option(1024, help="Evaluation context length (non-overlapping windows)."),
+    context: Optional[int] = typer.Option(None, help="Evaluation context length (non-overlapping windows; default: "
+                                          "1024, or the source's max_position_embeddings when shorter)."),
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
     keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models."),
     batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),

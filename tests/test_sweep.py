@@ -124,6 +124,18 @@ def test_context_longer_than_the_model_is_a_user_error(tiny_source, tiny_text, t
         run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=4096, calibration=TINY_CALIBRATION)
 
 
+def test_default_context_is_capped_by_the_source_like_eval(tmp_path, tiny_text):
+    """Without --context a sweep scores windows of min(1024, max_position_embeddings): a 96-position model sweeps
+    (it used to be refused unless the user found --context), and the table says which context it used."""
+    source = save_tiny_model(tmp_path / "short", seed=3, weight_scale=4.0, max_position_embeddings=96)
+    save_char_tokenizer(source)
+    result = run_sweep(source, [2], tiny_text, tmp_path / "out", max_windows=2, methods="svd",
+                       calibration=TINY_CALIBRATION)
+    assert result.context_length == 96
+    assert [point.result.num_scored_tokens for point in result.points] == [2 * 95]  # the 2x point: 2 windows of 96
+    assert "windows of 96 tokens" in (tmp_path / "out" / "sweep.md").read_text()
+
+
 # --------------------------------------------------------------------------- a tiny sweep end to end
 def test_one_row_per_ratio_and_method_plus_the_source(tiny_sweep):
     result, out, _ = tiny_sweep

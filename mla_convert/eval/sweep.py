@@ -42,6 +42,7 @@ from ..errors import MLAConvertError, PreflightError
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
+from .checks import DEFAULT_CONTEXT
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
@@ -554,7 +555,7 @@ def run_sweep(
     data: str | os.PathLike,
     out_dir: str | os.PathLike | None = None,
     *,
-    context_length: int = 1024,
+    context_length: int | None = None,
     max_windows: int | None = None,
     methods: str | Iterable[str] = DEFAULT_METHODS,
     calibration: CalibrationOptions | None = None,
@@ -571,6 +572,7 @@ def run_sweep(
 ) -> SweepResult:
     """Convert `source` at every ratio with every method (one calibration), score all on `data`, write files.
 
+    `context_length` None: 1024 tokens, or the source's max_position_embeddings when shorter (as `eval`).
     `options` carries everything else a conversion takes (dtype, device, sequential, refine steps, ...);
     its compression, ranks, method and output settings are set per point.  `calibration` replaces
     `options.calibration`.  Converted folders are written under `models_dir` (default: the system temp
@@ -609,6 +611,11 @@ def run_sweep(
     scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-", dir=models_dir)
     try:
         with Converter(source, base, progress) as converter:
+            max_positions = converter.config.max_position_embeddings
+            if context_length is None:
+                context_length = min(DEFAULT_CONTEXT, max_positions)
+            elif context_length > max_positions:
+                raise SweepError(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
             # everything that can fail cheaply fails before the slow calibration and evaluations
             # (kept models' folder does not exist yet: its exports are checked in the scratch folder)
             _preflight_all(converter, base, ratios, methods, keep_root if keep_root and keep_root.exists() else Path(scratch.name))
@@ -618,9 +625,6 @@ def run_sweep(
             tokenizer = load_tokenizer_for_eval(converter.source_path)
             tokenized = tokenize_with_offsets(tokenizer, load_text(data, text_column=text_column))
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
-            max_positions = converter.config.max_position_embeddings
-            if context_length > max_positions:
-                raise SweepError(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
             for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
                 if folder is not None:
                     folder.mkdir(parents=True, exist_ok=True)
