@@ -346,6 +346,24 @@ def test_config_errors_name_every_problem(tmp_path):
     with pytest.raises(FinetuneConfigError) as error:
         broken.validate()
     assert all(part in str(error.value) for part in ("lr:", "train:", "warmup_steps"))
+    # NaN passes every comparison (lr <= 0 is False): the optimizer used to be the one to refuse it, with a traceback
+    not_finite = FinetuneConfig(model="m", output="o", lr=float("nan"), max_grad_norm=float("inf"))
+    with pytest.raises(FinetuneConfigError, match=r"lr: must be a finite number \(got nan\).*max_grad_norm: must be a finite number \(got inf\)"):
+        not_finite.validate()
+
+
+def test_windows_past_the_models_positions_are_refused_and_leave_nothing_behind(tiny_llama, tmp_path):
+    """seq_len (or eval_context, with evaluation text) beyond max_position_embeddings (512 here) is refused after
+    reading only the config: no teacher text is sampled (100K tokens took hours), no checkpoint folder is left."""
+    _, converted = tiny_llama
+    text = tmp_path / "eval.txt"
+    text.write_text("the cat sat on the mat. " * 50)
+    config = FinetuneConfig(model=str(converted), output=str(tmp_path / "out"), seq_len=100_000, eval_context=600,
+                            eval_data=str(text), max_steps=2, warmup_steps=0, num_threads=1)
+    with pytest.raises(FinetuneConfigError, match=r"seq_len 100000, eval_context 600: longer than the model's "
+                                                  r"max_position_embeddings \(512\)"):
+        run_finetune(config, log=lambda line: None)
+    assert sorted(tmp_path.iterdir()) == [text]
 
 
 # --------------------------------------------------------------------------- recipe configs

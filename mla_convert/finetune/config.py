@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -136,6 +137,10 @@ class FinetuneConfig:
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "weight_decay", "max_grad_norm", "kd_weight", "ce_weight"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}: must not be negative (got {getattr(self, name)})")
+        for name, kind in _field_types().items():
+            value = getattr(self, name)
+            if _unwrap_optional(kind)[0] is float and isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{name}: must be a finite number (got {value})")
         if self.lr <= 0:
             problems.append(f"lr: must be positive (got {self.lr})")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -255,6 +255,7 @@ class Finetuner:
     def setup(self) -> None:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
+        from transformers import AutoConfig
 
         from ..io.hf_loading import load_causal_lm
 
@@ -275,6 +276,11 @@ class Finetuner:
             self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
         self.report = load_converted_report(self.converted)
+        positions = AutoConfig.from_pretrained(self.converted, trust_remote_code=False).max_position_embeddings
+        windows = ("seq_len", "eval_context") if config.eval_data else ("seq_len",)
+        too_long = [f"{name} {getattr(config, name)}" for name in windows if getattr(config, name) > positions]
+        if too_long:  # positions the model never trained on; sampling that much teacher text also takes hours
+            raise FinetuneConfigError(f"{', '.join(too_long)}: longer than the model's max_position_embeddings ({positions})")
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
         student = load_causal_lm(self.converted, dtype=torch.float32)
@@ -458,7 +464,14 @@ class Finetuner:
 
     # ----------------------------------------------------------------- main
     def run(self) -> FinetuneResult:
-        self.setup()
+        created = not self.config.checkpoint_path.exists()
+        try:
+            self.setup()
+        except BaseException:
+            if created:  # a refused run leaves no empty checkpoint folder behind (teacher samples already drawn stay)
+                with contextlib.suppress(OSError):
+                    self.config.checkpoint_path.rmdir()
+            raise
         config, state, accelerator = self.config, self.state, self.accelerator
         self.maybe_resume()
         self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_description}; "
