@@ -217,18 +217,23 @@ def evaluate(
                                    "--max-tokens": max_tokens, "--batch-size": batch_size},
                                   minimum={"--context": 2, "--max-tokens": 2})
     problems += positive_problems({"--kv-context": kv_context}, minimum={"--kv-context": 0})
+    if kv_context > 0:
+        context_for(known, kv_context, allow_long_context, problems, flag="--kv-context", consequence="")
+    if not data.strip():
+        problems.append("--data: must not be empty")
     problems += device_problems(device) + output_file_problems(json_out, "--json")
     if update_card:
         from .hub.card import card_update_problems
 
-        problems += card_update_problems(facts[0].path if facts[0] else None, baseline)
+        problems += card_update_problems(facts[0].path if facts[0] else None, baseline,
+                                         facts[1] if baseline is not None else None)
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))
     report = run_eval(facts[0].path, data, baseline=None if baseline is None else facts[1].path, context_length=context,
                       stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
-                      dtype=dtype, text_column=text_column, json_path=json_out, allow_pickle=allow_pickle,
-                      labels=(model, baseline))
+                      dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline))
     print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
+    results = report.to_dict()
     if update_card:
         from .hub.card import record_evaluation
 
@@ -244,10 +249,13 @@ def evaluate(
             measured[name] = measure_kv_cache(loaded, tokens=kv_context)
             del loaded
             print_plain(f"{name}: {measured[name].summary()}")
-        if json_out is not None:  # the results file holds everything this run measured
-            results = json.loads(json_out.read_text())
-            results["kv_cache"] = {name: measurement.to_dict() for name, measurement in measured.items()}
+        results["kv_cache"] = {name: measurement.to_dict() for name, measurement in measured.items()}
+    if json_out is not None:  # written last, so it holds everything this run measured (and printed above)
+        try:
             json_out.write_text(json.dumps(results, indent=2) + "\n")
+        except OSError as error:
+            raise MLAConvertError(f"--json {json_out}: could not write the results ({error.strerror or error}); "
+                                  "they are printed above") from error
 
 
 @app.command()

@@ -112,7 +112,9 @@ def test_eval_kv_context_reports_the_cache_the_conversion_promised(converted, st
     per_layer = cache["mla_bytes_per_token"] // 5
     assert (f"{converted}: KV cache" in result.output
             and f"({cache['mla_bytes_per_token']} B/token, {per_layer} B/token/layer over 5 layers" in result.output)
-    assert "perplexity" in json.loads(out.read_text())["results"][str(converted)]  # the evaluation is still there
+    written = json.loads(out.read_text())
+    assert "perplexity" in written["results"][str(converted)]  # the evaluation is still there
+    assert (written["settings"]["dtype"], written["settings"]["baseline_dtype"]) == ("float32", "float32")
 
 
 @pytest.mark.real_model
@@ -121,12 +123,36 @@ def test_eval_kv_context_reports_the_cache_the_conversion_promised(converted, st
     (["--dtype", "fp16"], f"--dtype fp16: {T.FP16_REFUSED}"),
     (["--update-card"], "--update-card needs --baseline"),
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+    (["--kv-context", "600"], "--kv-context 600: longer than"),  # 100M tokens used to run until the OOM killer
+    (["--data", " "], "--data: must not be empty"),  # '' used to evaluate whatever the working folder held
 ])
 def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_path, args, message):
     result = run("eval", converted, "--data", tinystories_text, "--json", tmp_path / "out.json", *args, check=False)
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()), result.output
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.real_model
+def test_update_card_refuses_a_baseline_that_is_not_the_source(converted, tinystories_text, tmp_path):
+    """The card calls the baseline "original": a converted model (here the folder itself) is not one."""
+    folder = copy_of(converted, tmp_path)
+    before = (folder / "mla_convert.json").read_text()
+    result = run("eval", folder, "--data", tinystories_text, "--baseline", folder, "--update-card", check=False)
+    assert result.exit_code == 2
+    assert "is not this conversion's source (architecture DeepseekV3ForCausalLM (the source's: LlamaForCausalLM))" in \
+        " ".join(result.output.split())
+    assert (folder / "mla_convert.json").read_text() == before
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(os.geteuid() != 0, reason="/proc passes the writability check only for root")
+def test_eval_json_that_cannot_be_written_keeps_the_printed_results(converted, tinystories_text):
+    result = run("eval", converted, "--data", tinystories_text, "--max-windows", "1", "--context", "64",
+                 "--json", "/proc/results.json", check=False)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"| {converted} | " in result.output  # the table came first
+    assert "--json /proc/results.json: could not write the results" in " ".join(result.output.split())
 
 
 @pytest.mark.real_model

@@ -30,6 +30,9 @@ class ModelFacts:
     path: Path
     max_positions: int | None
     converted: bool  # a DeepseekV3 export (fp16 refused)
+    architecture: str | None = None  # config.architectures[0]
+    hidden_size: int | None = None
+    num_layers: int | None = None
 
 
 def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: bool, problems: list[str],
@@ -52,11 +55,13 @@ def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: boo
         return None
     problems += found
     positions = getattr(config, "max_position_embeddings", None)
-    return ModelFacts(path, positions if isinstance(positions, int) else None, getattr(config, "model_type", None) == T.MODEL_TYPE)
+    architectures = getattr(config, "architectures", None) or [None]
+    return ModelFacts(path, positions if isinstance(positions, int) else None, getattr(config, "model_type", None) == T.MODEL_TYPE,
+                      architectures[0], getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None))
 
 
 def context_for(facts: list[ModelFacts], context: int | None, allow_long_context: bool, problems: list[str],
-                flag: str = "--context") -> int:
+                flag: str = "--context", consequence: str = " and scores would measure extrapolation") -> int:
     """The evaluation context: given, or min(1024, every model's max_position_embeddings)."""
     limits = [(f.path, f.max_positions) for f in facts if f.max_positions]
     if context is None:
@@ -64,8 +69,7 @@ def context_for(facts: list[ModelFacts], context: int | None, allow_long_context
     for path, limit in limits:
         if context > limit and not allow_long_context:
             problems.append(f"{flag} {context}: longer than {path}'s max_position_embeddings ({limit}); the model never saw "
-                            "such positions and scores would measure extrapolation. Use a shorter context or "
-                            "--allow-long-context")
+                            f"such positions{consequence}. Use a shorter {flag} or --allow-long-context")
     return context
 
 

@@ -473,6 +473,7 @@ def run_eval(
         max_tokens=max_tokens,
         batch_size=batch_size,
         dtype=str(next(model_obj.parameters()).dtype).replace("torch.", ""),
+        baseline_dtype=None if baseline_obj is None else str(next(baseline_obj.parameters()).dtype).replace("torch.", ""),
         device=str(_model_device(model_obj)),
         total_tokens=len(tokenized),
     )

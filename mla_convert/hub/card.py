@@ -703,8 +703,12 @@ def validate_card(card: ModelCard | str) -> dict:
     return metadata
 
 
-def card_update_problems(folder: Path | None, baseline: str | None) -> list[str]:
-    """Why `eval --update-card` could not write into `folder` (checked before the evaluation runs)."""
+def card_update_problems(folder: Path | None, baseline: str | None, baseline_facts=None) -> list[str]:
+    """Why `eval --update-card` could not write into `folder` (checked before the evaluation runs).
+
+    The card calls the baseline "original", so it must be the conversion's source: a model with the source's
+    architecture, width and depth as `mla_convert.json` records them (`baseline_facts`: `eval.checks.ModelFacts`).
+    """
     problems = []
     if baseline is None:
         problems.append("--update-card needs --baseline (the source model): the card reports both perplexities")
@@ -713,6 +717,17 @@ def card_update_problems(folder: Path | None, baseline: str | None) -> list[str]
             problems.append(f"--update-card: {folder} has no {REPORT_FILE}; only a folder written by `mla-convert convert` has a card to update")
         elif not os.access(folder, os.W_OK) or not os.access(folder / REPORT_FILE, os.W_OK):
             problems.append(f"--update-card: {folder} is not writable")
+        elif baseline_facts is not None:
+            source = _get(load_report(folder), "source", default={})
+            recorded = {"architecture": source.get("architecture"), "hidden size": source.get("hidden_size"),
+                        "layers": source.get("num_layers")}
+            found = {"architecture": baseline_facts.architecture, "hidden size": baseline_facts.hidden_size,
+                     "layers": baseline_facts.num_layers}
+            differ = [f"{key} {found[key]} (the source's: {value})" for key, value in recorded.items()
+                      if value is not None and found[key] != value]
+            if differ:
+                problems.append(f"--update-card: the baseline {baseline} is not this conversion's source "
+                                f"({', '.join(differ)}); the card would call it the original")
     return problems
 
 
