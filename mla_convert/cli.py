@@ -265,9 +265,9 @@ def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
     sample: bool = typer.Option(False, help="Sample instead of greedy decoding."),
-    temperature: float = typer.Option(1.0, help="Sampling temperature (> 0)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold, in (0, 1]."),
-    seed: int = typer.Option(0, help="Sampling seed."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default 1.0; only with --sample)."),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling threshold, in (0, 1] (default 1.0; only with --sample)."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed; prompt i uses seed + i (default 0; only with --sample)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)."),
     dtype: str = typer.Option("auto", help="Compute dtype: auto (the stored one), bf16 or fp32; fp16 is refused."),
     page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
@@ -277,8 +277,14 @@ def generate(
     from .errors import PreflightError
     from .runtime.checks import generation_problems
 
+    given = [flag for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--seed", seed)) if value is not None]
+    temperature, top_p, seed = (1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p,
+                                0 if seed is None else seed)
     problems, facts = generation_problems(model, prompts, max_new_tokens, temperature if sample else None,
-                                          top_p if sample else None, device, dtype, page_size, allow_long_context)
+                                          top_p if sample else None, device, dtype, page_size, allow_long_context,
+                                          seed=seed)
+    if given and not sample:
+        problems.append(f"{', '.join(given)}: only change sampling; greedy decoding ignores them (add --sample)")
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))
     from .runtime import generate_text

@@ -134,6 +134,23 @@ def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_p
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "5", "--seed", "3"], "--temperature, --seed: only change sampling; greedy decoding ignores them"),
+    (["--sample", "--temperature", "inf"], "--temperature inf: must be a finite number > 0"),
+    (["--sample", "--seed", str(2**70)], f"--seed {2**70}: must be between 0 and"),  # was a torch overflow traceback
+    (["--max-new-tokens", "1", "--prompt-words", "600"], "tokens) leaves no room for new tokens within the model's max_position_embeddings (512)"),
+])
+def test_generate_refuses_settings_that_would_be_ignored_or_crash(converted, args, message):
+    prompt = "Once upon a time"
+    if "--prompt-words" in args:
+        index = args.index("--prompt-words")
+        prompt, args = " ".join(["cat"] * int(args[index + 1])), args[:index] + args[index + 2:]
+    result = run("generate", converted, prompt, *args, check=False)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.real_model
 def test_update_card_refuses_a_baseline_that_is_not_the_source(converted, tinystories_text, tmp_path):
     """The card calls the baseline "original": a converted model (here the folder itself) is not one."""
     folder = copy_of(converted, tmp_path)

@@ -7,6 +7,7 @@ something, and the latent cache the run allocates must fit in the memory of the 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -17,6 +18,8 @@ from ..errors import MLAConvertError
 from ..eval.checks import ModelFacts, dtype_problems, model_facts, positive_problems
 from ..io.hf_loading import load_config, load_tokenizer
 from .paged_cache import PagedLatentCache
+
+SEED_MAX = 2**63 - 1  # as `convert --seed`; torch generators take 64-bit seeds
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -35,12 +38,14 @@ def available_memory(device: torch.device) -> int | None:
 
 def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int, temperature: float | None,
                         top_p: float | None, device: str | None, dtype: str, page_size: int,
-                        allow_long_context: bool) -> tuple[list[str], ModelFacts | None]:
+                        allow_long_context: bool, seed: int = 0) -> tuple[list[str], ModelFacts | None]:
     problems: list[str] = []
     facts = model_facts(model, None, False, problems)
     problems += positive_problems({"--max-new-tokens": max_new_tokens, "--page-size": page_size})
-    if temperature is not None and not temperature > 0:
-        problems.append(f"--temperature {temperature}: must be > 0 when sampling")
+    if temperature is not None and not 0 < temperature < math.inf:
+        problems.append(f"--temperature {temperature}: must be a finite number > 0 when sampling")
+    if not 0 <= seed <= SEED_MAX - len(prompts):  # prompt i is seeded with seed + i (torch.Generator: 64 bits)
+        problems.append(f"--seed {seed}: must be between 0 and {SEED_MAX - len(prompts)}")
     if top_p is not None and not 0 < top_p <= 1:
         problems.append(f"--top-p {top_p}: must be in (0, 1]")
     if not prompts or any(not p.strip() for p in prompts):
@@ -62,7 +67,10 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         return problems + [str(error)], facts
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]
     longest = max(lengths) + max_new_tokens
-    if facts.max_positions and longest > facts.max_positions and not allow_long_context:
+    if facts.max_positions and max(lengths) >= facts.max_positions and not allow_long_context:
+        problems.append(f"the longest prompt ({max(lengths)} tokens) leaves no room for new tokens within the model's "
+                        f"max_position_embeddings ({facts.max_positions}); shorten it or pass --allow-long-context")
+    elif facts.max_positions and longest > facts.max_positions and not allow_long_context:
         problems.append(f"--max-new-tokens {max_new_tokens}: the longest prompt ({max(lengths)} tokens) plus the new tokens "
                         f"({longest}) exceed the model's max_position_embeddings ({facts.max_positions}); generate fewer "
                         "tokens or pass --allow-long-context")

@@ -117,7 +117,7 @@ class TextGeneration:
     texts: list[str]  # each prompt's continuation, spaced as the tokenizer decodes the whole sequence
     new_tokens: int
     seconds: float  # prefill + decode
-    cache_bytes_in_use: int  # the latent cache's payload at the end of the longest sequence
+    cache_bytes_in_use: int  # the latent cache's payload: every sequence's tokens at its end
     cache_bytes_allocated: int
 
     @property
@@ -153,8 +153,9 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - started
-    longest = max(len(p) + len(s) - 1 for p, s in zip(prompt_ids, output.sequences))
+    # every sequence's cached tokens: its prompt and all but its last new token (that one is never fed back)
+    cached_tokens = sum(len(p) + len(s) - 1 for p, s in zip(prompt_ids, output.sequences))
     return TextGeneration(
         texts=[continuation(tokenizer, p, s) for p, s in zip(prompt_ids, output.sequences)],
         new_tokens=sum(len(s) for s in output.sequences), seconds=seconds,
-        cache_bytes_in_use=longest * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated)
+        cache_bytes_in_use=cached_tokens * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated)
