@@ -88,16 +88,22 @@ def inspect(
     """Source attention shape, KV cache before/after for an MLA shape, the shapes each --target allows; --estimate: the cost."""
     from .console import print_table
     from .errors import PreflightError
-    from .io.resolve import resolve_config_path
+    from .eval.checks import positive_problems
+    from .io.resolve import resolve_config_path, revision_problems
     from .source.config import SourceConfig
-    from .source.inspect import estimate_problems, inspect_shapes, target_rows
+    from .source.inspect import estimate_problems, estimate_source_problems, inspect_shapes, target_rows
     from .units import parse_dtype
 
     problems = estimate_problems(estimate, device, cpu_cores, options)  # --target's problems among them
+    problems += positive_problems({"--context": context, "--batch": batch}) + revision_problems(revision, model)
     if problems:
         raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
     source = SourceConfig.from_folder(folder)
+    if estimate:  # what `convert` would refuse for this source is not worth a prediction
+        problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression)
+        if problems:
+            raise PreflightError(problems)
     report = inspect_shapes(source, kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch, target=options.target)
     s = report.source
     console.print(
@@ -109,7 +115,9 @@ def inspect(
     )
     print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
-    console.print(f"compression ratio: [bold]{report.ratio:.2f}x[/] smaller KV cache", highlight=False, soft_wrap=True)
+    change = (f"[bold]{report.ratio:.2f}x[/] smaller KV cache" if report.ratio >= 1 else
+              f"[bold]{report.ratio:.2f}x[/]: the MLA cache is {1 / report.ratio:.2f}x larger than the source's")
+    console.print(f"compression ratio: {change}", highlight=False, soft_wrap=True)
     print_table(console, "shapes each --target allows for this model", ("target", "shapes", "KV ratios"), target_rows(report.source))
     if estimate:
         import dataclasses
@@ -205,8 +213,9 @@ def evaluate(
     from .eval.checks import context_for, dtype_problems, model_facts, positive_problems
     from .eval.perplexity import run_eval
     from .io.paths import output_file_problems
+    from .io.resolve import revision_problems
 
-    problems: list[str] = []
+    problems: list[str] = revision_problems(revision, model, baseline)
     facts = [model_facts(model, revision, allow_pickle, problems, "model")]
     if baseline is not None:
         facts.append(model_facts(baseline, revision, allow_pickle, problems, "baseline"))

@@ -81,7 +81,7 @@ def print_table(console: Console, title: str, header: Sequence[str], rows: Seque
             table.add_row(*(Text(str(cell)) for cell in row))  # Text: a cell like `runs/[v2]` is not markup
         console.print(table)
         return
-    lines = [f"**{title}**", ""] if title else []
+    lines = ["", f"**{title}**", ""] if title else []  # blank first: Markdown would run the title into the text above
     names = list(header) if header else [""] * (len(rows[0]) if rows else 0)
     lines.append("| " + " | ".join(names) + " |")
     lines.append("|" + "|".join("---:" if index in right else "---" for index in range(len(names))) + "|")

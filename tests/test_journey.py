@@ -125,6 +125,7 @@ def test_eval_kv_context_reports_the_cache_the_conversion_promised(converted, st
     (["--batch-size", "0"], "--batch-size 0: must be at least 1"),
     (["--kv-context", "600"], "--kv-context 600: longer than"),  # 100M tokens used to run until the OOM killer
     (["--data", " "], "--data: must not be empty"),  # '' used to evaluate whatever the working folder held
+    (["--revision", "v1"], "--revision v1: "),  # a local folder has no revisions: it was ignored
 ])
 def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_path, args, message):
     result = run("eval", converted, "--data", tinystories_text, "--json", tmp_path / "out.json", *args, check=False)

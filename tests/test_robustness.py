@@ -417,6 +417,12 @@ def _(ws):
     return ["--license", "Not A License", "--base-model", "./my-llama"]
 
 
+@case("revision-on-local-folder", "--revision with a local source (it would be ignored)", "--revision v2",
+      "--revision v2:", "is a local folder")
+def _(ws):
+    return ["--revision", "v2"]
+
+
 # --------------------------------------------------------------------------- D. calibration text
 @case("calib-text-missing", "calibration text file missing", "--calib-data <tmp>/nowhere.txt", "no such file")
 def _(ws):

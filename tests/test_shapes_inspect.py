@@ -265,3 +265,28 @@ def test_inspect_cli_user_errors_exit_2(tmp_path):
         assert result.stderr.startswith("error: ") and fragment in result.stderr
         assert "Traceback" not in result.stderr
     assert isinstance(InvalidShapeError("x"), MLAConvertError)
+
+
+@pytest.mark.parametrize("args, messages", [
+    (["--context", "-1", "--batch", "0"], ["--context -1: must be at least 1", "--batch 0: must be at least 1"]),
+    # --estimate predicts a conversion; one that `convert` refuses for this source gets the same refusal
+    (["--estimate", "--q-lora-rank", "577"], ["--q-lora-rank 577: larger than the source allows"]),
+    (["--estimate", "--calib-seq-len", "100000"], ["--calib-seq-len 100000: longer than the source's max_position_embeddings"]),
+    (["--estimate", "--calib-data", "no-such-text.txt"], ["--calib-data: no-such-text.txt: no such file or folder"]),
+])
+def test_inspect_refuses_what_would_print_nonsense(smollm2_config_folder, tmp_path, args, messages):
+    """Negative cache sizes, or a cost prediction (21.6 h for 100K-token windows) for a conversion that cannot run."""
+    result = run_cli("inspect", smollm2_config_folder, *args, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.splitlines() == [f"error: {message}" for message in messages] or \
+        all(message in " ".join(result.stderr.split()) for message in messages), result.stderr
+
+
+def test_inspect_says_when_the_mla_cache_is_larger(smollm2_config_folder):
+    """Full rank plus a RoPE key caches more than the source (the exactness case): the ratio line says so, and the
+    piped tables are Markdown blocks of their own (a blank line before each title)."""
+    result = run_cli("inspect", smollm2_config_folder, "-r", "384", "-d", "32")
+    assert result.returncode == 0, result.stderr
+    assert "compression ratio: 0.92x: the MLA cache is 1.08x larger than the source's" in result.stdout
+    assert "smaller" not in result.stdout
+    assert "\n\n**shapes each --target allows for this model**\n\n" in result.stdout

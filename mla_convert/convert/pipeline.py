@@ -27,7 +27,7 @@ import torch
 from ..devices import resident_weight_budget
 from ..errors import CheckpointError, ConversionError, MLAConvertError, PreflightError
 from ..io.reader import CheckpointReader
-from ..io.resolve import resolve_model_path
+from ..io.resolve import resolve_model_path, revision_problems
 from ..io.signals import signals_deferred
 from ..io.writer import CheckpointWriter, claim_scratch_folder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions
@@ -78,7 +78,7 @@ class Converter:
         pin_mmap_threshold()  # freed per-layer temporaries leave the process (see memory.py)
         self.source_path = resolve_model_path(source, self.options.revision, self.options.allow_pickle)
         raw = read_config_json(self.source_path)
-        problems = SourceConfig.problems(raw)
+        problems = revision_problems(self.options.revision, source) + SourceConfig.problems(raw)
         try:  # a broken config and unreadable weights are reported together
             self.reader = CheckpointReader(self.source_path, allow_pickle=self.options.allow_pickle)
         except CheckpointError as error:

@@ -165,7 +165,7 @@ def calibration_problems(folder: Path, calibration) -> list[str]:
             f"({', '.join(TOKENIZER_FILES)}); leave out --calib-data to sample calibration text from the model"
         )
     problems += tokenizer_code_problems(Path(folder))
-    problems += _local_text_problems(calibration.data, calibration.text_column)
+    problems += local_text_problems(calibration.data, calibration.text_column)
     return problems
 
 
@@ -209,7 +209,7 @@ def tokenizer_code_problems(folder: Path) -> list[str]:
     ]
 
 
-def _local_text_problems(spec: str, text_column: str) -> list[str]:
+def local_text_problems(spec: str, text_column: str) -> list[str]:
     """Read the start of a local calibration file or folder (a dataset spec is checked when it is loaded)."""
     from ..eval.textdata import _looks_like_path, load_text
 

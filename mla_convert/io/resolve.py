@@ -31,6 +31,15 @@ def looks_like_hub_id(text: str) -> bool:
     return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
 
 
+def revision_problems(revision: str | None, *models: str | os.PathLike | None) -> list[str]:
+    """`--revision` given while every model named is a local folder: it would be ignored without a word."""
+    named = [str(model) for model in models if model is not None]
+    if revision is None or not named or not all(Path(name).expanduser().exists() for name in named):
+        return []
+    where = f"{named[0]} is a local folder" if len(named) == 1 else f"{' and '.join(named)} are local folders"
+    return [f"--revision {revision}: {where}; a revision picks a branch, tag or commit of a hub model"]
+
+
 def resolve_model_path(model: str | os.PathLike, revision: str | None = None, allow_pickle: bool = False) -> Path:
     """A local folder as is; otherwise a hub id downloaded with `snapshot_download` (weights, config, tokenizer)."""
     path = Path(model).expanduser()

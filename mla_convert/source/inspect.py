@@ -109,6 +109,28 @@ def estimate_problems(estimate: bool, device: str | None, cpu_cores: int | None,
     return problems
 
 
+def estimate_source_problems(source: SourceConfig, options, kv_lora_rank: int | None = None, rope_dim: int | None = None,
+                             compression: float | None = None) -> list[str]:
+    """What `convert` would refuse in these options for this source (from its config alone): a query rank it cannot
+    take, calibration windows past its positions, a local calibration text that is missing or unreadable."""
+    from ..convert.preflight import calibration_length_problems, local_text_problems
+    from ..errors import MLAConvertError, PreflightError
+    from .shapes import shape_problems
+
+    problems = calibration_length_problems(source, options.calibration)
+    if options.calibration.data is not None:
+        problems += local_text_problems(options.calibration.data, options.calibration.text_column)
+    if options.q_lora_rank is not None:
+        try:
+            mla = pick_target_shape(source, options.target, kv_lora_rank, rope_dim, compression, options.q_lora_rank)
+            problems += shape_problems(source, mla.kv_lora_rank, mla.rope_dim, mla.q_lora_rank)
+        except PreflightError as error:
+            problems += error.problems
+        except MLAConvertError as error:
+            problems.append(str(error))
+    return problems
+
+
 def changed_flags(options, defaults) -> list[str]:
     """Flags of the option fields whose values differ from `defaults` (nested dataclasses included)."""
     import dataclasses
