@@ -25,7 +25,7 @@ def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.flo
     try:
         return DTYPE_NAMES[str(name).lower().replace("torch.", "")]
     except KeyError as error:
-        raise InvalidShapeError(f"unknown dtype {name!r}; use one of bf16, fp16, fp32") from error
+        raise InvalidShapeError(f"unknown dtype {name!r}; use one of bf16, fp32 (or fp16 where a command accepts it)") from error
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -118,6 +118,20 @@ def test_local_datasets_folder_rows_join_like_the_raw_wikitext(tmp_path):
         load_text(f"{folder}::test", text_column="body")
 
 
+def test_a_column_that_is_not_text_is_an_error(tmp_path):
+    """Naming a number column scored its digits as text (perplexity 25,000 and exit 0)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"id": 1, "text": "alpha"}\n{"id": 2, "text": "beta"}\n')
+    assert load_text(str(path)) == "alpha\n\nbeta"
+    with pytest.raises(MLAConvertError, match=r"rows.jsonl:1: the 'id' field holds int values, not text"):
+        load_text(str(path), text_column="id")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "test.jsonl").write_text(path.read_text())
+    with pytest.raises(MLAConvertError, match="the 'id' field holds int values, not text"):
+        load_text(f"{folder}::test", text_column="id")
+
+
 def test_unknown_dataset_offline_is_one_clear_line():
     """Run in a subprocess with the hub switched off, as on an offline machine (no retries, fast)."""
     code = (

@@ -472,7 +472,7 @@ def estimate(source: SourceConfig, options: ConvertOptions | None = None, device
     if kind == "cpu":
         cores = cores or rates["reference_cores"]
         scale = cores / rates["reference_cores"]
-        describe = f"cpu, {cores} cores"
+        describe = f"cpu, {cores} core{'s' if cores != 1 else ''}"
         resident = 0
     else:
         scale = 1.0
