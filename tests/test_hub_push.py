@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -458,6 +459,20 @@ def test_invalid_or_bare_repo_id_is_refused(repo_id, single, hub):
     with pytest.raises(HubPushError, match="use 'namespace/name'"):
         push_to_hub(single, repo_id, token=TOKEN, endpoint=hub.url, dry_run=repo_id.startswith("s"))
     assert hub.requests == []
+
+
+@pytest.mark.parametrize("revision, message", [
+    ("", "--revision: must not be empty"),
+    ("mla v1", "--revision 'mla v1': not a branch name git accepts"),
+    ("../main", "--revision '../main': not a branch name"),
+    ("-f", "--revision '-f': not a branch name"),
+])
+def test_a_revision_git_would_refuse_is_refused_before_any_request(revision, message, single, hub):
+    """The dry run used to list the upload for `--revision 'a b'`, which the Hub's git cannot create."""
+    with pytest.raises(HubPushError, match=re.escape(message)):
+        push_to_hub(single, REPO, revision=revision, token=TOKEN, endpoint=hub.url, dry_run=True)
+    assert hub.requests == []
+    assert push_to_hub(single, REPO, revision="release/v1.0", token=TOKEN, endpoint=hub.url, dry_run=True).dry_run
 
 
 def test_unfinished_work_names_match_the_checkpoint_writer():

@@ -250,6 +250,11 @@ def _card_for(folder: Path, repo_id: str) -> tuple[str, bool]:
     return str(card), True
 
 
+# Branch names git's check-ref-format accepts (the Hub stores each revision as a git branch); the dry run says so
+# before the upload would fail on it.
+_GIT_BRANCH_NAME = re.compile(r"(?!-)(?!/)(?!.*\.\.)(?!.*//)(?!.*@\{)(?!.*(?:\.lock|/|\.)$)(?!.*/\.)(?!\.)[^\x00-\x20\x7f~^:?*\[\\]+")
+
+
 def _default_commit_message(folder: Path) -> str:
     try:
         report = load_report(folder)
@@ -322,7 +327,10 @@ def push_to_hub(
             f"invalid repo id {repo_id!r}: use 'namespace/name' (your user or organisation, then the model name)"
         ) from error
     if revision is not None and not revision.strip():
-        raise HubPushError("revision must not be empty")
+        raise HubPushError("--revision: must not be empty")
+    if revision is not None and not _GIT_BRANCH_NAME.fullmatch(revision):
+        raise HubPushError(f"--revision {revision!r}: not a branch name git accepts (no spaces, '..', '~^:?*[\\', "
+                           "leading '-' or '/', trailing '/', '.' or '.lock')")
 
     files = check_pushable(folder)
     card_text, generated = _card_for(folder, repo_id)
