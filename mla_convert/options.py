@@ -146,7 +146,8 @@ def option_problems(options: Any) -> list[str]:
             problems.append(f"{flag} {value}: must be at least {meta['minimum']:g}{why}")
         if meta.get("maximum") is not None and value > meta["maximum"]:
             problems.append(f"{flag} {value}: must be at most {meta['maximum']:g}")
-        if isinstance(value, str) and not value.strip():  # an empty value would fall back to a surprising default
+        # an empty value would fall back to a surprising default (an empty choice is already reported above)
+        if isinstance(value, str) and not value.strip() and not meta.get("choices"):
             problems.append(f"{flag}: must not be empty")
     return problems
 
