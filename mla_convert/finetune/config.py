@@ -146,7 +146,8 @@ class FinetuneConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio: must be between 0 and 1 (got {self.min_lr_ratio})")
         if self.warmup_steps >= self.max_steps and self.max_steps > 1:
-            problems.append(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps})")
+            problems.append(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps}); "
+                            "for a short run lower --warmup-steps too")
         if self.temperature <= 0 or self.sample_temperature <= 0:
             problems.append("temperature and sample_temperature must be positive")
         if not 0 < self.sample_top_p <= 1:
