@@ -255,9 +255,8 @@ class Finetuner:
     def setup(self) -> None:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
-        from transformers import AutoConfig
 
-        from ..io.hf_loading import load_causal_lm
+        from ..io.hf_loading import load_causal_lm, load_config
 
         config = self.config
         if config.num_threads:
@@ -276,7 +275,7 @@ class Finetuner:
             self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
         self.report = load_converted_report(self.converted)
-        positions = AutoConfig.from_pretrained(self.converted, trust_remote_code=False).max_position_embeddings
+        positions = load_config(self.converted).max_position_embeddings
         windows = ("seq_len", "eval_context") if config.eval_data else ("seq_len",)
         too_long = [f"{name} {getattr(config, name)}" for name in windows if getattr(config, name) > positions]
         if too_long:  # positions the model never trained on; sampling that much teacher text also takes hours
