@@ -326,8 +326,9 @@ def push(
     print_plain(result.summary())
 
 
-# Each sweep point picks its own shape (from --ratios) and method (from --methods) and writes its own folder.
-SWEEP_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "method", "overwrite", "max_shard_size"}
+# Each sweep point picks its own shape (from --ratios) and method (from --methods) and writes its own folder;
+# it replaces only models an earlier sweep kept there, so --overwrite/--force have nothing to do.
+SWEEP_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "method", "overwrite", "force", "max_shard_size"}
 
 
 @app.command()

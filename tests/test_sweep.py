@@ -211,6 +211,39 @@ def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_p
     report = run_eval(kept, tiny_text, context_length=64, max_windows=2, progress=False)
     assert next(iter(report.results.values())).perplexity == pytest.approx(point.perplexity, rel=1e-9)
 
+    # a second sweep into the same folder replaces the model the first one kept, nothing else
+    marker = kept / "left-by-the-first-sweep"
+    marker.write_text("")
+    (again,) = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                         methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True).points
+    assert again.ok and not marker.exists() and (kept / "config.json").exists()
+
+
+@pytest.mark.parametrize("occupant", ["folder", "link to a kept model"])
+def test_a_kept_models_place_held_by_something_else_is_refused_before_any_work(tiny_source, tiny_text, tmp_path,
+                                                                               occupant):
+    place = tmp_path / "out" / "models" / "weight-2x"
+    place.parent.mkdir(parents=True)
+    if occupant == "folder":
+        place.mkdir()
+        (place / "notes.txt").write_text("mine")
+    else:
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "mla_convert.json").write_text("{}")
+        place.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                  methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    message = str(refused.value)
+    assert str(place) in message and "earlier sweep" in message
+    assert "--overwrite" not in message  # sweep has no such flag
+    assert not (tmp_path / "out" / "sweep.json").exists()
+    if occupant == "folder":
+        assert (place / "notes.txt").read_text() == "mine"
+    else:
+        assert place.is_symlink() and (tmp_path / "elsewhere" / "mla_convert.json").exists()
+
 
 # --------------------------------------------------------------------------- tables and plot without models
 def _fake_result(perplexities: dict[tuple[str, float], float | None]) -> SweepResult:

@@ -711,13 +711,22 @@ def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[
         raise PreflightError(list(dict.fromkeys(problems)))
 
 
+def _kept_model(folder: Path) -> bool:
+    """A real folder holding a conversion (an earlier sweep's kept model), which a sweep may replace; never a link."""
+    return folder.is_dir() and not folder.is_symlink() and (folder / "mla_convert.json").is_file()
+
+
 def _collect_preflight_problems(converter: Converter, base: ConvertOptions, ratios: Sequence[float],
                                 methods: Sequence[str], models_root: Path, problems: list[str]) -> None:
     for ratio in ratios:
         for method in methods:
             folder = models_root / _folder_name(method, ratio)
-            if folder.exists() and (folder / "mla_convert.json").is_file():
+            if _kept_model(folder):
                 continue  # an earlier sweep's kept model: replaced when its turn comes
+            if folder.exists() or folder.is_symlink():
+                problems.append(f"{folder}: exists and is not a model an earlier sweep kept; a sweep replaces only "
+                                "those: move it away or choose another --out-dir")
+                continue
             try:
                 converter.preflight(folder, dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method]))
             except PreflightError as error:
@@ -734,8 +743,8 @@ def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float,
                   values_per_token_layer=mla.kv_values_per_token_layer)
     options = dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method])
     command = f"mla-convert sweep (ratio {ratio:g}, method {METHOD_LABELS[method]})"
-    if folder.exists():
-        if not (folder / "mla_convert.json").is_file():
+    if folder.exists() or folder.is_symlink():
+        if not _kept_model(folder):
             return SweepPoint(result=None, error=f"{folder}: exists and is not a converted model; not replacing it", **common)
         shutil.rmtree(folder)  # an earlier sweep's kept model
     started = time.time()
