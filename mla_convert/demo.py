@@ -44,8 +44,19 @@ def self_sampled_perplexity(models: dict, sampler, num: int = 4, length: int = 2
             for name, model in models.items()}
 
 
-def demo_problems(compression: float, output: Path | None) -> list[str]:
+def demo_problems(compression: float, output: Path | None, eval_data: str | None = None) -> list[str]:
+    """What would make the demo fail, found before the model is fetched and converted (minutes of work)."""
+    from .eval.textdata import TextDataError, load_text
+
     problems = []
+    if eval_data is not None:
+        if not str(eval_data).strip():
+            problems.append("--eval-data: must not be empty (a text file, a folder or a datasets spec)")
+        else:
+            try:
+                load_text(eval_data, max_chars=1000)  # the first characters are enough to know it can be read
+            except TextDataError as error:
+                problems.append(f"--eval-data: {error}")
     if not (math.isfinite(compression) and compression >= 1):
         problems.append(f"--compression {compression}: must be a number of at least 1 (how many times smaller the KV cache gets)")
     if output is not None:
@@ -65,7 +76,7 @@ def run_demo(
     options: ConvertOptions | None = None,
     progress: Progress | None = None,
 ) -> DemoResult:
-    problems = demo_problems(compression, output)
+    problems = demo_problems(compression, output, eval_data)
     if problems:  # before the download: a bad setting must not cost a model fetch
         raise PreflightError(problems)
     if output is None:

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mla_convert.convert.pipeline import Progress
-from mla_convert.demo import compare_models, self_sampled_perplexity
+from mla_convert.demo import compare_models, demo_problems, run_demo, self_sampled_perplexity
+from mla_convert.errors import PreflightError
 from mla_convert.eval.sampling import sample_from_model
 
 
@@ -74,3 +75,18 @@ def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260
     assert [prompt for prompt, _, _ in generations] == ["Once upon a time", "The cat"]
     assert all(source == converted and source.strip() for _, source, converted in generations)
     assert "Loading weights" not in capfd.readouterr().err  # transformers' bar would cut across ours
+
+
+def test_unreadable_eval_data_is_refused_before_the_model_is_fetched(tmp_path):
+    # --eval-data used to be read only after the minutes-long SmolLM2 conversion
+    (tmp_path / "empty-folder").mkdir()
+    text = tmp_path / "text.txt"
+    text.write_text("Some text to score. " * 10)
+    assert demo_problems(2.0, None, str(text)) == []
+    for bad, expected in ((str(tmp_path / "missing.txt"), "no such file"), ("", "must not be empty"),
+                          (str(tmp_path / "empty-folder"), str(tmp_path / "empty-folder"))):
+        (problem,) = demo_problems(2.0, None, bad)
+        assert problem.startswith("--eval-data") and expected in problem
+    with pytest.raises(PreflightError, match="missing.txt"):
+        run_demo(output=tmp_path / "never-written", eval_data=str(tmp_path / "missing.txt"))
+    assert not (tmp_path / "never-written").exists()
