@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .errors import MLAConvertError
+from .errors import MLAConvertError, PreflightError
 from .options import ConvertOptions, cli_options
 
 app = typer.Typer(
@@ -87,7 +87,6 @@ def inspect(
 ):
     """Source attention shape, KV cache before/after for an MLA shape, the shapes each --target allows; --estimate: the cost."""
     from .console import print_table
-    from .errors import PreflightError
     from .eval.checks import positive_problems
     from .io.resolve import resolve_config_path, revision_problems
     from .source.config import SourceConfig
@@ -154,6 +153,17 @@ def convert(
     from .convert.pipeline import install_sigterm_handler
     from .io.paths import command_line
 
+    problems = []
+    if push_to_hub is not None:  # before the conversion: a typo here must not cost hours of work
+        from .hub.push import push_setting_problems
+
+        problems += [f"--push-to-hub: {problem}" for problem in push_setting_problems(push_to_hub, need_token=True)]
+    elif private:
+        problems.append("--private: acts only with --push-to-hub (the visibility of the repo it creates)")
+    if quiet and verbose:
+        problems.append("--quiet and --verbose: choose one")
+    if problems:
+        raise PreflightError(problems)
     install_sigterm_handler()
     progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
     try:
@@ -209,7 +219,6 @@ def evaluate(
 ):
     """Perplexity (and bits/byte, word perplexity) with the sliding-window method; optional baseline."""
     from .devices import device_problems
-    from .errors import PreflightError
     from .eval.checks import context_for, dtype_problems, model_facts, positive_problems
     from .eval.perplexity import run_eval
     from .io.paths import output_file_problems
@@ -283,7 +292,6 @@ def generate(
     allow_long_context: bool = typer.Option(False, help="Allow prompt + new tokens beyond max_position_embeddings."),
 ):
     """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU)."""
-    from .errors import PreflightError
     from .runtime.checks import generation_problems
 
     given = [flag for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--seed", seed)) if value is not None]

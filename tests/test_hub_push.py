@@ -480,3 +480,28 @@ def test_unfinished_work_names_match_the_checkpoint_writer():
 
     assert PARTIAL_SUFFIX == checkpoint_writer.PARTIAL_SUFFIX
     assert OWNER_FILE == checkpoint_writer.OWNER_FILE
+
+
+# ------------------------------------------------------------------------------ convert --push-to-hub
+@pytest.mark.parametrize("flags, message", [
+    (["--push-to-hub", "alice/bad name"], "--push-to-hub: invalid repo id 'alice/bad name'"),
+    (["--push-to-hub", "alice/tiny-mla"], "--push-to-hub: not logged in"),
+    (["--private"], "--private: acts only with --push-to-hub"),
+    (["-q", "-v"], "--quiet and --verbose: choose one"),
+])
+def test_convert_refuses_push_settings_before_converting(flags, message, tmp_path, monkeypatch):
+    """A bad repo id or a missing token used to surface only after the whole conversion."""
+    import huggingface_hub.constants
+    from tiny_models import save_tiny_model
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    source = save_tiny_model(tmp_path / "src", num_layers=1)
+    output = tmp_path / "out"
+    result = CliRunner().invoke(cli.app, ["convert", str(source), str(output), "-c", "2", *flags])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert not output.exists()

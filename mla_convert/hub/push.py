@@ -296,6 +296,36 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(classes)
 
 
+NOT_LOGGED_IN = "not logged in to the Hugging Face Hub: run `hf auth login` or set HF_TOKEN"
+
+
+def push_setting_problems(repo_id: str, revision: str | None = None, need_token: bool = False) -> list[str]:
+    """What would refuse a push of any folder to `repo_id`, found without the network.
+
+    `convert --push-to-hub` asks this before converting, so that a typo in the repo id (or a missing
+    token) does not surface only after a conversion of minutes or hours.
+    """
+    from huggingface_hub import get_token
+
+    problems = []
+    # The namespace is required, not left for the Hub to fill in: the card's loading snippets name the
+    # repo, and the dry run must show the exact bytes of that card without asking the Hub who we are.
+    try:
+        validate_repo_id(repo_id)
+        if repo_id.count("/") != 1:
+            raise HFValidationError("no namespace")
+    except HFValidationError:
+        problems.append(f"invalid repo id {repo_id!r}: use 'namespace/name' (your user or organisation, then the model name)")
+    if revision is not None and not revision.strip():
+        problems.append("--revision: must not be empty")
+    elif revision is not None and not _GIT_BRANCH_NAME.fullmatch(revision):
+        problems.append(f"--revision {revision!r}: not a branch name git accepts (no spaces, '..', '~^:?*[\\', "
+                        "leading '-' or '/', trailing '/', '.' or '.lock')")
+    if need_token and not get_token():
+        problems.append(NOT_LOGGED_IN)
+    return problems
+
+
 def push_to_hub(
     folder: str | Path,
     repo_id: str,
@@ -316,21 +346,9 @@ def push_to_hub(
     whatever huggingface_hub finds (`HF_TOKEN`, then the `hf auth login` cache).
     """
     folder = Path(folder)
-    # The namespace is required, not left for the Hub to fill in: the card's loading snippets name the
-    # repo, and the dry run must show the exact bytes of that card without asking the Hub who we are.
-    try:
-        validate_repo_id(repo_id)
-        if repo_id.count("/") != 1:
-            raise HFValidationError("no namespace")
-    except HFValidationError as error:
-        raise HubPushError(
-            f"invalid repo id {repo_id!r}: use 'namespace/name' (your user or organisation, then the model name)"
-        ) from error
-    if revision is not None and not revision.strip():
-        raise HubPushError("--revision: must not be empty")
-    if revision is not None and not _GIT_BRANCH_NAME.fullmatch(revision):
-        raise HubPushError(f"--revision {revision!r}: not a branch name git accepts (no spaces, '..', '~^:?*[\\', "
-                           "leading '-' or '/', trailing '/', '.' or '.lock')")
+    problems = push_setting_problems(repo_id, revision)
+    if problems:
+        raise HubPushError("\n".join(problems))
 
     files = check_pushable(folder)
     card_text, generated = _card_for(folder, repo_id)
@@ -362,7 +380,7 @@ def push_to_hub(
 
     resolved = token or get_token()
     if not resolved:
-        raise HubPushError("not logged in to the Hugging Face Hub: run `hf auth login` or set HF_TOKEN")
+        raise HubPushError(NOT_LOGGED_IN)
     secret = resolved.encode("utf-8")
     on_disk = [item for item in files if not (generated and item.path == CARD_FILE)]  # not written yet
     leaking = _files_containing(folder, on_disk, lambda data: secret in data)
