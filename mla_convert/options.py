@@ -152,6 +152,36 @@ def option_problems(options: Any) -> list[str]:
     return problems
 
 
+# Flags that only act together with other settings: (field path) -> (does it act?, what it needs).  A flag given
+# on the command line where it cannot act is refused rather than silently ignored (the predicates read the
+# whole ConvertOptions; the API cannot tell a default from a value given, so only the command line checks).
+def _self_sampled(options: ConvertOptions) -> bool:
+    return options.calibration.data is None
+
+
+def _refines(options: ConvertOptions) -> bool:
+    if options.refine_steps is not None:
+        return options.refine_steps > 0
+    return options.effort != "fast" and options.method != "svd"  # both: no refinement unless --refine-steps N
+
+
+ACTS_ONLY_WITH: dict[tuple[str, ...], tuple[Callable[[ConvertOptions], bool], str]] = {
+    ("force",): (lambda o: o.overwrite, "--overwrite"),
+    ("calibration", "seed"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
+    ("calibration", "temperature"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
+    ("calibration", "top_p"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
+    ("kv_balance_search",): (lambda o: o.method == "activation-aware", "--method activation-aware"),
+    ("refine_lr",): (_refines, "layer refinement (--refine-steps N, or --effort default/thorough with a "
+                               "calibrated --method)"),
+}
+
+
+def ineffective_flag_problems(options: ConvertOptions, given: dict[tuple[str, ...], str]) -> list[str]:
+    """One line for each flag in `given` (field path -> flag as typed) that cannot act with the other settings."""
+    return [f"{flag}: acts only with {needs}" for path, flag in given.items()
+            if path in ACTS_ONLY_WITH for acts, needs in [ACTS_ONLY_WITH[path]] if not acts(options)]
+
+
 def _base_type(annotation: Any) -> type:
     """Optional[int] -> int; int -> int."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -215,6 +245,8 @@ def cli_options(**groups: type | tuple[type, frozenset[str] | set[str]]):
     specs = {name: (value, frozenset()) if isinstance(value, type) else (value[0], frozenset(value[1]))
              for name, value in groups.items()}
 
+    import typer
+
     def decorate(func):
         hints = typing.get_type_hints(func)
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
@@ -227,15 +259,42 @@ def cli_options(**groups: type | tuple[type, frozenset[str] | set[str]]):
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
+            from .errors import PreflightError
+
+            context = kwargs.pop(_CONTEXT, None)
+            problems = []
             for name, flags in generated.items():
                 values = {flag.path: kwargs.pop(flag.parameter.name) for flag in flags if flag.parameter.name in kwargs}
                 kwargs[name] = _build(specs[name][0], values)
+                if isinstance(kwargs[name], ConvertOptions):
+                    problems += ineffective_flag_problems(kwargs[name], _given_on_command_line(context, flags))
+            if problems:
+                raise PreflightError(problems)
             return func(*args, **kwargs)
 
         parameters = own + [f.parameter for flags in generated.values() for f in flags]
+        # typer hands the command's context to a parameter annotated typer.Context: it tells typed flags from defaults
+        parameters.append(inspect.Parameter(_CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
         wrapper.__signature__ = inspect.Signature(parameters)
         wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
         wrapper.option_flags = {name: [(f.parameter.name, f.path) for f in flags] for name, flags in generated.items()}
         return wrapper
 
     return decorate
+
+
+_CONTEXT = "cli_context"
+
+
+def _given_on_command_line(context: Any, flags: list[_Flag]) -> dict[tuple[str, ...], str]:
+    """The flags the user typed (field path -> the flag's name), read from the command's context ({} without one)."""
+    if context is None:
+        return {}
+    given = {}
+    for flag in flags:
+        source = context.get_parameter_source(flag.parameter.name)
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            option = flag.parameter.default
+            names = [name for decl in option.param_decls for name in decl.split("/") if name.startswith("--")]
+            given[flag.path] = names[0] if names else flag.parameter.name
+    return given

@@ -92,3 +92,36 @@ def test_option_ranges_are_checked_in_one_place(changes, message):
     problems = option_problems(dataclasses.replace(ConvertOptions(), **changes))
     assert any(message in line for line in problems), problems
     assert option_problems(ConvertOptions()) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--force"], "--force: acts only with --overwrite"),
+    (["--calib-data", "corpus.txt", "--seed", "3"], "--seed: acts only with calibration text sampled from the model"),
+    (["--calib-data", "corpus.txt", "--calib-temperature", "0.5", "--calib-top-p", "0.5"],
+     "--calib-temperature: acts only with calibration text sampled"),
+    (["--calib-data", "corpus.txt", "--calib-top-p", "0.5"], "--calib-top-p: acts only with calibration text sampled"),
+    (["--method", "svd", "--no-kv-balance-search"], "--kv-balance-search: acts only with --method activation-aware"),
+    (["--refine-steps", "0", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
+    (["--effort", "fast", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
+    (["--method", "svd", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
+])
+def test_a_flag_that_cannot_act_with_the_others_is_refused_not_ignored(monkeypatch, args, message):
+    """These were accepted and changed nothing (e.g. --seed with --calib-data: the text is read, not sampled)."""
+    from typer.testing import CliRunner
+
+    import mla_convert.convert.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "convert", lambda *a, **k: pytest.fail("converted despite an ineffective flag"))
+    result = CliRunner().invoke(cli.app, ["convert", "src", "out", *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("args", [
+    ["--overwrite", "--force"],
+    ["--seed", "3", "--calib-temperature", "0.5", "--calib-top-p", "0.5"],
+    ["--method", "input", "--refine-lr", "0.01"],
+    ["--effort", "fast", "--refine-steps", "5", "--refine-lr", "0.01"],
+    ["--method", "svd", "--refine-steps", "5", "--refine-lr", "0.01"],
+])
+def test_the_same_flags_are_accepted_where_they_act(monkeypatch, args):
+    assert isinstance(parsed_options(monkeypatch, ["src", "out", *args]), ConvertOptions)
