@@ -25,6 +25,7 @@ from tiny_models import save_tiny_model, tiny_mla_config
 
 from mla_convert.convert import ConvertOptions, convert
 from mla_convert.convert.target import LATENT_NORM_EPS, LINEARITY_MARGIN
+from mla_convert.errors import MLAConvertError
 from mla_convert.eval.perplexity import evaluate_perplexity, plan_windows
 from mla_convert.eval.sampling import sample_from_model as sample_from_teacher
 from mla_convert.finetune.config import (
@@ -642,3 +643,141 @@ def test_stories260k_short_finetune_recovers_and_saves_what_it_trained(stories26
     text = tinystories_text.read_text()
     saved = evaluate_perplexity(_load(result.output), tokenizer, text, context_length=256, max_windows=10, progress=False)
     assert saved.perplexity == pytest.approx(section["perplexity_after"], rel=1e-4)
+
+
+# --------------------------------------------------------------------------- what a resume may change
+@pytest.mark.parametrize("change, message", [
+    ({"lr": 0.05}, "lr (0.003, now 0.05)"),  # restored with the optimizer: the new value was ignored, yet reported
+    ({"weight_decay": 0.5, "adam_beta1": 0.5}, "adam_beta1 (0.9, now 0.5), weight_decay (0.0, now 0.5)"),
+    ({"train": "all"}, "train ('attention', now 'all')"),  # was a raw "parameter group" ValueError from torch
+])
+def test_resume_refuses_changed_training_settings_before_loading_anything(straight_and_resumed, tmp_path, change,
+                                                                          message):
+    converted, straight, _, _ = straight_and_resumed
+    ckpt = straight.output.parent / "straight.ckpt"
+    config = _tiny_run_config(converted, tmp_path, "other", checkpoint_dir=str(ckpt), resume="auto", **change)
+    with pytest.raises(FinetuneConfigError, match=re.escape(message)):
+        run_finetune(config, log=lambda text: None)
+    assert not (tmp_path / "other").exists()
+
+
+def test_resume_refuses_a_checkpoint_of_another_converted_model(straight_and_resumed, tiny_qwen2, tmp_path):
+    """A checkpoint of one conversion resumed on another used to be a torch size-mismatch traceback."""
+    _, straight, _, _ = straight_and_resumed
+    _, other_model = tiny_qwen2
+    ckpt = Path(shutil.copytree(straight.output.parent / "straight.ckpt", tmp_path / "copy.ckpt"))
+    config = _tiny_run_config(other_model, tmp_path, "other", checkpoint_dir=str(ckpt), resume="auto")
+    with pytest.raises(FinetuneConfigError, match=r"a different the converted model \(config.json\)|converted model"):
+        run_finetune(config, log=lambda text: None)
+
+
+def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_and_starts_its_log_empty(straight_and_resumed, tmp_path):
+    converted, straight, _, _ = straight_and_resumed
+    earlier = Path(shutil.copytree(straight.output.parent / "straight.ckpt", tmp_path / "earlier.ckpt"))
+    config = _tiny_run_config(converted, tmp_path, "fresh", checkpoint_dir=str(earlier))
+    with pytest.raises(FinetuneConfigError, match="holds checkpoints of an earlier run .*--resume auto"):
+        run_finetune(config, log=lambda text: None)
+    # a run that failed before its first checkpoint left only a log: the next run's log is its own
+    failed = tmp_path / "failed.ckpt"
+    failed.mkdir()
+    shutil.copy(earlier / "train_log.jsonl", failed / "train_log.jsonl")
+    run_finetune(_tiny_run_config(converted, tmp_path, "fresh", checkpoint_dir=str(failed), max_steps=2,
+                                  checkpoint_every=0), log=lambda text: None)
+    assert logged_steps(failed) == [1, 2]
+
+
+def test_an_interrupt_during_the_final_evaluation_keeps_a_checkpoint_the_resume_finishes_from(
+        straight_and_resumed, tiny_llama, tmp_path):
+    """Ctrl-C after the last step (final evaluation, save) used to lose the whole run without a word."""
+    from tiny_models import save_tiny_tokenizer
+
+    _, straight, _, _ = straight_and_resumed
+    source, original = tiny_llama
+    converted = Path(shutil.copytree(original, tmp_path / "with-tokenizer"))  # the evaluation needs one
+    save_tiny_tokenizer(converted, vocab_size=json.loads((converted / "config.json").read_text())["vocab_size"])
+    text = tmp_path / "eval.txt"
+    text.write_text("the cat sat on the mat. " * 50)
+
+    def interrupt_at_the_final_eval(line: str) -> None:
+        if line.startswith("eval step 6:"):
+            raise KeyboardInterrupt
+
+    settings = dict(eval_data=str(text), eval_context=32, eval_windows=2, eval_teacher=False, checkpoint_every=0,
+                    teacher=str(source))
+    stopped = run_finetune(_tiny_run_config(converted, tmp_path, "late", **settings), log=interrupt_at_the_final_eval)
+    assert stopped.interrupted_by == signal.SIGINT and stopped.output is None
+    assert stopped.checkpoint.name == "step-0000006" and (stopped.checkpoint / COMPLETE_MARKER).is_file()
+    assert not (tmp_path / "late").exists()
+    resumed = run_finetune(_tiny_run_config(converted, tmp_path, "late", resume="auto", **settings), log=lambda t: None)
+    assert resumed.output == tmp_path / "late" and resumed.state.step == 6
+    assert [row[0] for row in resumed.state.evals] == [0, 6]  # the final evaluation once
+    a, b = load_file(str(straight.output / "model.safetensors")), load_file(str(resumed.output / "model.safetensors"))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"save_dtype": "fp16"}, "save_dtype: 'fp16'"),  # refused only at the save, after training
+    ({"max_shard_size": "abc"}, "max_shard_size 'abc'"),  # a ValueError traceback at the save
+    ({"force": True}, "force: acts only with overwrite"),
+])
+def test_save_settings_are_checked_before_training(tiny_llama, tmp_path, change, message):
+    _, converted = tiny_llama
+    with pytest.raises(FinetuneConfigError, match=re.escape(message)):
+        _tiny_run_config(converted, tmp_path, "out", **change)
+
+
+@pytest.mark.parametrize("occupant", ["file", "folder of other files"])
+def test_an_output_only_force_may_replace_is_refused_before_training(tiny_llama, tmp_path, occupant):
+    _, converted = tiny_llama
+    output = tmp_path / "out"
+    if occupant == "file":
+        output.write_text("mine")
+    else:
+        output.mkdir()
+        (output / "notes.txt").write_text("mine")
+    lines = []
+    with pytest.raises(MLAConvertError, match=re.escape(str(output))):
+        run_finetune(_tiny_run_config(converted, tmp_path, "out", overwrite=True), log=lines.append)
+    assert not any(line.startswith("step") for line in lines)  # refused before the first step
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_fine_tuning_a_fine_tuned_folder_elsewhere_finds_the_teacher_and_the_card_says_what_was_trained(
+        straight_and_resumed, tmp_path):
+    """The output's report named its source relative to the *converted* folder: a second fine-tuning of an output
+    at another depth looked for the teacher in the wrong place."""
+    converted, straight, _, _ = straight_and_resumed
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    first = run_finetune(_tiny_run_config(converted, deep, "ft", max_steps=2, checkpoint_every=0), log=lambda t: None)
+    report = json.loads((first.output / "mla_convert.json").read_text())
+    source = json.loads((converted / "mla_convert.json").read_text())["source"]["name_or_path"]
+    assert (first.output / report["source"]["name_or_path"]).resolve() == (converted / source).resolve()
+    assert report["finetuning"]["curve_png"] == "finetune_curves.png"  # the plot is linked from report and card
+    card = (first.output / "README.md").read_text()
+    assert "](finetune_curves.png)" in card
+    assert "fine-tuning, below, trained the attention only" in card and "fine-tuned with the rest" not in card
+    second = run_finetune(_tiny_run_config(first.output, tmp_path, "ft2", max_steps=2, checkpoint_every=0),
+                          log=lambda t: None)
+    assert second.output.is_dir()
+
+
+def test_empty_values_and_home_paths_in_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(FinetuneConfigError, match="--data: must not be empty"):
+        parse_config(["--model", "m", "--output", "o", "--data", ""])
+    with pytest.raises(FinetuneConfigError, match="--config: must not be empty"):
+        parse_config(["--model", "m", "--output", "o", "--config", ""])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: ~/converted\noutput: ~/tuned\n")
+    config = parse_config(["--config", str(recipe), "--warmup-steps", "0"])
+    assert (config.model, config.output) == (str(tmp_path / "converted"), str(tmp_path / "tuned"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU runs")
+def test_fp16_mixed_precision_on_the_cpu_is_refused_not_reported(tiny_llama, tmp_path):
+    """accelerate trains in fp32 on the CPU when asked for fp16; the report used to say fp16."""
+    _, converted = tiny_llama
+    with pytest.raises(FinetuneConfigError, match="mixed_precision fp16: acts only on a GPU"):
+        run_finetune(_tiny_run_config(converted, tmp_path, "out", mixed_precision="fp16"), log=lambda t: None)
+    assert not (tmp_path / "out.ckpt").exists()

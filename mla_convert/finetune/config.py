@@ -21,11 +21,14 @@ from typing import Optional
 import yaml
 from transformers import HfArgumentParser
 
+from ..convert.target import FP16_REFUSED
 from ..errors import MLAConvertError
+from ..io.writer import parse_shard_size
 
 TRAIN_CHOICES = ("attention", "all")
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+SAVE_DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16")  # fp16 cannot hold the tiny-scale latent
 
 
 class FinetuneConfigError(MLAConvertError):
@@ -44,7 +47,9 @@ class FinetuneConfig:
     output: Optional[str] = setting(None, "where the fine-tuned folder is written (same layout as `convert`)")
     teacher: Optional[str] = setting(None, "source model; None: `source.name_or_path` of mla_convert.json")
     checkpoint_dir: Optional[str] = setting(None, "checkpoints, teacher samples, train_log.jsonl; None: <output>.checkpoints")
-    overwrite: bool = setting(False, "replace an existing `output`")
+    overwrite: bool = setting(False, "replace an existing `output` written by mla-convert")
+    force: bool = setting(False, "with overwrite: also replace a folder that is not an mla-convert output, or a "
+                                 "symlink (the link itself, never its target)")
     # --- training text
     data: Optional[str] = setting(None, "file, folder or datasets spec; None: sample text from the teacher")
     text_column: str = setting("text", "text field of a jsonl file or datasets dataset")
@@ -124,9 +129,18 @@ class FinetuneConfig:
             problems.append(f"train: {self.train!r}; choose one of {', '.join(TRAIN_CHOICES)}")
         if self.mixed_precision not in MIXED_PRECISION_CHOICES:
             problems.append(f"mixed_precision: {self.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION_CHOICES)}")
-        for name in ("teacher_dtype", "save_dtype"):
-            if getattr(self, name) not in DTYPE_CHOICES:
-                problems.append(f"{name}: {getattr(self, name)!r}; choose one of auto, fp32, bf16, fp16")
+        if self.teacher_dtype not in DTYPE_CHOICES:
+            problems.append(f"teacher_dtype: {self.teacher_dtype!r}; choose one of auto, fp32, bf16, fp16")
+        if self.save_dtype not in SAVE_DTYPE_CHOICES:
+            problems.append(f"save_dtype: {self.save_dtype!r}; choose one of auto, fp32, bf16"
+                            + (f" ({FP16_REFUSED})" if self.save_dtype in ("fp16", "float16") else ""))
+        try:
+            if parse_shard_size(self.max_shard_size) <= 0:
+                problems.append(f"max_shard_size {self.max_shard_size!r}: must be positive")
+        except ValueError as error:
+            problems.append(str(error))
+        if self.force and not self.overwrite:
+            problems.append("force: acts only with overwrite (--overwrite --force)")
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_windows", "eval_batch_size", "teacher_samples",
                      "sample_batch_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
@@ -297,6 +311,11 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None) -> Fine
     parser = build_parser(prog)
     given = vars(parser.parse_args(argv))
     config_file = given.pop("config", None)
+    # an empty value would quietly mean "none" (e.g. `--data ""`: sample the teacher instead of reading a text)
+    empty = [name for name, value in [("config", config_file), *given.items()] if isinstance(value, str) and not value.strip()]
+    if empty:
+        raise FinetuneConfigError("; ".join(f"--{name.replace('_', '-')}: must not be empty" + ("" if name == "config" else
+                                            " (write none to clear a setting the config file gives)") for name in empty))
     values = load_yaml_config(config_file) if config_file else {}
     if config_file:
         values = paths_relative_to(values, Path(config_file).resolve().parent)
@@ -307,5 +326,9 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None) -> Fine
         if optional and isinstance(value, str) and value.strip().lower() in NONE_WORDS:
             given[name] = None  # `--data none` clears what the YAML set
     config = dataclasses.replace(config, **given)
+    for key in OUTPUT_PATHS + INPUT_PATHS:  # `~/x` in YAML, or in `--model=~/x` where no shell expanded it
+        value = getattr(config, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(config, key, str(Path(value).expanduser()))
     config.validate()
     return config

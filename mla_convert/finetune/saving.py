@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -49,12 +50,43 @@ def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
     return dtype
 
 
-def updated_report(report: dict, sites: list[LatentSite], scales: list[float], finetuning: dict, dtype: torch.dtype) -> dict:
+def rebased_path(recorded, old_folder: Path, new_folder: Path):
+    """A path a report records relative to `old_folder`, made relative to `new_folder` (anything else as it was).
+
+    Reports name local sources and texts relative to the model folder; a fine-tuned copy at another depth
+    must not inherit the relative paths of the folder it came from (a second fine-tuning would look for its
+    teacher in the wrong place).
+    """
+    if not isinstance(recorded, str) or not recorded or Path(recorded).is_absolute():
+        return recorded
+    target = Path(old_folder) / recorded
+    if not target.exists():
+        return recorded
+    return os.path.relpath(target.resolve(), Path(new_folder).resolve())
+
+
+def _rebase_report_paths(out: dict, old_folder: Path, new_folder: Path) -> None:
+    source = out.get("source")
+    if isinstance(source, dict) and not source.get("hub_id"):
+        source["name_or_path"] = rebased_path(source.get("name_or_path"), old_folder, new_folder)
+    calibration = (out.get("options") or {}).get("calibration") if isinstance(out.get("options"), dict) else None
+    if isinstance(calibration, dict):
+        calibration["data"] = rebased_path(calibration.get("data"), old_folder, new_folder)
+    evaluation = out.get("evaluation")
+    if isinstance(evaluation, dict):
+        evaluation["data"] = rebased_path(evaluation.get("data"), old_folder, new_folder)
+
+
+def updated_report(report: dict, sites: list[LatentSite], scales: list[float], finetuning: dict, dtype: torch.dtype,
+                   converted: Path | None = None, output: Path | None = None) -> dict:
     """The conversion report with the folded latent scales, the save dtype and the finetuning section.
 
     A perplexity measured on the input folder is kept as `evaluation_before_finetuning`, not as this model's.
+    Paths recorded relative to `converted` are made relative to `output`.
     """
     out = copy.deepcopy(report) if report else {}
+    if converted is not None and output is not None:
+        _rebase_report_paths(out, Path(converted), Path(output))
     layers = out.get("layers") or []
     by_index = {layer.get("layer", i): layer for i, layer in enumerate(layers) if isinstance(layer, dict)}
     for site, scale in zip(sites, scales):
@@ -91,6 +123,7 @@ def save_finetuned(
     save_dtype: str = "auto",
     max_shard_size: str = "5GB",
     overwrite: bool = False,
+    force: bool = False,
 ) -> tuple[Path, list[float]]:
     """Fold the latent scales, write the folder atomically; returns (path, alphas used per site)."""
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
@@ -103,8 +136,8 @@ def save_finetuned(
     missing = [name for name in names if name not in folded]
     if missing:
         raise FinetuneSaveError(f"trained state dict lacks {len(missing)} tensors of {converted} (first: {missing[0]})")
-    final_report = updated_report(report, sites, scales, finetuning, dtype)
-    writer = CheckpointWriter(output, max_shard_size, overwrite)
+    final_report = updated_report(report, sites, scales, finetuning, dtype, converted, output)
+    writer = CheckpointWriter(output, max_shard_size, overwrite, force)
     with writer:
         for name in names:
             writer.add(name, folded[name].detach().to(device="cpu", dtype=dtype))

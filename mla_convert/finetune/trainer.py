@@ -13,6 +13,7 @@ uninterrupted one; a test checks the final weights are bit-identical on CPU.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import shutil
@@ -30,6 +31,8 @@ from ..convert.report import hub_dataset
 from ..errors import MLAConvertError
 from ..eval.sampling import sample_from_model
 from ..io.paths import command_line, portable_path
+from ..io.signals import signals_deferred
+from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
 from .data import WindowCursor, cached_teacher_samples, process_slice, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
@@ -223,6 +226,12 @@ def downsample(rows: list, count: int = 20) -> list:
 # Settings that change which batches the run sees: a resume with different values cannot be exact.
 DATA_SETTINGS = ("data", "max_chars", "seq_len", "seed", "teacher_samples", "sample_temperature", "sample_top_p",
                  "sample_batch_size", "micro_batch_size", "grad_accum", "max_steps", "train")
+# ... and those that change what a step does with them.  The optimizer and the schedule come back from the
+# checkpoint with the values they were made with, so a new --lr would be ignored while the report recorded it.
+TRAINING_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm",
+                     "kd_weight", "ce_weight", "temperature", "mixed_precision")
+RESUME_SETTINGS = DATA_SETTINGS + TRAINING_SETTINGS
+STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 
 
 # --------------------------------------------------------------------------- the run
@@ -261,15 +270,18 @@ class Finetuner:
         config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate keeps fp32 on the CPU
+            raise FinetuneConfigError("mixed_precision fp16: acts only on a GPU (on the CPU it trains in fp32 and would "
+                                      "be reported as fp16); use bf16 or no")
         self.accelerator = accelerator = Accelerator(mixed_precision=resolve_mixed_precision(config.mixed_precision))
         set_seed(config.seed)
         self.device = accelerator.device
         self.converted = Path(config.model)
         if not (self.converted / "config.json").is_file():
             raise FinetuneConfigError(f"{self.converted}: not a model folder (no config.json)")
-        self.output = Path(config.output)
-        if self.output.exists() and not config.overwrite:
-            raise FinetuneConfigError(f"{self.output}: already exists; choose another output or pass --overwrite")
+        # the output is checked as `convert` checks its own (a file, a foreign folder or a link need --force too),
+        # so that a run is not refused only at the save, after training
+        self.output = prepare_output_path(config.output, config.overwrite, config.force)
         self.checkpoint_root = config.checkpoint_path
         if accelerator.is_main_process:
             self.checkpoint_root.mkdir(parents=True, exist_ok=True)
@@ -332,8 +344,9 @@ class Finetuner:
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             optimizer, config.warmup_steps, config.max_steps, min_lr_rate=config.min_lr_ratio)
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
-        self.state = TrainerState(settings={key: getattr(config, key) for key in DATA_SETTINGS}
-                                  | {"num_processes": accelerator.num_processes})
+        self.state = TrainerState(settings={key: getattr(config, key) for key in RESUME_SETTINGS}
+                                  | {"num_processes": accelerator.num_processes,
+                                     STUDENT_SETTING: hashlib.sha256((self.converted / "config.json").read_bytes()).hexdigest()})
         accelerator.register_for_checkpointing(self.scheduler, self.cursor, self.state)
 
     def _training_windows(self) -> tuple[torch.Tensor, str]:
@@ -392,8 +405,9 @@ class Finetuner:
         with quiet_shared_tensor_warning():
             accelerator.save_state(str(folder))
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            (folder / COMPLETE_MARKER).write_text(json.dumps({"step": self.state.step, "tokens": self.state.tokens}) + "\n")
+        if accelerator.is_main_process:  # the settings in the marker are checked before a resume loads anything
+            (folder / COMPLETE_MARKER).write_text(json.dumps({"step": self.state.step, "tokens": self.state.tokens,
+                                                              "settings": self.state.settings}) + "\n")
             for old in checkpoint_folders(self.checkpoint_root)[: -self.config.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
@@ -403,11 +417,13 @@ class Finetuner:
     def maybe_resume(self) -> None:
         config = self.config
         if not config.resume:
+            self._start_fresh()
             return
         if config.resume == "auto":
             found = checkpoint_folders(self.checkpoint_root)
             if not found:
                 self.log(f"resume=auto: no checkpoint in {self.checkpoint_root}; starting fresh")
+                self._start_fresh()
                 return
             folder = found[-1]
         else:
@@ -415,14 +431,39 @@ class Finetuner:
             if not (folder / COMPLETE_MARKER).is_file():
                 raise FinetuneConfigError(f"{folder}: not a complete checkpoint (no {COMPLETE_MARKER})")
         expected = dict(self.state.settings)
+        try:
+            marker = json.loads((folder / COMPLETE_MARKER).read_text())
+        except (OSError, ValueError):
+            marker = {}
+        self._check_resume_settings(folder, marker.get("settings") or {}, expected)  # before loading: shapes may differ
         self.accelerator.load_state(str(folder))
-        if self.state.settings != expected:
-            changed = sorted(k for k in expected if self.state.settings.get(k) != expected[k])
-            raise FinetuneConfigError(f"{folder}: checkpoint was made with different {', '.join(changed)}; an exact resume needs the same settings")
+        self._check_resume_settings(folder, self.state.settings, expected)
+        self.state.settings = expected
         self.state.resumed_from.append(str(folder))
         self.started = time.time()
         self._truncate_log(self.state.step)
         self.log(f"resumed from {folder} at step {self.state.step}")
+
+    @staticmethod
+    def _check_resume_settings(folder: Path, saved: dict, expected: dict) -> None:
+        """Refuse a checkpoint made with other settings (those it does not record, from older versions, pass)."""
+        changed = sorted(key for key in expected if key in saved and saved[key] != expected[key])
+        if changed:
+            names = ["the converted model (config.json)" if key == STUDENT_SETTING else
+                     f"{key} ({saved[key]!r}, now {expected[key]!r})" for key in changed]
+            raise FinetuneConfigError(f"{folder}: the checkpoint was made with a different {', '.join(names)}; "
+                                      "a resume continues the same run, so give the same settings (or start a new "
+                                      "run in another checkpoint_dir)")
+
+    def _start_fresh(self) -> None:
+        """A run that does not resume: an earlier run's checkpoints in the same folder would be mixed with its own
+        (and `--resume auto` would later pick whichever is newest), so they are refused; its log starts empty."""
+        earlier = checkpoint_folders(self.checkpoint_root)
+        if earlier:
+            raise FinetuneConfigError(f"{self.checkpoint_root}: holds checkpoints of an earlier run (latest {earlier[-1].name}); "
+                                      "continue it with --resume auto, or give another --checkpoint-dir")
+        if self.accelerator.is_main_process:
+            (self.checkpoint_root / LOG_FILE).unlink(missing_ok=True)
 
     def _truncate_log(self, step: int) -> None:
         """Drop the log records of steps after `step`: they are trained again now, and logged again."""
@@ -466,13 +507,13 @@ class Finetuner:
         created = not self.config.checkpoint_path.exists()
         try:
             self.setup()
+            self.maybe_resume()
         except BaseException:
             if created:  # a refused run leaves no empty checkpoint folder behind (teacher samples already drawn stay)
                 with contextlib.suppress(OSError):
                     self.config.checkpoint_path.rmdir()
             raise
         config, state, accelerator = self.config, self.state, self.accelerator
-        self.maybe_resume()
         self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_description}; "
                  f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
         if state.step == 0 and not state.evals and self.eval_data is not None:
@@ -487,8 +528,33 @@ class Finetuner:
             result = self._train_loop(stop, bar, tokens_per_step, interval_start, interval_tokens)
         if result is not None:
             return result
-        self._record_eval()
-        return self.finish()
+        return self._evaluate_and_save()
+
+    def _evaluate_and_save(self) -> FinetuneResult:
+        """The final evaluation and the save.  Interrupted (Ctrl-C, kill), the trained state is kept as a checkpoint
+        at the last step, so `--resume auto` goes straight back to this point instead of losing the run."""
+        from ..errors import TerminatedBySignal
+
+        def terminate(signum, frame):
+            raise TerminatedBySignal(signum)
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {signum: signal.signal(signum, terminate) for signum in StopOnSignal.SIGNALS
+                        if signum != signal.SIGINT}  # SIGINT already raises KeyboardInterrupt
+        try:
+            try:
+                if not (self.state.evals and self.state.evals[-1][0] == self.state.step):  # not when resumed after it
+                    self._record_eval()
+                return self.finish()
+            except KeyboardInterrupt as interrupt:
+                with signals_deferred():
+                    folder = self.save_checkpoint()
+                return FinetuneResult(None, self.state, self.finetuning_section(), checkpoint=folder,
+                                      interrupted_by=getattr(interrupt, "signum", signal.SIGINT))
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     @contextlib.contextmanager
     def _progress_bar(self):
@@ -526,14 +592,16 @@ class Finetuner:
             if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
                 self._record_eval()
                 self.student.train()
+            saved = None
             if config.checkpoint_every and state.step % config.checkpoint_every == 0 and state.step < config.max_steps:
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
             bar.update(1)
+            # a stop on a checkpoint step keeps that checkpoint (writing it twice would rewrite a complete one)
             if stop.signum is not None and state.step < config.max_steps:
-                folder = self.save_checkpoint()
+                folder = saved or self.save_checkpoint()
                 return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder, interrupted_by=stop.signum)
             if config.stop_after is not None and state.step >= config.stop_after and state.step < config.max_steps:
-                folder = self.save_checkpoint()
+                folder = saved or self.save_checkpoint()
                 return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder)
         return None
 
@@ -595,10 +663,12 @@ class Finetuner:
             scales_before = [site.latent_scale for site in self.sites]
             path, scales = save_finetuned(
                 {k: v.detach().cpu() for k, v in state_dict.items()}, self.sites, self.converted, self.output,
-                self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite)
+                self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite,
+                config.force)
             save_check = self._verify_saved(path, probe, reference) if config.verify_save else None
             report = json.loads((path / REPORT_FILE).read_text())
-            report["finetuning"] = self.finetuning_section(scales_before, scales, save_check)
+            curve = {key: report["finetuning"][key] for key in ("curve_png",) if key in report.get("finetuning", {})}
+            report["finetuning"] = self.finetuning_section(scales_before, scales, save_check) | curve
             write_report(path, report)
             self.log(f"saved {path}")
         accelerator.wait_for_everyone()

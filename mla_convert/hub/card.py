@@ -279,9 +279,12 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
             f"- The low-rank factors were fitted with the `{_text(method)}` method"
             + (f", calibrated on {_text(calib)}." if calib else ".")
         )
+    finetuning = _get(report, "finetuning")
+    trained_all = isinstance(finetuning, Mapping) and finetuning.get("trained") == "all"
     lines.append(
         "- Everything outside attention (embeddings, MLP, layer norms, tokenizer) is taken from the source model"
-        + (" and was then fine-tuned with the rest (see below)." if isinstance(_get(report, "finetuning"), Mapping) else ".")
+        + (" and was then fine-tuned with the rest (see below)." if trained_all else
+           " (fine-tuning, below, trained the attention only)." if isinstance(finetuning, Mapping) else ".")
     )
     lines.append("")
     return lines
