@@ -218,28 +218,21 @@ def evaluate(
     revision: Optional[str] = typer.Option(None, help="Hub revision of MODEL and BASELINE."),
 ):
     """Perplexity (and bits/byte, word perplexity) with the sliding-window method; optional baseline."""
-    from .devices import device_problems
-    from .eval.checks import context_for, dtype_problems, model_facts, positive_problems
+    from .eval.checks import context_for, eval_preflight, positive_problems
     from .eval.perplexity import run_eval
-    from .io.paths import output_file_problems
     from .io.resolve import revision_problems
 
     problems: list[str] = revision_problems(revision, model, baseline)
-    facts = [model_facts(model, revision, allow_pickle, problems, "model")]
-    if baseline is not None:
-        facts.append(model_facts(baseline, revision, allow_pickle, problems, "baseline"))
+    plan = eval_preflight(model, baseline, context, allow_long_context=allow_long_context, dtype=dtype, device=device,
+                          stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size,
+                          json_path=json_out, revision=revision, allow_pickle=allow_pickle, problems=problems)
+    facts, context = plan.facts, plan.context
     known = [f for f in facts if f is not None]
-    context = context_for(known, context, allow_long_context, problems)
-    problems += dtype_problems(dtype, known)
-    problems += positive_problems({"--context": context, "--stride": stride, "--max-windows": max_windows,
-                                   "--max-tokens": max_tokens, "--batch-size": batch_size},
-                                  minimum={"--context": 2, "--max-tokens": 2})
     problems += positive_problems({"--kv-context": kv_context}, minimum={"--kv-context": 0})
     if kv_context > 0:
         context_for(known, kv_context, allow_long_context, problems, flag="--kv-context", consequence="")
     if not data.strip():
         problems.append("--data: must not be empty")
-    problems += device_problems(device) + output_file_problems(json_out, "--json")
     if update_card:
         from .hub.card import card_update_problems
 
@@ -249,7 +242,8 @@ def evaluate(
         raise PreflightError(list(dict.fromkeys(problems)))
     report = run_eval(facts[0].path, data, baseline=None if baseline is None else facts[1].path, context_length=context,
                       stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
-                      dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline))
+                      dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline),
+                      allow_long_context=allow_long_context)
     print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
     results = report.to_dict()
     if update_card:

@@ -116,14 +116,21 @@ class ConvertOptions:
 
 
 # --------------------------------------------------------------------------- validation
-def option_problems(options: Any) -> list[str]:
-    """Every value outside its declared range, one line each, named by its flag."""
+def option_problems(options: Any, types_only: bool = False) -> list[str]:
+    """Every value outside its declared range, one line each, named by its flag.
+
+    `types_only`: just the values of the wrong type (a str where a number belongs, from the Python API), which
+    the other checks cannot even compare and so must stop before them.
+    """
     problems = []
     hints = typing.get_type_hints(type(options))
     for spec in dataclasses.fields(options):
         value = getattr(options, spec.name)
         if dataclasses.is_dataclass(value):
-            problems += option_problems(value)
+            problems += option_problems(value, types_only)
+            continue
+        if isinstance(hints[spec.name], type) and dataclasses.is_dataclass(hints[spec.name]):
+            problems.append(f"{spec.name} {value!r}: must be {hints[spec.name].__name__}")
             continue
         meta, flag = spec.metadata, spec.metadata.get("flag") or spec.name
         if value is None:
@@ -133,6 +140,8 @@ def option_problems(options: Any) -> list[str]:
             value = float(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             problems.append(f"{flag} {value!r}: must be {expected.__name__}")
+            continue
+        if types_only:
             continue
         if isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{flag} {value}: must be a finite number")

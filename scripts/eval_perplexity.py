@@ -23,13 +23,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--text-column", default="text", help="text column of a jsonl file or dataset")
     parser.add_argument("--split", help="dataset split when --data does not name one")
     parser.add_argument("--max-chars", type=int, help="read only the first N characters of the text")
-    parser.add_argument("--context", type=int, default=1024, help="window length in tokens")
+    parser.add_argument("--context", type=int, help="window length in tokens (default: 1024, or the models' "
+                        "max_position_embeddings when shorter)")
+    parser.add_argument("--allow-long-context", action="store_true", help="allow a context beyond max_position_embeddings")
     parser.add_argument("--stride", type=int, help="tokens between window starts (default: --context, no overlap)")
     parser.add_argument("--max-windows", type=int, help="evaluate at most N windows")
     parser.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens")
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: where the model loads)")
-    parser.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), fp32, bf16 or fp16")
+    parser.add_argument("--dtype", default="auto", help="auto (checkpoint dtype), fp32 or bf16 (fp16 is refused for "
+                        "converted models)")
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON here")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (fewer than cores helps on a shared machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             args.data,
             baseline=args.baseline,
             context_length=args.context,
+            allow_long_context=args.allow_long_context,
             stride=args.stride,
             max_windows=args.max_windows,
             max_tokens=args.max_tokens,
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
         )
     except MLAConvertError as error:
-        print(f"error: {error}", file=sys.stderr)
+        for line in str(error).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
     s = report.settings
     print(f"data: {s['data']}  ({s['total_tokens']} tokens; context {s['context_length']}, stride {s['stride']}, {s['dtype']} on {s['device']})")

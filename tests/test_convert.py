@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -348,6 +349,11 @@ def test_sequential_and_source_calibration_differ_only_above_the_first_layer(tmp
         (dict(kv_lora_rank=16, rope_dim=64), "larger than the source head_dim"),
         (dict(compression=4, kv_lora_rank=8), "give either the ratio or the ranks"),
         (dict(kv_lora_rank=16, rope_dim=8, dtype="fp16"), "fp16"),
+        # values of the wrong type from the API: were TypeErrors from inside the shape arithmetic
+        (dict(compression="4"), "--compression '4': must be float"),
+        (dict(kv_lora_rank="8", rope_dim=4), "--kv-lora-rank '8': must be int"),
+        (dict(compression=2, calibration=CalibrationOptions(seq_len="32")), "--calib-seq-len '32': must be int"),
+        (dict(compression=2, calibration=None), "calibration None: must be CalibrationOptions"),
     ],
 )
 def test_impossible_requests_fail_before_any_work(tmp_path, options, message):
@@ -373,6 +379,21 @@ def test_existing_output_is_refused_without_overwrite(tmp_path):
     # an earlier mla-convert output is replaced by --overwrite alone
     convert(source, tmp_path / "out", fast_options(kv_lora_rank=12, rope_dim=8, overwrite=True))
     assert json.loads((tmp_path / "out" / "mla_convert.json").read_text())["options"]["kv_lora_rank"] == 12
+
+
+def test_an_export_cannot_ask_for_calibration_its_converter_did_not_run(tmp_path):
+    """`Converter.export` with other calibration settings used to record them while using the Converter's own."""
+    from mla_convert.convert.pipeline import Converter
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    options = fast_options(kv_lora_rank=16, rope_dim=8)
+    other = dataclasses.replace(options, calibration=CalibrationOptions(num_samples=3, seq_len=48))
+    with Converter(source, options) as converter:
+        with pytest.raises(PreflightError, match="calibration differs from the Converter's"):
+            converter.export(tmp_path / "b", other)
+        assert not (tmp_path / "b").exists()
+        result = converter.export(tmp_path / "a", dataclasses.replace(options, kv_lora_rank=12))  # shape may differ
+    assert result.report["options"]["calibration"]["num_samples"] == 4
 
 
 # ----------------------------------------------------------------------------- real model

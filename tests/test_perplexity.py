@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 from tiny_models import tiny_mla_config, tiny_model
 
+from mla_convert.convert import ConvertOptions, convert
 from mla_convert.errors import MLAConvertError
 from mla_convert.eval.perplexity import (
     PerplexityResult,
@@ -20,6 +22,7 @@ from mla_convert.eval.perplexity import (
     run_eval,
 )
 from mla_convert.eval.textdata import tokenize_with_offsets
+from mla_convert.options import CalibrationOptions
 
 
 def hf_guide_nll(model, ids: torch.Tensor, context: int, stride: int, max_windows: int | None = None):
@@ -266,3 +269,24 @@ def test_smollm2_wikitext_matches_direct_loss(smollm2, wikitext_text):
     assert result.perplexity == pytest.approx(direct, rel=0.01)
     assert result.perplexity == pytest.approx(direct, rel=1e-4)  # in fact the same computation
     assert 10 < result.perplexity < 60
+
+
+@pytest.mark.real_model
+def test_run_eval_checks_what_the_command_checks(stories260k, tinystories_text, tmp_path):
+    """The Python API used to score fp16 underflow on a converted model, windows past the model's positions and a
+    missing device without a word (or with a torch traceback), and to fail on a --json folder only at the end."""
+    from mla_convert.errors import PreflightError
+
+    converted = tmp_path / "mla"
+    convert(stories260k, converted, ConvertOptions(compression=2, effort="fast",
+                                                   calibration=CalibrationOptions(num_samples=2, seq_len=32)))
+    for kwargs, message in [
+        (dict(dtype="fp16"), "--dtype fp16: fp16 cannot hold a converted MLA model"),
+        (dict(context_length=100_000), "--context 100000: longer than"),
+        (dict(json_path=tmp_path / "no-such-folder" / "eval.json"), "--json"),
+    ] + ([] if torch.cuda.is_available() else [(dict(device="cuda"), "--device cuda: no CUDA device")]):
+        with pytest.raises(PreflightError, match=re.escape(message)):
+            run_eval(converted, tinystories_text, max_windows=1, progress=False, **kwargs)
+    # the default context is what the command uses: min(1024, max_position_embeddings = 512)
+    report = run_eval(converted, tinystories_text, max_windows=1, progress=False)
+    assert report.settings["context_length"] == 512

@@ -344,12 +344,25 @@ def test_sampling_is_seeded_per_prompt(tiny_folder):
     (dict(do_sample=True, temperature=0.0), "temperature"),
     (dict(do_sample=True, top_p=0.0), "top_p"),
     (dict(decode_backend="cuda-graphs"), "decode backend"),
+    (dict(page_size=0), "page_size must be a whole number of at least 1"),  # was a ZeroDivisionError
 ])
 def test_bad_settings_are_one_line_errors(tiny_folder, kwargs, message):
     arguments = dict(prompt_ids=[[1, 2, 3]], max_new_tokens=4, device="cpu") | kwargs
     with pytest.raises(GenerationSettingsError, match=message) as error:
         generate_ids(tiny_folder, **arguments)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_that_is_not_there_is_one_clear_error(tiny_folder):
+    """Was torch's "Torch not compiled with CUDA enabled" AssertionError from deep inside loading."""
+    with pytest.raises(RuntimeModelError, match="device cuda: no CUDA device is available"):
+        generate_ids(tiny_folder, [[1, 2, 3]], 2, device="cuda")
+
+
+def test_generate_text_refuses_one_string_for_the_list_of_prompts(tiny_folder):
+    with pytest.raises(GenerationSettingsError, match="wrap it in a list"):
+        generate_text(tiny_folder, "Hello", 2, device="cpu")
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the MoE block's empty shared expert

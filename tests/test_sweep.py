@@ -14,6 +14,7 @@ import string
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 from tiny_models import save_tiny_model
 
@@ -110,6 +111,16 @@ def test_impossible_ratio_is_refused_before_any_work(tiny_source, tiny_text, tmp
         run_sweep(tiny_source, [2, 100], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
                   calibration=TINY_CALIBRATION)
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(eval_dtype="fp16"), "eval_dtype fp16: fp16 cannot hold"),  # scored the underflow: 124.8 vs 108.6 in fp32
+] + ([] if torch.cuda.is_available() else [(dict(eval_device="cuda"), "--device cuda: no CUDA device")]))
+def test_evaluation_settings_are_refused_before_any_work(tiny_source, tiny_text, tmp_path, settings, message):
+    with pytest.raises(PreflightError, match=message):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                  calibration=TINY_CALIBRATION, **settings)
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_calibration_text_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):

@@ -143,6 +143,12 @@ class Converter:
                export_dtype: torch.dtype | None = None, command: str | None = None) -> ConversionResult:
         """Choose the RoPE grid, convert every layer and write the DeepseekV3 folder at `output`."""
         options = options or self.options
+        # calibration runs once per Converter, with its own settings: an export asking for others would get these
+        # and record the ones it asked for
+        differing = [name for name in ("calibration", "device") if getattr(options, name) != getattr(self.options, name)]
+        if differing:
+            raise PreflightError([f"export: {name} differs from the Converter's; it calibrates once, with its own "
+                                  f"{name} settings (make another Converter for others)" for name in differing])
         started = time.time()
         output = Path(output)
         if mla is None or export_dtype is None:

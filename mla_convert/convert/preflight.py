@@ -382,6 +382,9 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     """
     from ..hub.card import card_option_problems  # the Hub's metadata rules live with the card (import cycle)
 
+    wrong_types = option_problems(options, types_only=True)
+    if wrong_types:  # e.g. compression="4" from the API: the checks below could not even compare it
+        raise PreflightError(wrong_types)
     problems: list[str] = option_problems(options)
     target = options.target if options.target in T.TARGETS else None  # a bad name is already one of the problems
     output_ok = True

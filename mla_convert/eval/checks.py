@@ -97,3 +97,41 @@ def positive_problems(values: dict[str, float | None], minimum: dict[str, int] |
     return problems
 
 
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What `eval_preflight` found: the models' facts (model first, baseline second when given) and the context."""
+
+    facts: list[ModelFacts | None]
+    context: int
+
+
+def eval_preflight(model: str | os.PathLike, baseline: str | os.PathLike | None, context: int | None, *,
+                   allow_long_context: bool = False, dtype: str = "auto", device: str | None = None,
+                   stride: int | None = None, max_windows: int | None = None, max_tokens: int | None = None,
+                   batch_size: int = 1, json_path: str | os.PathLike | None = None, revision: str | None = None,
+                   allow_pickle: bool = False, problems: list[str] | None = None) -> EvalPlan:
+    """Every check an evaluation needs before loading a model, for `eval` and for `run_eval` alike (the API
+    must not silently score fp16 underflow or extrapolated positions either).  Problems are appended to
+    `problems` when given (the caller adds its own and raises), else raised here as one `PreflightError`."""
+    from ..devices import device_problems
+    from ..errors import PreflightError
+    from ..io.paths import output_file_problems
+
+    found: list[str] = []
+    facts = [model_facts(model, revision, allow_pickle, found, "model")]
+    if baseline is not None:
+        facts.append(model_facts(baseline, revision, allow_pickle, found, "baseline"))
+    known = [f for f in facts if f is not None]
+    context = context_for(known, context, allow_long_context, found)
+    found += dtype_problems(dtype, known)
+    found += positive_problems({"--context": context, "--stride": stride, "--max-windows": max_windows,
+                                "--max-tokens": max_tokens, "--batch-size": batch_size},
+                               minimum={"--context": 2, "--max-tokens": 2})
+    found += device_problems(device) + output_file_problems(json_path, "--json")
+    if problems is not None:
+        problems += found
+    elif found:
+        raise PreflightError(list(dict.fromkeys(found)))
+    return EvalPlan(facts, context)

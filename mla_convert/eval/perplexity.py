@@ -412,7 +412,7 @@ def run_eval(
     model: str | os.PathLike,
     data: str | os.PathLike,
     baseline: str | os.PathLike | None = None,
-    context_length: int = 1024,
+    context_length: int | None = None,
     stride: int | None = None,
     max_windows: int | None = None,
     max_tokens: int | None = None,
@@ -427,12 +427,22 @@ def run_eval(
     revision: str | None = None,
     allow_pickle: bool = False,
     labels: tuple[str | None, str | None] | None = None,
+    allow_long_context: bool = False,
 ) -> EvalReport:
     """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
 
+    `context_length` None: 1024 tokens, or the models' max_position_embeddings when shorter; a longer one
+    needs `allow_long_context`.  Everything `mla-convert eval` refuses (fp16 on a converted model, a device
+    that is not there, an unwritable `json_path`) is refused here too, before any model loads.
     The tokenizer comes from the model folder, else from the baseline's (a converted model carries its
     source's tokenizer, but an older export might not).
     """
+    from .checks import eval_preflight
+
+    context_length = eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
+                                    device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
+                                    batch_size=batch_size, json_path=json_path, revision=revision,
+                                    allow_pickle=allow_pickle).context
     model_obj, model_path = load_model_for_eval(model, device, dtype, revision, allow_pickle)
     baseline_obj, baseline_path = (None, None)
     if baseline is not None:

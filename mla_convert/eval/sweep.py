@@ -38,11 +38,12 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, Progress
 from ..convert.pipeline import Converter
+from ..devices import device_problems
 from ..errors import MLAConvertError, PreflightError
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
-from .checks import DEFAULT_CONTEXT
+from .checks import DEFAULT_CONTEXT, ModelFacts, dtype_problems
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
@@ -590,6 +591,9 @@ def run_sweep(
     problems = [f"{flag} {value}: must be at least {low}" for flag, value, low in
                 (("--batch-size", batch_size, 1), ("--context", context_length, 2), ("--max-windows", max_windows, 1))
                 if value is not None and value < low]
+    # every point is a converted model (fp16 underflows its latent); the device must exist before the slow calibration
+    problems += dtype_problems(eval_dtype, [ModelFacts(Path(source), None, converted=True)], flag="eval_dtype")
+    problems += device_problems(eval_device)
     out = None if out_dir is None else Path(out_dir)
     if out is not None:
         if out.is_symlink():

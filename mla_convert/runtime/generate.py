@@ -34,7 +34,7 @@ class GenerationOutput:
 
 
 def _check_settings(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, do_sample: bool,
-                    temperature: float, top_p: float) -> None:
+                    temperature: float, top_p: float, page_size: int = DEFAULT_PAGE_SIZE) -> None:
     if not prompts:
         raise GenerationSettingsError("no prompts given")
     for index, prompt in enumerate(prompts):
@@ -44,6 +44,8 @@ def _check_settings(prompts: list[list[int]], vocab_size: int, max_new_tokens: i
             raise GenerationSettingsError(f"prompt {index} holds token ids outside the vocabulary (0..{vocab_size - 1})")
     if max_new_tokens < 1:
         raise GenerationSettingsError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise GenerationSettingsError(f"page_size must be a whole number of at least 1, got {page_size!r}")
     if do_sample and not temperature > 0:
         raise GenerationSettingsError(f"temperature must be > 0 when sampling, got {temperature}")
     if do_sample and not 0 < top_p <= 1:
@@ -59,7 +61,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     - 1 tokens per sequence (the last generated token is returned, never fed back).
     """
     prompts = [list(map(int, prompt)) for prompt in prompts]
-    _check_settings(prompts, model.embed_tokens.shape[0], max_new_tokens, do_sample, temperature, top_p)
+    _check_settings(prompts, model.embed_tokens.shape[0], max_new_tokens, do_sample, temperature, top_p, page_size)
     if num_pages is None:
         num_pages = PagedLatentCache.pages_needed([len(p) + max_new_tokens - 1 for p in prompts], page_size)
     longest = max(len(p) for p in prompts) + max_new_tokens - 1
@@ -145,6 +147,8 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
 
     from ..io.hf_loading import load_tokenizer
 
+    if isinstance(prompts, str):  # a string is a sequence too: each character would become a prompt
+        raise GenerationSettingsError("prompts: a list of strings (got one string; wrap it in a list)")
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
     model = AbsorbedMLAModel.from_folder(model_dir, device=device, dtype=dtype, decode_backend=decode_backend)

@@ -113,6 +113,11 @@ class AbsorbedMLAModel:
         self.config = config
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        from ..devices import device_problems
+
+        problems = device_problems(str(device), flag="device")
+        if problems:  # one clear line, not torch's "not compiled with CUDA" assertion at the first tensor
+            raise RuntimeModelError("; ".join(problems))
         self.device = torch.device(device)
         self.dtype = compute_dtype(dtype, folder.stored_dtype)
         self.eos_token_ids = folder.eos_token_ids
