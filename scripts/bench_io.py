@@ -266,6 +266,9 @@ conversion *computes* cost their own size only until they are added.
 """
 
 
+WORKDIR_MARKER = ".mla-convert-bench-io"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "mla-convert-bench-io"),
@@ -290,8 +293,13 @@ def main(argv=None) -> None:
     command = "python " + shlex.join([os.path.relpath(__file__, REPO), *(sys.argv[1:] if argv is None else argv)])
     workdir = Path(args.workdir)
     if workdir.exists():
+        # only a folder an earlier run of this benchmark made (and kept) is replaced; anything else is the user's
+        if not (workdir / WORKDIR_MARKER).is_file() and any(workdir.iterdir()):
+            raise SystemExit(f"--workdir {workdir}: exists and is not a folder this benchmark made; the benchmark "
+                             "deletes its work folder, so give a new or empty one")
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
+    (workdir / WORKDIR_MARKER).write_text("made by scripts/bench_io.py; deleted by its next run\n")
     source, output = workdir / "source", workdir / "copy"
     try:
         # In a process of its own: save_file holds a whole source shard, and this process's peak would

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -79,11 +80,34 @@ def checkpoint_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 def layers_for_size(min_bytes: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> int:
-    """Fewest layers that make the checkpoint at least `min_bytes` large."""
-    layers = 1
-    while checkpoint_bytes(tensor_shapes(llama_config(hidden, heads, kv_heads, intermediate, layers, vocab))) < min_bytes:
-        layers += 1
-    return layers
+    """Fewest layers (at least 1) that make the checkpoint at least `min_bytes` large.
+
+    The size is linear in the layer count, so two sizes give the answer (counting up one layer at a time
+    took hours for a narrow model and a large target).
+    """
+    one, two = (checkpoint_bytes(tensor_shapes(llama_config(hidden, heads, kv_heads, intermediate, n, vocab))) for n in (1, 2))
+    per_layer = two - one
+    return max(1, -(-(min_bytes - (one - per_layer)) // per_layer))
+
+
+def shape_problems(hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int, vocab: int,
+                   max_shard_size: str | int) -> list[str]:
+    """What would make the checkpoint impossible, found before anything is written."""
+    from mla_convert.io.writer import parse_shard_size
+
+    values = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, layers=layers, vocab=vocab)
+    problems = [f"--{name.replace('_', '-')} {value}: must be at least 1" for name, value in values.items() if value < 1]
+    if not problems:
+        if hidden % heads:
+            problems.append(f"--hidden {hidden} is not a multiple of --heads {heads}")
+        if heads % kv_heads:
+            problems.append(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
+    try:
+        if parse_shard_size(max_shard_size) < 1:
+            problems.append(f"--max-shard-size {max_shard_size!r}: must be positive")
+    except ValueError:
+        problems.append(f"--max-shard-size {max_shard_size!r}: expected a size like 1GB or 500MB")
+    return problems
 
 
 def evict_from_page_cache(paths) -> None:
@@ -110,11 +134,26 @@ def make_synthetic_checkpoint(
     seed: int = 0,
     quiet: bool = False,
 ) -> dict:
+    """Write the checkpoint into `folder` (which must not exist); a bad shape is a ValueError before any file."""
+    folder = Path(folder)
+    problems = shape_problems(hidden, heads, kv_heads, intermediate, layers, vocab, max_shard_size)
+    if folder.exists():
+        problems.append(f"{folder}: already exists")
+    if problems:
+        raise ValueError("; ".join(problems))
+    folder.mkdir(parents=True)
+    try:
+        return _write_checkpoint(folder, hidden, heads, kv_heads, intermediate, layers, vocab, max_shard_size, seed, quiet)
+    except BaseException:  # a half-written folder would pass for a checkpoint (and block the next run)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _write_checkpoint(folder: Path, hidden: int, heads: int, kv_heads: int, intermediate: int, layers: int, vocab: int,
+                      max_shard_size: str | int, seed: int, quiet: bool) -> dict:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=False)
     config = llama_config(hidden, heads, kv_heads, intermediate, layers, vocab)
     config.save_pretrained(folder)
     shapes = tensor_shapes(config)
@@ -169,20 +208,19 @@ def main(argv=None) -> None:
     parser.add_argument("--max-shard-size", default="1GB")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    layers = args.layers or layers_for_size(
-        int(args.min_size_gib * 2**30), args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab
-    )
-    summary = make_synthetic_checkpoint(
-        args.folder,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        layers=layers,
-        vocab=args.vocab,
-        max_shard_size=args.max_shard_size,
-        seed=args.seed,
-    )
+    if args.layers is None and not args.min_size_gib > 0:
+        parser.error(f"--min-size-gib {args.min_size_gib}: must be positive")
+    dims = (args.hidden, args.heads, args.kv_heads, args.intermediate)
+    problems = shape_problems(*dims, args.layers if args.layers is not None else 1, args.vocab, args.max_shard_size)
+    if problems:
+        parser.error("; ".join(problems))
+    layers = args.layers if args.layers is not None else layers_for_size(int(args.min_size_gib * 2**30), *dims, args.vocab)
+    try:
+        summary = make_synthetic_checkpoint(args.folder, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                                            intermediate=args.intermediate, layers=layers, vocab=args.vocab,
+                                            max_shard_size=args.max_shard_size, seed=args.seed)
+    except ValueError as error:
+        parser.error(str(error))
     print(json.dumps(summary, indent=2))
 
 

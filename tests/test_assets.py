@@ -58,3 +58,23 @@ def test_stories260k_tells_a_story(stories260k):
     assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.num_key_value_heads) == (5, 64, 4)
     text = greedy(stories260k, "Once upon a time", new_tokens=30)
     assert "Lily" in text[len("Once upon a time") :], text
+
+
+@pytest.mark.parametrize("where, message", [
+    ("", "--cache-dir: must not be empty"),  # was the current folder: a 93 MB download and a 517 MB model there
+    ("a-file", "is a file, not a folder"),  # was a FileExistsError traceback
+    ("someone-elses", "exists and was not built by mla-convert"),  # was replaced (rmtree) without a word
+])
+def test_fetch_demo_model_refuses_cache_folders_it_must_not_use(tmp_path, monkeypatch, where, message):
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("mine")
+    (tmp_path / "someone-elses" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    (tmp_path / "someone-elses" / "SmolLM2-135M-Instruct" / "model.safetensors").write_text("mine")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    result = CliRunner().invoke(cli.app, ["fetch-demo-model", "--cache-dir", where])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing downloaded, built or removed

