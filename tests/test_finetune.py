@@ -719,6 +719,7 @@ def test_an_interrupt_during_the_final_evaluation_keeps_a_checkpoint_the_resume_
     ({"save_dtype": "fp16"}, "save_dtype: 'fp16'"),  # refused only at the save, after training
     ({"max_shard_size": "abc"}, "max_shard_size 'abc'"),  # a ValueError traceback at the save
     ({"force": True}, "force: acts only with overwrite"),
+    ({"teacher": "some/teacher", "kd_weight": 0.0, "ce_weight": 1.0, "data": "text.txt"}, "teacher: not used by this run"),
 ])
 def test_save_settings_are_checked_before_training(tiny_llama, tmp_path, change, message):
     _, converted = tiny_llama

@@ -201,6 +201,14 @@ def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():
     assert "| bytes per token, all 30 layers (bf16) | 23,040 | 5,760 |" in text
     assert "| original | 24.46 |" in text and "| MLA (this model) | 150 |" in text
     assert "| steps | 200 |" in text and "| final loss | 2.91 |" in text
+    assert "(distillation from the source)" in text
+    # a cross-entropy-only run (kd_weight 0) was called a distillation; and the card says what was trained
+    ce_only = {**report["finetuning"], "loss": "0 x KL(teacher || student) at T=1 + 1 x next-token CE", "trained": "all"}
+    ce_text = str(build_model_card({**report, "finetuning": ce_only}, repo_id="alice/smollm2-mla"))
+    assert "(next-token cross-entropy on its training text)" in ce_text and "distillation from" not in ce_text
+    assert "and was then fine-tuned with the rest" in ce_text
+    attention_only = str(build_model_card({**report, "finetuning": {**ce_only, "trained": "attention"}}))
+    assert "fine-tuning, below, trained the attention only" in attention_only
     # Loading needs nothing but stock transformers.
     assert 'AutoModelForCausalLM.from_pretrained("alice/smollm2-mla", dtype=torch.bfloat16)' in text
     assert "trust_remote_code=True" not in text

@@ -93,7 +93,8 @@ class FinetuneConfig:
     checkpoint_every: int = setting(0, "steps between checkpoints (0: none)")
     keep_checkpoints: int = setting(2, "checkpoints kept in checkpoint_dir (older ones are removed)")
     resume: Optional[str] = setting(None, "\"auto\" (latest in checkpoint_dir) or a checkpoint folder")
-    stop_after: Optional[int] = setting(None, "stop after this many steps with a checkpoint, as if interrupted")
+    stop_after: Optional[int] = setting(None, "stop with a checkpoint, as if interrupted, once the run has made this many "
+                                              "steps in all (counted from its start, resumes included)")
     # --- misc
     seed: int = setting(0, "seed of the data order, the teacher samples and the initialisation of anything random")
     log_every: int = setting(10, "steps between log lines")
@@ -139,6 +140,9 @@ class FinetuneConfig:
                 problems.append(f"max_shard_size {self.max_shard_size!r}: must be positive")
         except ValueError as error:
             problems.append(str(error))
+        if self.teacher and not self.needs_teacher:
+            problems.append("teacher: not used by this run (kd_weight 0, training text given, no teacher evaluation); "
+                            "leave it out")
         if self.force and not self.overwrite:
             problems.append("force: acts only with overwrite (--overwrite --force)")
         for name in ("max_steps", "micro_batch_size", "grad_accum", "eval_windows", "eval_batch_size", "teacher_samples",
@@ -273,13 +277,19 @@ def build_parser(prog: str | None = None) -> HfArgumentParser:
     parser = SettingsParser(
         FinetuneConfig,
         prog=prog,
+        usage=f"{prog or '%(prog)s'} MODEL OUTPUT [--config FILE] [--SETTING VALUE ...]  (MODEL and OUTPUT first, or "
+              "as --model / --output anywhere)",
         description="Fine-tune a converted MLA model (distillation from its source model) and save a stock DeepseekV3 folder.",
     )
     parser.add_argument("--config", help="YAML file of settings; flags override its keys")
-    fields = {spec.name for spec in dataclasses.fields(FinetuneConfig)}
+    defaults = {spec.name: spec.default for spec in dataclasses.fields(FinetuneConfig)}
     for action in parser._actions:  # a flag not given must not reach the namespace (argparse's own mechanism)
-        if action.dest in fields:
+        if action.dest in defaults:
             action.default = argparse.SUPPRESS
+            if any(flag.startswith("--no_") for flag in action.option_strings):  # the switch's off side
+                action.help = f"turn {action.dest} off (on by default: {action.help})"
+            elif defaults[action.dest] is not None:
+                action.help = f"{action.help} (default: {defaults[action.dest]})"
     return parser
 
 

@@ -351,7 +351,10 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         if isinstance(earlier, Mapping):
             # measured on the folder that was fine-tuned: its numbers are not this model's
             lines += _evaluation_lines(earlier, "MLA before fine-tuning", lead="Before fine-tuning, perplexity measured")
-        lines.append("After the conversion the model was trained further (distillation from the source) to recover quality:")
+        # the loss line reads "<kd_weight> x KL(teacher || student) ... + <ce_weight> x next-token CE"
+        distilled = not str(finetuning.get("loss") or "").startswith("0 x KL")
+        how = "distillation from the source" if distilled else "next-token cross-entropy on its training text"
+        lines.append(f"After the conversion the model was trained further ({how}) to recover quality:")
         lines += ["", "| | |", "|---|---|"]
         for key, value in finetuning.items():
             if value is None or key in FINETUNE_CURVES or isinstance(value, (list, dict)):
