@@ -686,8 +686,9 @@ def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_and_starts_its_log_empt
     assert logged_steps(failed) == [1, 2]
 
 
+@pytest.mark.parametrize("when", ["eval step 6:", "saved model vs trained model"])  # evaluating; output written
 def test_an_interrupt_during_the_final_evaluation_keeps_a_checkpoint_the_resume_finishes_from(
-        straight_and_resumed, tiny_llama, tmp_path):
+        straight_and_resumed, tiny_llama, tmp_path, when):
     """Ctrl-C after the last step (final evaluation, save) used to lose the whole run without a word."""
     from tiny_models import save_tiny_tokenizer
 
@@ -699,7 +700,7 @@ def test_an_interrupt_during_the_final_evaluation_keeps_a_checkpoint_the_resume_
     text.write_text("the cat sat on the mat. " * 50)
 
     def interrupt_at_the_final_eval(line: str) -> None:
-        if line.startswith("eval step 6:"):
+        if line.startswith(when):
             raise KeyboardInterrupt
 
     settings = dict(eval_data=str(text), eval_context=32, eval_windows=2, eval_teacher=False, checkpoint_every=0,

@@ -244,6 +244,7 @@ class Finetuner:
         self._log = log
         self.command = command if command is not None else command_line()
         self.started = time.time()
+        self._written_output: Path | None = None  # the output folder while its report is still being finished
 
     # ----------------------------------------------------------------- logging
     def log(self, text: str) -> None:
@@ -550,6 +551,10 @@ class Finetuner:
             except KeyboardInterrupt as interrupt:
                 with signals_deferred():
                     folder = self.save_checkpoint()
+                    # an output already in place but not finished (its report lacks the save check) would block the
+                    # resume, which writes it again from the checkpoint
+                    if self._written_output is not None and self.accelerator.is_main_process:
+                        shutil.rmtree(self._written_output, ignore_errors=True)
                 return FinetuneResult(None, self.state, self.finetuning_section(), checkpoint=folder,
                                       interrupted_by=getattr(interrupt, "signum", signal.SIGINT))
         finally:
@@ -665,11 +670,13 @@ class Finetuner:
                 {k: v.detach().cpu() for k, v in state_dict.items()}, self.sites, self.converted, self.output,
                 self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite,
                 config.force)
+            self._written_output = path
             save_check = self._verify_saved(path, probe, reference) if config.verify_save else None
             report = json.loads((path / REPORT_FILE).read_text())
             curve = {key: report["finetuning"][key] for key in ("curve_png",) if key in report.get("finetuning", {})}
             report["finetuning"] = self.finetuning_section(scales_before, scales, save_check) | curve
             write_report(path, report)
+            self._written_output = None  # finished: an interrupt from here on changes nothing
             self.log(f"saved {path}")
         accelerator.wait_for_everyone()
         return FinetuneResult(path, self.state, report["finetuning"] if report else self.finetuning_section(), report=report)
