@@ -408,13 +408,7 @@ def finetune(ctx: typer.Context):
     """
     from .finetune.command import main as finetune_main
 
-    args = list(ctx.args)
-    positional = []
-    while args and not args[0].startswith("-") and len(positional) < 2:
-        positional.append(args.pop(0))
-    for flag, value in zip(("--model", "--output"), positional):
-        args = [flag, value, *args]
-    raise typer.Exit(code=finetune_main(args))
+    raise typer.Exit(code=finetune_main(list(ctx.args)))
 
 
 @app.command("fetch-demo-model")

@@ -755,6 +755,8 @@ def test_fine_tuning_a_fine_tuned_folder_elsewhere_finds_the_teacher_and_the_car
     report = json.loads((first.output / "mla_convert.json").read_text())
     source = json.loads((converted / "mla_convert.json").read_text())["source"]["name_or_path"]
     assert (first.output / report["source"]["name_or_path"]).resolve() == (converted / source).resolve()
+    # the teacher too is named from the output folder (it was relative to wherever the command ran)
+    assert (first.output / report["finetuning"]["teacher"]).resolve() == (converted / source).resolve()
     assert report["finetuning"]["curve_png"] == "finetune_curves.png"  # the plot is linked from report and card
     card = (first.output / "README.md").read_text()
     assert "](finetune_curves.png)" in card

@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import MLAConvertError, OutputWriteError
 from ..eval.sampling import NUCLEUS_CANDIDATES, top_p_sample
-from ..io.paths import portable_path
 from ..io.writer import write_failure_errno
 from ..options import CalibrationOptions
 from ..source.model import (
@@ -42,7 +41,11 @@ def calibration_ids(
         ids = sample_from_model(model, options.num_samples, options.seq_len, options.seed, options.temperature,
                                 options.top_p, progress=progress)
         return ids, f"{options.num_samples} x {options.seq_len} tokens sampled from the source model (seed {options.seed})"
-    return text_windows(folder, options), f"{options.num_samples} x {options.seq_len} token windows of {portable_path(str(options.data))}"
+    # a local text by its name (the report records its path relative to the model folder; this line is read in cards
+    # and must not depend on where the command ran); a datasets spec as given
+    local = Path(str(options.data)).expanduser()
+    text = local.name if local.exists() else str(options.data)
+    return text_windows(folder, options), f"{options.num_samples} x {options.seq_len} token windows of {text}"
 
 
 def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:

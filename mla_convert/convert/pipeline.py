@@ -26,6 +26,7 @@ import torch
 
 from ..devices import resident_weight_budget
 from ..errors import CheckpointError, ConversionError, MLAConvertError, PreflightError
+from ..io.paths import absolute_path
 from ..io.reader import CheckpointReader
 from ..io.resolve import resolve_model_path, revision_problems
 from ..io.signals import signals_deferred
@@ -305,6 +306,9 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
     conversion succeeds (the output appears by an atomic rename).  `command` is recorded in the report.
     """
     options = options or ConvertOptions()
+    output = absolute_path(output)  # `.`, `out/` and `~/out` name the folder itself
+    if not output.name:
+        raise PreflightError([f"{output}: is the root folder; give the path of a folder to create"])
     try:  # problems with the output path are reported together with those of the source
         converter = Converter(source, options, progress)
     except MLAConvertError as error:

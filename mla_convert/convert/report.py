@@ -56,8 +56,8 @@ class ConversionFacts:
 def source_label(name: str, output: Path) -> tuple[str, str | None]:
     """(how the report names a source or text, its hub id or None): a local path, relative to the output folder;
     anything else (a hub id, a datasets spec) as given."""
-    if Path(name).exists():
-        return os.path.relpath(Path(name).resolve(), Path(output).resolve()), None
+    if Path(name).expanduser().exists():  # `~/models` given quoted is read from the home folder, so recorded from there
+        return os.path.relpath(Path(name).expanduser().resolve(), Path(output).resolve()), None
     return name, (name if looks_like_hub_id(name) else None)
 
 

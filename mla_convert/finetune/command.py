@@ -12,8 +12,14 @@ def main(argv: list[str] | None = None, prog: str = "mla-convert finetune") -> i
     from .config import parse_config
     from .trainer import run_finetune
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    positional = []  # MODEL OUTPUT before the flags, as the usage line says (the recipe script takes them too)
+    while args and not args[0].startswith("-") and len(positional) < 2:
+        positional.append(args.pop(0))
+    for flag, value in zip(("--model", "--output"), positional):
+        args = [flag, value, *args]
     try:
-        config = parse_config(argv, prog=prog)
+        config = parse_config(args, prog=prog)
         result = run_finetune(config)
     except MLAConvertError as error:
         for line in str(error).splitlines():

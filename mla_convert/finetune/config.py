@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -106,7 +107,8 @@ class FinetuneConfig:
     def checkpoint_path(self) -> Path:
         if self.checkpoint_dir:
             return Path(self.checkpoint_dir)
-        return Path(str(self.output) + ".checkpoints")
+        output = Path(os.path.abspath(Path(str(self.output)).expanduser()))  # "ft/" -> ".../ft": beside it, not inside
+        return output.with_name(output.name + ".checkpoints")
 
     @property
     def distills(self) -> bool:

@@ -25,13 +25,15 @@ class EvalWindows:
     description: str
 
     @classmethod
-    def from_text(cls, tokenizer, spec: str, context: int, max_windows: int, text_column: str = "text") -> EvalWindows:
+    def from_text(cls, tokenizer, spec: str, context: int, max_windows: int, text_column: str = "text",
+                  label: str | None = None) -> EvalWindows:
+        """`label`: how the description names the text (default: `spec` as given, machine paths shortened)."""
         from ..eval.textdata import load_text, tokenize_text
 
         ids = tokenize_text(tokenizer, load_text(spec, text_column=text_column))
         windows = plan_windows(int(ids.numel()), context, context, max_windows)
         scored = sum(w.num_scored for w in windows)
-        return cls(ids, windows, f"{portable_path(str(spec))}: context {context}, {len(windows)} non-overlapping windows, "
+        return cls(ids, windows, f"{label or portable_path(str(spec))}: context {context}, {len(windows)} non-overlapping windows, "
                                  f"{scored} scored tokens, token-weighted NLL")
 
     @property

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from ..convert.report import hub_dataset
+from ..convert.report import hub_dataset, source_label
 from ..errors import MLAConvertError
 from ..eval.sampling import sample_from_model
-from ..io.paths import command_line, portable_path
+from ..io.paths import command_line
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
@@ -330,7 +330,8 @@ class Finetuner:
         if config.eval_data:
             if self.tokenizer is None:
                 raise FinetuneError("evaluation needs a tokenizer; none found in the converted folder or the teacher")
-            self.eval_data = EvalWindows.from_text(self.tokenizer, config.eval_data, config.eval_context, config.eval_windows)
+            self.eval_data = EvalWindows.from_text(self.tokenizer, config.eval_data, config.eval_context, config.eval_windows,
+                                                   label=self._label(config.eval_data))
 
         # --- optimizer, schedule
         decay, no_decay = [], []
@@ -350,13 +351,18 @@ class Finetuner:
                                      STUDENT_SETTING: hashlib.sha256((self.converted / "config.json").read_bytes()).hexdigest()})
         accelerator.register_for_checkpointing(self.scheduler, self.cursor, self.state)
 
+    def _label(self, name: str) -> str:
+        """A model, text or dataset as the output's report names it: a local path relative to the output folder
+        (as `convert` records its source), anything else as given."""
+        return source_label(str(name), self.output)[0]
+
     def _training_windows(self) -> tuple[torch.Tensor, str]:
         config, accelerator = self.config, self.accelerator
         if config.data:
             if self.tokenizer is None:
                 raise FinetuneError("training on text needs a tokenizer; none found in the converted folder or the teacher")
             windows = text_windows(self.tokenizer, config.data, config.seq_len, config.text_column, config.split, config.max_chars)
-            return windows, f"{portable_path(str(config.data))} ({windows.shape[0]} windows of {config.seq_len} tokens)"
+            return windows, f"{self._label(config.data)} ({windows.shape[0]} windows of {config.seq_len} tokens)"
         path = self.checkpoint_root / SAMPLES_FILE
         description = {"teacher": self.teacher_name, "num": config.teacher_samples, "seq_len": config.seq_len,
                        "seed": config.seed, "temperature": config.sample_temperature, "top_p": config.sample_top_p,
@@ -621,7 +627,7 @@ class Finetuner:
         section = {
             "recipe": "recipes/finetune_mla.py",
             "command": self.command or None,
-            "teacher": portable_path(str(self.teacher_name)) if self.teacher_name else None,
+            "teacher": self._label(self.teacher_name) if self.teacher_name else None,
             "data": self.data_description,
             "datasets": [name for name in (hub_dataset(config.data), hub_dataset(config.eval_data)) if name],
             "trained": config.train,

@@ -359,6 +359,8 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         for key, value in finetuning.items():
             if value is None or key in FINETUNE_CURVES or isinstance(value, (list, dict)):
                 continue  # the curves are the plot below; nested values have their own rows elsewhere
+            if key in FINETUNE_PATHS:  # relative to the folder in the report; on the Hub only the name means anything
+                value = _public_path(value)
             lines.append(f"| {_cell(key.replace('_', ' '))} | {_cell(value)} |")
         lines.append("")
         if finetuning.get("curve_png"):
@@ -369,6 +371,8 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
 _ATTENTION_ERROR = "attention_output_relative_error"
 # list-valued fine-tuning entries drawn as a plot rather than printed
 FINETUNE_CURVES = ("loss_curve", "perplexity_curve")
+# fine-tuning entries that start with a model's or a text's path (then, for texts, what was read of it)
+FINETUNE_PATHS = ("teacher", "data", "eval_data")
 
 
 def _section_layers(report: Mapping[str, Any]) -> list[str]:
@@ -746,7 +750,7 @@ def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
     report = load_report(folder)
     model_label = next(label for label in evaluation.results if label != evaluation.baseline_label)
     converted, source = evaluation.results[model_label], evaluation.results[evaluation.baseline_label]
-    data_path = Path(str(data))
+    data_path = Path(str(data)).expanduser()
     report["evaluation"] = {
         "measured_with": "mla-convert eval",
         "protocol": "sliding window, token-weighted NLL, first token of each window unscored",

@@ -28,6 +28,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, fi
 
 from ..convert.target import export_config_problem
 from ..errors import CheckpointError, MLAConvertError
+from ..io.paths import absolute_path
 from ..io.reader import read_safetensors_header
 from ..io.writer import BACKUP_SUFFIX, OWNER_FILE, PARTIAL_SUFFIX
 from ..units import human_bytes
@@ -185,7 +186,7 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     absent from the shard the index names), or with traces of an unfinished conversion
     (`*.mla-convert-partial`, the writer's owner file or temporary shards).
     """
-    folder = Path(folder)
+    folder = absolute_path(folder)  # `.` (run from inside the model folder) has no name to look beside
     if not folder.is_dir():
         raise NotPushableError(f"{folder}: not a folder")
     problems: list[str] = []
@@ -345,7 +346,7 @@ def push_to_hub(
     `HF_ENDPOINT` huggingface_hub read at import); the token is the explicit argument or, if None,
     whatever huggingface_hub finds (`HF_TOKEN`, then the `hf auth login` cache).
     """
-    folder = Path(folder)
+    folder = absolute_path(folder)
     problems = push_setting_problems(repo_id, revision)
     if problems:
         raise HubPushError("\n".join(problems))

@@ -74,6 +74,16 @@ def output_file_problems(path: str | os.PathLike | None, flag: str) -> list[str]
     return []
 
 
+def absolute_path(path: str | os.PathLike) -> Path:
+    """`path` made absolute and normal (`~` expanded, `.` and a trailing `/` gone) without following links.
+
+    Output folders are named by their last part (`<name>.mla-convert-partial` beside them, checkpoints in
+    `<name>.checkpoints`): `.` or `out/` must mean the folder itself, and a symlink must stay a symlink so
+    that the overwrite rules can see it.
+    """
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
 # --------------------------------------------------------------------------- what reports record
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed, for the report and the card, without this machine's absolute paths.
@@ -81,7 +91,10 @@ def command_line(argv: list[str] | None = None) -> str:
     An absolute path becomes relative to the working directory when it lies below it, else its last part.
     """
     argv = list(sys.argv if argv is None else argv)
-    return " ".join(shlex.quote(portable_path(arg)) for arg in [Path(argv[0]).name, *argv[1:]])
+    program = Path(argv[0]).name
+    if program == "__main__.py" and Path(argv[0]).parent.name == "mla_convert":
+        program = "mla-convert"  # `python -m mla_convert ...` is the same command as the entry point
+    return " ".join(shlex.quote(portable_path(arg)) for arg in [program, *argv[1:]])
 
 
 def portable_path(arg: str) -> str:
