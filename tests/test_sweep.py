@@ -313,3 +313,30 @@ def test_stories260k_sweep(stories260k, tinystories_text, tmp_path):
     assert next(iter(report.results.values())).perplexity == pytest.approx(rows["activation-aware 2x"]["perplexity"], rel=1e-9)
     with Image.open(tmp_path / "out" / "sweep.png") as image:
         assert image.size == EXPECTED_PNG_SIZE
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_removes_its_scratch_models(tiny_source, tiny_text, tmp_path):
+    """SIGTERM (kill, `timeout`) used to end a sweep without cleanup: a full converted model stayed in the temp folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch_root)}
+    command = [sys.executable, "-m", "mla_convert", "sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir",
+               str(tmp_path / "out"), "--ratios", ",".join(f"{2 + r / 10:g}" for r in range(150)), "--methods", "svd",
+               "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        time.sleep(0.05)
+    assert list(scratch_root.glob("mla-convert-sweep-*/*")), "the sweep never started a conversion"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode != 0 and "Traceback" not in err
+    assert not list(scratch_root.glob("mla-convert-sweep-*")), sorted(p.name for p in scratch_root.iterdir())

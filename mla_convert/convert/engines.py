@@ -81,8 +81,13 @@ def constraint_problems(engine: str, mla: MLAShape, target: T.Target, attention_
 
 
 def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int | None, target: str | None = None,
-                         tied: bool = False, runs: tuple[dict, ...] | None = None) -> dict:
-    """{engine: {"ok": True / False / None (not measured), "notes": [...], "runs": [...]}} for one export."""
+                         tied: bool = False, runs: tuple[dict, ...] | None = None,
+                         servable: frozenset[str] | None = None) -> dict:
+    """{engine: {"ok": True / False / None (not measured), "notes": [...], "runs": [...]}} for one export.
+
+    `servable`: the targets that have a shape for this source (None: not known, every target assumed to), so
+    that the advice to convert with another target is only given where that target would not refuse.
+    """
     chosen = T.target_of(target)
     runs = engine_runs() if runs is None else runs
     shape = (mla.kv_lora_rank, mla.rope_dim)
@@ -91,7 +96,9 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
     }
     for engine in ("vllm", "llama.cpp"):
         mine = [r for r in runs if r["engine"] == engine and r.get("target") == chosen.name]
-        here = [r for r in mine if _shape(r) == shape]
+        # a run counts for this export when its shape matches and it had a query latent exactly when this one does
+        # (llama.cpp refuses a DeepSeek export without q_lora_rank: another key, another outcome)
+        here = [r for r in mine if _shape(r) == shape and (r.get("q_lora_rank") is None) == (q_lora_rank is None)]
         problems = constraint_problems(engine, mla, chosen, attention_bias, q_lora_rank, tied)
         notes: list[str] = []
         if problems:
@@ -99,8 +106,10 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
             notes += problems
             if engine in chosen.engines:
                 notes.append("this shape is outside what the target allows")
+            elif servable is None or engine in servable:
+                notes.append(f"convert with --target {engine}" + (" (or all)" if servable is None or "all" in servable else ""))
             else:
-                notes.append(f"convert with --target {engine} (or all)")
+                notes.append(f"--target {engine} has no shape that fits this model")
         elif here:
             ok = all(r["status"] == "ok" for r in here)
             notes.append(f"measured at {shape[0]}+{shape[1]} with --target {chosen.name}")

@@ -251,7 +251,8 @@ class Converter:
                 grid=grid, rope_parameters=rope_parameters, grid_table=grid_table, layer_reports=layer_reports,
                 export_dtype=export_dtype, seconds=time.time() - started + self.calibration_seconds,
                 q_lora_rank=q_lora_rank, attention_bias=attention_bias, command=command,
-                serving=S.serving_report(source, mla, target, layout, served, export_dtype, options.compression),
+                serving=S.serving_report(source, mla, target, layout, served, export_dtype, options.compression,
+                                         ranks_given=options.kv_lora_rank is not None or options.rope_dim is not None),
             ))
             progress.stop()
             report["rope"]["max_relative_frequency_error"] = rope_error

@@ -407,10 +407,12 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         problems += error.problems
     except MLAConvertError as error:
         problems.append(str(error))
-    try:
-        mla = pick_target_shape(source, target, options.kv_lora_rank, options.rope_dim, options.compression,
-                                options.q_lora_rank)
-        problems += shape_problems(source, mla.kv_lora_rank, mla.rope_dim, mla.q_lora_rank)
+    shape_flags = ("--compression", "--kv-lora-rank", "--rope-dim", "--q-lora-rank")
+    try:  # (a shape value already refused above, e.g. -c nan, would only be refused again in other words)
+        if not any(problem.startswith(shape_flags) for problem in problems):
+            mla = pick_target_shape(source, target, options.kv_lora_rank, options.rope_dim, options.compression,
+                                    options.q_lora_rank)
+            problems += shape_problems(source, mla.kv_lora_rank, mla.rope_dim, mla.q_lora_rank)
     except PreflightError as error:
         problems += error.problems
     except MLAConvertError as error:

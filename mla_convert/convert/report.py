@@ -53,6 +53,14 @@ class ConversionFacts:
     serving: dict | None = None  # serving.serving_report: what the --target did (None for transformers)
 
 
+def servable_targets(source) -> frozenset[str]:
+    """The serving targets that have at least one MLA shape for this source (a target of any shape always has)."""
+    from ..source.shapes import target_shapes
+    from .target import TARGETS, target_of
+
+    return frozenset(name for name in TARGETS if target_shapes(source, target_of(name)) != [])
+
+
 def source_label(name: str, output: Path) -> tuple[str, str | None]:
     """(how the report names a source or text, its hub id or None): a local path, relative to the output folder;
     anything else (a hub id, a datasets spec) as given."""
@@ -146,7 +154,8 @@ def build_report(facts: ConversionFacts) -> dict:
         "finetuning": None,
         "serving": facts.serving,
         "engines": engine_compatibility(mla, facts.attention_bias, facts.q_lora_rank, facts.options.target,
-                                        tied=(facts.serving or {}).get("tie_word_embeddings", source.tied_embeddings)),
+                                        tied=(facts.serving or {}).get("tie_word_embeddings", source.tied_embeddings),
+                                        servable=servable_targets(source)),
         "versions": {
             "mla_convert": __version__,
             "torch": torch.__version__,

@@ -334,7 +334,7 @@ def serve_layer(weights: dict[str, torch.Tensor], input_norm: torch.Tensor, stat
 
 # --------------------------------------------------------------------------- the report's `serving` section
 def serving_report(source: SourceConfig, mla: MLAShape, target: T.Target, layout: T.ExportLayout, layers: list[dict],
-                   dtype: torch.dtype, compression: float | None) -> dict | None:
+                   dtype: torch.dtype, compression: float | None, ranks_given: bool = False) -> dict | None:
     """What `--target` did to the export, for mla_convert.json (None for the transformers target)."""
     from ..source.shapes import shape_choice_note
     from ..units import dtype_bytes
@@ -367,7 +367,8 @@ def serving_report(source: SourceConfig, mla: MLAShape, target: T.Target, layout
                 "rule": f"refused when a layer's removal error exceeds max({BIAS_ERROR_FLOOR}, its compression error)"}
     return {
         "target": target.name,
-        "shape_note": shape_choice_note(source, target, mla, compression),
+        # only a shape the tool picked needs explaining; ranks given with -r/-d are the user's own choice
+        "shape_note": None if ranks_given else shape_choice_note(source, target, mla, compression),
         "quantized_kv_cache": target.quantized_kv_problem(mla.kv_lora_rank, mla.rope_dim) or (
             "possible" if target.quantized_kv_block else None),
         "tie_word_embeddings": layout.tie_word_embeddings,
