@@ -366,7 +366,7 @@ def sweep(
     finally:
         progress.finish()
     print_plain(result.markdown())
-    print_plain(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.png}")
+    print_plain(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.json}, {result.files.png}")
 
 
 @app.command()
