@@ -73,7 +73,8 @@ def context_for(facts: list[ModelFacts], context: int | None, allow_long_context
     return context
 
 
-def dtype_problems(dtype: str, facts: list[ModelFacts], flag: str = "--dtype") -> list[str]:
+def dtype_problems(dtype: str, facts: list[ModelFacts], flag: str = "--dtype", converted: bool | None = None) -> list[str]:
+    """`converted`: whether a converted model is evaluated (default: any of `facts` is one)."""
     if dtype in (None, "auto"):
         return []
     try:
@@ -82,7 +83,9 @@ def dtype_problems(dtype: str, facts: list[ModelFacts], flag: str = "--dtype") -
         return [f"{flag}: {error}"]
     import torch
 
-    if parsed == torch.float16 and any(f.converted for f in facts):
+    if converted is None:
+        converted = any(f.converted for f in facts)
+    if parsed == torch.float16 and converted:
         return [f"{flag} fp16: {T.FP16_REFUSED}"]
     return []
 

@@ -43,7 +43,7 @@ from ..errors import MLAConvertError, PreflightError
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
-from .checks import DEFAULT_CONTEXT, ModelFacts, dtype_problems
+from .checks import DEFAULT_CONTEXT, dtype_problems
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
@@ -592,7 +592,7 @@ def run_sweep(
                 (("--batch-size", batch_size, 1), ("--context", context_length, 2), ("--max-windows", max_windows, 1))
                 if value is not None and value < low]
     # every point is a converted model (fp16 underflows its latent); the device must exist before the slow calibration
-    problems += dtype_problems(eval_dtype, [ModelFacts(Path(source), None, converted=True)], flag="eval_dtype")
+    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=True)
     problems += device_problems(eval_device)
     out = None if out_dir is None else Path(out_dir)
     if out is not None:

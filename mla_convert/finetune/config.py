@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from transformers import HfArgumentParser
 
 from ..convert.target import FP16_REFUSED
 from ..errors import MLAConvertError
+from ..io.paths import absolute_path
 from ..io.writer import parse_shard_size
 
 TRAIN_CHOICES = ("attention", "all")
@@ -107,7 +107,7 @@ class FinetuneConfig:
     def checkpoint_path(self) -> Path:
         if self.checkpoint_dir:
             return Path(self.checkpoint_dir)
-        output = Path(os.path.abspath(Path(str(self.output)).expanduser()))  # "ft/" -> ".../ft": beside it, not inside
+        output = absolute_path(str(self.output))  # "ft/" -> ".../ft": beside it, not inside
         return output.with_name(output.name + ".checkpoints")
 
     @property
