@@ -220,8 +220,10 @@ def evaluate(
     """Perplexity (and bits/byte, word perplexity) with the sliding-window method; optional baseline."""
     from .eval.checks import context_for, eval_preflight, positive_problems
     from .eval.perplexity import run_eval
+    from .io.paths import absolute_path
     from .io.resolve import revision_problems
 
+    json_out = None if json_out is None else absolute_path(json_out)  # a quoted `~/x.json` means the home folder
     problems: list[str] = revision_problems(revision, model, baseline)
     plan = eval_preflight(model, baseline, context, allow_long_context=allow_long_context, dtype=dtype, device=device,
                           stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size,

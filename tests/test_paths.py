@@ -12,12 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny_model
+from tiny_models import save_tiny_model, save_tiny_tokenizer
 from typer.testing import CliRunner
 
 from mla_convert import cli
 from mla_convert.convert import CalibrationOptions, ConvertOptions, convert
 from mla_convert.errors import PreflightError
+from mla_convert.eval.perplexity import run_eval
 from mla_convert.finetune.command import main as finetune_main
 from mla_convert.finetune.config import FinetuneConfig
 from mla_convert.hub.push import check_pushable
@@ -73,3 +74,28 @@ def test_the_recipe_script_takes_model_and_output_first_like_the_command(tmp_pat
     assert finetune_main([str(tmp_path / "m"), str(tmp_path / "o"), "--max-steps", "0"], prog="finetune_mla.py") == 2
     error = capsys.readouterr().err
     assert "max_steps: must be at least 1" in error and "unrecognized" not in error
+
+
+def test_a_quoted_home_path_for_results_is_written_in_the_home_folder(tmp_path, monkeypatch):
+    """`eval --json "~/eval.json"` was refused ("its folder ~ does not exist") or, with a `~` folder in the working
+    folder, written there; the sweep's `--out-dir "~/sweep"` created a folder named `~`."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    source = save_tiny_tokenizer(save_tiny_model(tmp_path / "src", num_layers=1, vocab_size=512), vocab_size=512)
+    converted = convert(source, tmp_path / "mla", FAST).output
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat and looked at the dog. " * 40)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    result = CliRunner().invoke(cli.app, ["eval", str(converted), "--data", str(text), "--context", "32",
+                                          "--max-windows", "1", "--json", "~/eval.json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((home / "eval.json").read_text())["settings"]["context_length"] == 32
+    run_eval(converted, text, context_length=32, max_windows=1, progress=False, json_path="~/api.json")
+    assert (home / "api.json").is_file()
+    from mla_convert.eval.sweep import run_sweep
+
+    run_sweep(source, "2", text, "~/sweep", context_length=32, max_windows=1, methods="svd",
+              options=FAST)
+    assert (home / "sweep" / "sweep.json").is_file() and not (work / "~").exists()

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MLAConvertError
+from ..io.paths import absolute_path
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
 LN2 = math.log(2.0)
@@ -489,5 +490,5 @@ def run_eval(
     )
     report = EvalReport(results, settings, baseline_label)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        absolute_path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report

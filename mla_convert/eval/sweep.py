@@ -40,6 +40,7 @@ from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, Progress
 from ..convert.pipeline import Converter
 from ..devices import device_problems
 from ..errors import MLAConvertError, PreflightError
+from ..io.paths import absolute_path
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
@@ -594,7 +595,7 @@ def run_sweep(
     # every point is a converted model (fp16 underflows its latent); the device must exist before the slow calibration
     problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=True)
     problems += device_problems(eval_device)
-    out = None if out_dir is None else Path(out_dir)
+    out = None if out_dir is None else absolute_path(out_dir)  # a quoted `~/sweep` means the home folder
     if out is not None:
         if out.is_symlink():
             problems.append(f"--out-dir {out}: is a symlink; give a real folder (or a new path)")

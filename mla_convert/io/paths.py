@@ -59,7 +59,7 @@ def output_file_problems(path: str | os.PathLike | None, flag: str) -> list[str]
     """A file a command will write at the end: its folder exists and is writable, and it is not a folder."""
     if path is None:
         return []
-    path = Path(path)
+    path = absolute_path(path)  # a quoted `~/x.json` is written in the home folder, as every other path is read
     parent = path.parent
     if path.is_symlink() and not path.exists():
         return [f"{flag} {path}: a symlink to nothing"]
