@@ -332,6 +332,15 @@ def test_load_report_refuses_missing_and_broken_reports(tmp_path):
     (tmp_path / "mla_convert.json").write_text("[1, 2]")
     with pytest.raises(CardValidationError, match="expected a JSON object"):
         load_report(tmp_path)
+    # an empty or hand-made object used to pass, and push uploaded a card about "the source model" with no numbers
+    (tmp_path / "mla_convert.json").write_text("{}")
+    with pytest.raises(CardValidationError, match="no mla_convert_version, source, cache recorded"):
+        load_report(tmp_path)
+    report = stories260k_report()
+    report["cache"] = None
+    (tmp_path / "mla_convert.json").write_text(json.dumps(report))
+    with pytest.raises(CardValidationError, match="no cache recorded"):
+        load_report(tmp_path)
 
 
 def _with_metadata(metadata: str) -> str:

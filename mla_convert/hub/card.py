@@ -157,6 +157,10 @@ def card_option_problems(base_model: str | None, license_id: str | None) -> list
     return problems
 
 
+# What every report `mla-convert convert` writes holds, and the card cannot do without (key: JSON type).
+REPORT_SECTIONS: dict[str, type] = {"mla_convert_version": str, "source": dict, "cache": dict}
+
+
 def load_report(folder: str | Path) -> dict:
     """Read `mla_convert.json` from a converted folder; a missing or unreadable report is a user error."""
     path = Path(folder) / REPORT_FILE
@@ -168,6 +172,11 @@ def load_report(folder: str | Path) -> dict:
         raise CardValidationError(f"{path}: cannot be read as JSON ({error})") from error
     if not isinstance(report, dict):
         raise CardValidationError(f"{path}: expected a JSON object, found {type(report).__name__}")
+    # the card's provenance and its numbers come from these; without them it would describe "the source model"
+    absent = [key for key, kind in REPORT_SECTIONS.items() if not isinstance(report.get(key), kind)]
+    if absent:
+        raise CardValidationError(f"{path}: no {', '.join(absent)} recorded; it is not a report written by mla-convert "
+                                  "(convert the source again to get one)")
     return report
 
 
