@@ -383,3 +383,21 @@ def test_report_is_not_modified_by_building_a_card():
     before = copy.deepcopy(report)
     build_model_card(report, repo_id="alice/x")
     assert report == before
+
+
+def test_the_card_says_what_the_calibration_text_was_used_for():
+    """A `--method svd` card said "fitted with the svd method, calibrated on ...": its factors see no calibration
+    statistic (the text picks the RoPE grid and the latent scale only), and refinement was never mentioned."""
+    def factors_line(method: str, refinement: str | None) -> str:
+        report = stories260k_report()
+        report["options"]["method"], report["refinement"] = method, refinement
+        return next(line for line in str(build_model_card(report)).splitlines() if "low-rank factors" in line)
+
+    weight_only = factors_line("svd", "off (weight-only SVD uses no calibration data)")
+    assert "from the weights alone" in weight_only and "calibrated on" not in weight_only
+    assert "RoPE frequencies and the latent scale were chosen on calibration data" in weight_only
+    assert "refined" not in weight_only
+    assert "the factors then refined on it" in factors_line("svd", "40 steps per layer (given)")
+    aware = factors_line("activation-aware", "12 steps per layer (0.10 GFLOP each within 2.25 per layer)")
+    assert "calibrated on calibration data" in aware and "then refined on it" in aware and "12 steps per layer" in aware
+    assert "refined" not in factors_line("activation-aware", "off (--effort fast)")

@@ -157,6 +157,9 @@ def card_option_problems(base_model: str | None, license_id: str | None) -> list
     return problems
 
 
+# `--method` names (and their aliases) whose factors come from the weights alone, not from calibration statistics.
+WEIGHT_ONLY_METHODS = ("svd", "weight")
+
 # What every report `mla-convert convert` writes holds, and the card cannot do without (key: JSON type).
 REPORT_SECTIONS: dict[str, type] = {"mla_convert_version": str, "source": dict, "cache": dict}
 
@@ -284,10 +287,19 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
                 f"{options['calib_samples']} samples" if options.get("calib_samples") else "",
                 f"{options['calib_seq_len']} tokens each" if options.get("calib_seq_len") else "",
             )
-        lines.append(
-            f"- The low-rank factors were fitted with the `{_text(method)}` method"
-            + (f", calibrated on {_text(calib)}." if calib else ".")
-        )
+        refined = str(_get(report, "refinement", default="") or "")
+        refined = "" if not refined or refined.startswith("off") else f" then refined on it, layer by layer where held-out windows improved: {_text(refined)}"
+        if method in WEIGHT_ONLY_METHODS:  # no calibration statistic enters the factors; it still picks RoPE and scale
+            lines.append(
+                f"- The low-rank factors were fitted with the `{_text(method)}` method, from the weights alone"
+                + (f"; the RoPE frequencies and the latent scale were chosen on {_text(calib)}" if calib else "")
+                + (f", and the factors{refined}." if refined else ".")
+            )
+        else:
+            lines.append(
+                f"- The low-rank factors were fitted with the `{_text(method)}` method"
+                + (f", calibrated on {_text(calib)}" if calib else "") + (f",{refined}." if refined else ".")
+            )
     finetuning = _get(report, "finetuning")
     trained_all = isinstance(finetuning, Mapping) and finetuning.get("trained") == "all"
     lines.append(
