@@ -230,6 +230,22 @@ def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_p
     assert again.ok and not marker.exists() and (kept / "config.json").exists()
 
 
+def test_a_ratio_that_gets_an_earlier_ratios_shape_is_not_converted_again(tiny_source, tiny_text, tmp_path):
+    """8x and 8.4x both give 4+4 on this source (a serving target rounds more ratios together): the sweep used to
+    convert and evaluate the same model twice and show two rows without a word."""
+    result = run_sweep(tiny_source, [8, 8.4], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                       methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    first, second = result.points
+    assert (first.kv_lora_rank, first.rope_dim) == (second.kv_lora_rank, second.rope_dim) == (4, 4)
+    assert first.same_shape_as is None and second.same_shape_as == 8 and second.requested_ratio == 8.4
+    assert second.perplexity == first.perplexity and second.model_path == first.model_path
+    assert result.conversions == 1 and not (tmp_path / "out" / "models" / "weight-8.4x").exists()
+    markdown = result.files.markdown.read_text()
+    assert "weight-only SVD 8.4x (the 8x model)" in markdown and "shared by 1 conversion." in markdown
+    assert "1 requested ratio got the shape of a smaller one" in markdown
+    assert load_sweep(result.files.json).points[1].same_shape_as == 8
+
+
 @pytest.mark.parametrize("occupant", ["folder", "link to a kept model"])
 def test_a_kept_models_place_held_by_something_else_is_refused_before_any_work(tiny_source, tiny_text, tmp_path,
                                                                                occupant):

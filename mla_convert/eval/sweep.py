@@ -124,6 +124,9 @@ class SweepPoint:
     calibration_id: str | None = None  # the statistics the conversion used; one id per calibration pass
     model_path: str | None = None  # kept converted folder (None: deleted after evaluation)
     export_dtype: str | None = None  # dtype the conversion was written (and so evaluated) in
+    # the ratio whose conversion had this very shape (a serving target rounds ratios to its shapes): that
+    # conversion's numbers, not converted and evaluated again
+    same_shape_as: float | None = None
 
     @property
     def is_source(self) -> bool:
@@ -191,6 +194,11 @@ class SweepResult:
         return len({p.calibration_id for p in self.points if p.calibration_id is not None})
 
     @property
+    def conversions(self) -> int:
+        """Models converted (a ratio that got an earlier ratio's shape reuses that model)."""
+        return sum(p.same_shape_as is None for p in self.points)
+
+    @property
     def methods(self) -> list[str]:
         return list(dict.fromkeys(p.method for p in self.points))
 
@@ -232,6 +240,7 @@ class SweepResult:
                 "eval_seconds": point.eval_seconds,
                 "error": point.error,
                 "model_path": point.model_path,
+                "same_shape_as": point.same_shape_as,
             })
         return rows
 
@@ -244,7 +253,8 @@ class SweepResult:
             shape = f"{self.attention_kind} K+V" if point.is_source else f"{point.kv_lora_rank} + {point.rope_dim}"
             result = point.result
             lines.append("| " + " | ".join([
-                f"**{point.label}**" if point.is_source else point.label,
+                f"**{point.label}**" if point.is_source else point.label
+                + ("" if point.same_shape_as is None else f" (the {format_ratio(point.same_shape_as)} model)"),
                 shape,
                 f"{human_bytes(self.bytes_per_token(point))} ({self.values_per_token(point)} values)",
                 f"{self.actual_ratio(point):.2f}x",
@@ -271,7 +281,11 @@ class SweepResult:
             if calib_data and os.sep in str(calib_data):  # a local file: its name says enough, the path is this machine's
                 description = description.replace(str(calib_data), f"`{Path(calib_data).name}`")
             text += (f" Calibration: {description}, {self.calibration.get('seconds', '?')} s, "
-                     f"{passes} pass{'es' if passes != 1 else ''} shared by {len(self.points)} conversions.")
+                     f"{passes} pass{'es' if passes != 1 else ''} shared by {self.conversions} conversion{'s' if self.conversions != 1 else ''}.")
+        repeated = [p for p in self.points if p.same_shape_as is not None]
+        if repeated:
+            text += (f" {len(repeated)} requested ratio{'s' if len(repeated) != 1 else ''} got the shape of a smaller one "
+                     f"(the serving target's shapes): shown with that model's numbers, not converted again.")
         return text
 
     def csv_text(self) -> str:
@@ -677,6 +691,17 @@ def run_sweep(
                 for method in methods:
                     label = f"{METHOD_LABELS[method]} {format_ratio(ratio)}"
                     progress.message(f"[{len(result.points) + 1}/{total}] {label}")
+                    mla = pick_target_shape(converter.config, base.target, compression=ratio)
+                    earlier = next((p for p in result.points if p.method == method and p.same_shape_as is None
+                                    and (p.kv_lora_rank, p.rope_dim) == (mla.kv_lora_rank, mla.rope_dim)), None)
+                    if earlier is not None:  # the same shape from the same statistics: the same model
+                        progress.message(f"{label}: the same shape ({mla.kv_lora_rank}+{mla.rope_dim}) as "
+                                         f"{earlier.label}; its numbers, not converted again")
+                        result.points.append(dataclasses.replace(earlier, requested_ratio=ratio,
+                                                                 same_shape_as=earlier.requested_ratio))
+                        if out is not None:
+                            result.save(out, stem)
+                        continue
                     folder = (keep_root or Path(scratch.name)) / _folder_name(method, ratio)
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
