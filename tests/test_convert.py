@@ -473,3 +473,24 @@ def test_a_non_finite_ratio_is_one_problem(tmp_path, compression):
     with pytest.raises(PreflightError) as refused:
         convert(source, tmp_path / "out", fast_options(compression=compression))
     assert refused.value.problems == [f"--compression {compression}: must be a finite number"]
+
+
+def test_a_shape_that_grows_the_cache_is_said_so_before_converting(tmp_path):
+    """-r 64 -d 8 on a source caching 64 values is allowed (a full-rank conversion may be wanted), but it only
+    showed up as "compression ratio 0.89x" in the closing summary."""
+    from mla_convert.convert.decisions import Progress
+
+    class Messages(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, num_layers=1)
+    grown, smaller = Messages(), Messages()
+    convert(source, tmp_path / "grown", fast_options(kv_lora_rank=64, rope_dim=8), progress=grown)
+    convert(source, tmp_path / "smaller", fast_options(kv_lora_rank=48, rope_dim=8), progress=smaller)
+    assert ("note: 64+8 caches 72 values per token and layer, more than the source's 64: the KV cache grows 1.12x "
+            "(compression 0.89x)") in grown.seen
+    assert not any("the KV cache grows" in text for text in smaller.seen)

@@ -432,4 +432,9 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         raise PreflightError(list(dict.fromkeys(problems)))
     if storage_summary:
         message(storage_summary)
+    grown = mla.kv_values_per_token_layer / source.kv_values_per_token_layer
+    if grown > 1:  # allowed (e.g. an exact full-rank conversion), but not what anyone converts for by accident
+        message(f"note: {mla.kv_lora_rank}+{mla.rope_dim} caches {mla.kv_values_per_token_layer} values per token and "
+                f"layer, more than the source's {source.kv_values_per_token_layer}: the KV cache grows {grown:.2f}x "
+                f"(compression {1 / grown:.2f}x)")
     return mla, dtype
