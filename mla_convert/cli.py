@@ -227,7 +227,8 @@ def evaluate(
     problems: list[str] = revision_problems(revision, model, baseline)
     plan = eval_preflight(model, baseline, context, allow_long_context=allow_long_context, dtype=dtype, device=device,
                           stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size,
-                          json_path=json_out, revision=revision, allow_pickle=allow_pickle, problems=problems)
+                          json_path=json_out, revision=revision, allow_pickle=allow_pickle, problems=problems,
+                          data=data, text_column=text_column)
     facts, context = plan.facts, plan.context
     known = [f for f in facts if f is not None]
     problems += positive_problems({"--kv-context": kv_context}, minimum={"--kv-context": 0})
@@ -258,7 +259,9 @@ def evaluate(
         from .eval.perplexity import load_model_for_eval
 
         measured = {}
-        for name, path in [(model, facts[0].path)] + ([(baseline, facts[1].path)] if baseline else []):
+        labels = [label for label in report.results if label != report.baseline_label]  # the keys of the results
+        labels += [report.baseline_label] if baseline else []
+        for name, path in zip(labels, [f.path for f in facts]):
             loaded, _ = load_model_for_eval(path, device, dtype, revision, allow_pickle)
             measured[name] = measure_kv_cache(loaded, tokens=kv_context)
             del loaded

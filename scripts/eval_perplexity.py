@@ -36,7 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON here")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (fewer than cores helps on a shared machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from mla_convert.errors import MLAConvertError
     from mla_convert.eval.perplexity import run_eval
 
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)

@@ -107,7 +107,9 @@ def test_eval_kv_context_reports_the_cache_the_conversion_promised(converted, st
     cache = json.loads((converted / "mla_convert.json").read_text())["cache"]
     measured = json.loads(out.read_text())["kv_cache"]
     assert measured[str(converted)]["bytes_per_token"] == cache["mla_bytes_per_token"]
-    assert measured[str(stories260k)]["bytes_per_token"] == cache["source_bytes_per_token"]
+    # keyed as the results are (the baseline's key said "(baseline)" there and not here)
+    assert set(measured) == set(json.loads(out.read_text())["results"]) == {str(converted), f"{stories260k} (baseline)"}
+    assert measured[f"{stories260k} (baseline)"]["bytes_per_token"] == cache["source_bytes_per_token"]
     assert measured[str(converted)]["tokens"] == 48 and len(measured[str(converted)]["per_layer_bytes"]) == 5
     per_layer = cache["mla_bytes_per_token"] // 5
     assert (f"{converted}: KV cache" in result.output

@@ -290,3 +290,83 @@ def test_run_eval_checks_what_the_command_checks(stories260k, tinystories_text, 
     # the default context is what the command uses: min(1024, max_position_embeddings = 512)
     report = run_eval(converted, tinystories_text, max_windows=1, progress=False)
     assert report.settings["context_length"] == 512
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny source with a character tokenizer, its conversion, and a text: eval's plumbing without ../shared."""
+    from tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("eval-inputs")
+    source = save_tiny_tokenizer(save_tiny_model(root / "src", num_layers=1, vocab_size=512), vocab_size=512)
+    converted = convert(source, root / "mla", ConvertOptions(compression=2, effort="fast", calibration=CalibrationOptions(
+        num_samples=2, seq_len=16))).output
+    text = root / "text.txt"
+    text.write_text("the cat sat on the mat and looked at the dog. " * 40)
+    return source, converted, text
+
+
+def test_json_never_replaces_an_input_or_a_foreign_file(tiny_pair, tmp_path):
+    """`--json` used to overwrite whatever it named: the evaluation text, the model's config.json, any file."""
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    source, converted, text = tiny_pair
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    before = {path: path.read_bytes() for path in (text, converted / "config.json", notes)}
+    for target, message in [(text, "is the evaluation text"), (converted / "config.json", "inside the model folder"),
+                            (source / "new.json", "inside the model folder"),
+                            (notes, "exists and is not an earlier `mla-convert eval` result")]:
+        result = CliRunner().invoke(cli.app, ["eval", str(converted), "--baseline", str(source), "--data", str(text),
+                                              "--context", "32", "--max-windows", "1", "--json", str(target)])
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+        with pytest.raises(MLAConvertError, match=re.escape(message)):
+            run_eval(converted, text, baseline=source, context_length=32, max_windows=1, progress=False, json_path=target)
+    assert {path: path.read_bytes() for path in before} == before and not (source / "new.json").exists()
+    earlier = tmp_path / "eval.json"  # an earlier result is replaced: reruns are the normal case
+    for _ in range(2):
+        run_eval(converted, text, context_length=32, max_windows=1, progress=False, json_path=earlier)
+    assert json.loads(earlier.read_text())["settings"]["context_length"] == 32
+
+
+def test_text_and_window_problems_come_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
+    """A missing text, a stride longer than the context and a text column a .txt cannot have were found only after
+    both models had loaded (the stride after the text was also tokenized), one at a time."""
+    import mla_convert.eval.perplexity as perplexity
+    from mla_convert.errors import PreflightError
+
+    source, converted, text = tiny_pair
+    monkeypatch.setattr(perplexity, "load_model_for_eval", lambda *a, **k: pytest.fail("a model loaded first"))
+    with pytest.raises(PreflightError) as refused:
+        run_eval(converted, text, baseline=source, context_length=32, stride=40, text_column="body", progress=False)
+    assert [problem.split(":")[0] for problem in refused.value.problems] == ["--stride 40", "--text-column body"]
+    with pytest.raises(MLAConvertError, match="nothere.txt: no such file or folder"):
+        run_eval(converted, tmp_path / "nothere.txt", baseline=source, context_length=32, progress=False)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("   \n")
+    with pytest.raises(MLAConvertError, match="contains no text"):
+        run_eval(converted, blank, baseline=source, context_length=32, progress=False)
+
+
+def test_eval_perplexity_script_refuses_options_that_cannot_act(tiny_pair, tmp_path, capsys, monkeypatch):
+    """`--threads -1` was a torch traceback, `--split` on a text file was ignored and `--max-chars 0` was refused
+    only after the model had loaded."""
+    import importlib.util
+    from pathlib import Path
+
+    import mla_convert.eval.perplexity as perplexity
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "eval_perplexity.py"
+    spec = importlib.util.spec_from_file_location("eval_perplexity", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, converted, text = tiny_pair
+    with pytest.raises(SystemExit) as stopped:
+        module.main([str(converted), "--data", str(text), "--threads", "-1"])
+    assert stopped.value.code == 2 and "--threads -1: must be at least 1" in capsys.readouterr().err
+    monkeypatch.setattr(perplexity, "load_model_for_eval", lambda *a, **k: pytest.fail("a model loaded first"))
+    assert module.main([str(converted), "--data", str(text), "--split", "test", "--max-chars", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "--split test: acts only with a datasets spec" in error and "--max-chars 0: must be at least 1" in error

@@ -102,6 +102,56 @@ def positive_problems(values: dict[str, float | None], minimum: dict[str, int] |
 
 
 
+def results_file_problems(json_path: str | os.PathLike | None, data: str | os.PathLike | None,
+                          facts: list[ModelFacts]) -> list[str]:
+    """`--json` may replace an earlier result, never an input: the text, a model's file, or any other file.
+
+    It used to overwrite whatever it named, the evaluation text and a model's config.json included.
+    """
+    from ..io.paths import absolute_path
+
+    if json_path is None:
+        return []
+    path = absolute_path(json_path)
+    for fact in facts:
+        if path.resolve().is_relative_to(fact.path.resolve()):
+            return [f"--json {json_path}: inside the model folder {fact.path}; write the results elsewhere"]
+    if data is not None and Path(os.fspath(data)).expanduser().exists() and \
+            path.resolve().is_relative_to(Path(os.fspath(data)).expanduser().resolve()):
+        return [f"--json {json_path}: is the evaluation text (--data); write the results elsewhere"]
+    if path.is_file() and not _is_eval_result(path):
+        return [f"--json {json_path}: exists and is not an earlier `mla-convert eval` result; give a new file name "
+                "(or remove it)"]
+    return []
+
+
+def _is_eval_result(path: Path) -> bool:
+    import json
+
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(written, dict) and isinstance(written.get("results"), dict) and isinstance(written.get("settings"), dict)
+
+
+def text_option_problems(data: str | os.PathLike | None, text_column: str = "text", split: str | None = None,
+                         max_chars: int | None = None) -> list[str]:
+    """Options of the text that cannot act on it: a text column names a field of .jsonl or dataset rows (a plain
+    text file has none), a split picks from a dataset (a local file or folder has none)."""
+    problems = positive_problems({"--max-chars": max_chars})
+    if data is None:
+        return problems
+    path = Path(os.fspath(data)).expanduser()
+    if text_column != "text" and path.is_file() and path.suffix.lower() not in (".jsonl",):
+        problems.append(f"--text-column {text_column}: acts only with .jsonl files, folders holding them, or datasets; "
+                        f"{data} is plain text")
+    if split is not None and path.exists():
+        problems.append(f"--split {split}: acts only with a datasets spec; {data} is a local "
+                        f"{'folder' if path.is_dir() else 'file'}")
+    return problems
+
+
 @dataclass(frozen=True)
 class EvalPlan:
     """What `eval_preflight` found: the models' facts (model first, baseline second when given) and the context."""
@@ -114,7 +164,8 @@ def eval_preflight(model: str | os.PathLike, baseline: str | os.PathLike | None,
                    allow_long_context: bool = False, dtype: str = "auto", device: str | None = None,
                    stride: int | None = None, max_windows: int | None = None, max_tokens: int | None = None,
                    batch_size: int = 1, json_path: str | os.PathLike | None = None, revision: str | None = None,
-                   allow_pickle: bool = False, problems: list[str] | None = None) -> EvalPlan:
+                   allow_pickle: bool = False, problems: list[str] | None = None, data: str | os.PathLike | None = None,
+                   text_column: str = "text", split: str | None = None, max_chars: int | None = None) -> EvalPlan:
     """Every check an evaluation needs before loading a model, for `eval` and for `run_eval` alike (the API
     must not silently score fp16 underflow or extrapolated positions either).  Problems are appended to
     `problems` when given (the caller adds its own and raises), else raised here as one `PreflightError`."""
@@ -132,7 +183,11 @@ def eval_preflight(model: str | os.PathLike, baseline: str | os.PathLike | None,
     found += positive_problems({"--context": context, "--stride": stride, "--max-windows": max_windows,
                                 "--max-tokens": max_tokens, "--batch-size": batch_size},
                                minimum={"--context": 2, "--max-tokens": 2})
+    if stride is not None and stride > context >= 2:
+        found.append(f"--stride {stride}: longer than the context ({context}); the tokens between windows would never "
+                     "be scored")
     found += device_problems(device) + output_file_problems(json_path, "--json")
+    found += results_file_problems(json_path, data, known) + text_option_problems(data, text_column, split, max_chars)
     if problems is not None:
         problems += found
     elif found:

@@ -440,19 +440,23 @@ def run_eval(
     """
     from .checks import eval_preflight
 
-    context_length = eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
-                                    device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
-                                    batch_size=batch_size, json_path=json_path, revision=revision,
-                                    allow_pickle=allow_pickle).context
-    model_obj, model_path = load_model_for_eval(model, device, dtype, revision, allow_pickle)
-    baseline_obj, baseline_path = (None, None)
+    plan = eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
+                          device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
+                          batch_size=batch_size, json_path=json_path, revision=revision, allow_pickle=allow_pickle,
+                          data=data, text_column=text_column, split=split, max_chars=max_chars)
+    context_length = plan.context
+    # the text, its tokens and the windows before any model loads: a missing or empty text, or one too short for
+    # a window, fails in seconds rather than after the models
+    text = load_text(data, text_column=text_column, split=split, max_chars=max_chars)
+    tokenizer = load_tokenizer_for_eval(*(fact.path for fact in plan.facts))
+    tokenized = tokenize_with_offsets(tokenizer, text)
+    plan_windows(len(tokenized), context_length, stride, max_windows)
+    model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
+    baseline_obj = None
     if baseline is not None:
-        baseline_obj, baseline_path = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
+        baseline_obj, _ = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
     if labels is not None:  # what the user typed (a hub id, a relative path), not where it was resolved to
         model, baseline = labels[0] or model, labels[1] or baseline
-    tokenizer = load_tokenizer_for_eval(model_path, baseline_path)
-    text = load_text(data, text_column=text_column, split=split, max_chars=max_chars)
-    tokenized = tokenize_with_offsets(tokenizer, text)
     options = dict(
         context_length=context_length,
         stride=stride,
