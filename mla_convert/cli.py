@@ -27,8 +27,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=False)
-err_console = Console(stderr=True)
+# emoji off: `:cat:` in a prompt, a path or a datasets spec is text, printed as typed, never an emoji
+console = Console(stderr=False, emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 
 def print_plain(text: str) -> None:

@@ -93,6 +93,21 @@ def test_piped_convert_prints_a_long_bracketed_output_path_as_one_exact_line(sou
     assert inspected.returncode == 2 and str(output.parent / "missing-on-purpose") in inspected.stderr
 
 
+def test_emoji_codes_in_paths_and_prompts_are_printed_as_typed(source, tmp_path):
+    """rich turned `:cat:` into a cat: the output line a script reads named another folder, and a prompt
+    `generate` echoed was not the prompt given."""
+    output = tmp_path / "run :cat: 2" / "out"
+    output.parent.mkdir()
+    done = run_piped("convert", source, output, "-c", "2", *QUICK, "-q")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(output)]
+    generated = run_piped("generate", output, "say :smile:", "--max-new-tokens", "2")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.startswith("say :smile:") and "\N{SMILING FACE WITH OPEN MOUTH AND SMILING EYES}" not in generated.stdout
+    missing = run_piped("inspect", tmp_path / "gone :smile:", "-c", "2")
+    assert missing.returncode == 2 and str(tmp_path / "gone :smile:") in missing.stderr
+
+
 def test_terminal_tables_show_cells_as_text_not_markup():
     """On a terminal the tables are rich tables; a cell such as a path with brackets stays as it is."""
     import io
