@@ -47,17 +47,23 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 # ----------------------------------------------------------------------------- exactness oracle
 @pytest.mark.parametrize(
-    "family, bias",
-    [("llama", False), ("llama", True), ("qwen2", True), ("mistral", False)],
+    "family, bias, head_dim",
+    [("llama", False, 16), ("llama", True, 16), ("qwen2", True, 16), ("mistral", False, 16), ("llama", True, 32)],
 )
-def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias):
-    """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model."""
-    kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=16, hidden_size=64, num_layers=2, weight_scale=3.0)
+def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, head_dim):
+    """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model.
+
+    head_dim 32: 128 query rows from a 64-wide input, so the query bias lies outside W_q's column space; it used to
+    lose ~75 % of the bias without a word (q_lora_rank = hidden), and now rides on one more latent channel."""
+    kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=head_dim, hidden_size=64, num_layers=2,
+                  weight_scale=3.0)
     if family == "llama":
         kwargs["attention_bias"] = bias
     source = save_tiny_model(tmp_path / "src", **kwargs)
     out = tmp_path / "mla"
-    result = convert(source, out, fast_options(kv_lora_rank=32, rope_dim=16))
+    result = convert(source, out, fast_options(kv_lora_rank=2 * head_dim, rope_dim=head_dim))
+    if bias:
+        assert result.report["options"]["q_lora_rank"] == (64 if head_dim == 16 else 65)
     ids = torch.randint(0, 128, (2, 48))
     converted, expected = logits_of(out, ids), logits_of(source, ids)
     torch.testing.assert_close(converted, expected, rtol=1e-4, atol=1e-4)

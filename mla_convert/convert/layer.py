@@ -344,15 +344,19 @@ def _query_lora(q_weight, q_bias, w_q_source, b_q_source, mla: MLAShape, second_
     """Queries through q_a_proj -> (linearised) q_a_layernorm -> q_b_proj.
 
     Full rank (the Qwen2 bias case): q_a = alpha * (x + v) with W_q v = b_q, so q_b_proj = the query rows
-    reproduces W' x + T b_q exactly when b_q lies in W_q's column space; the residual is reported.
+    reproduces W' x + T b_q exactly when b_q lies in W_q's column space; the residual is reported.  With more
+    query rows than inputs it generally does not: rank d + 1 takes the augmented path, whose constant input
+    channel carries the bias exactly.
     Low rank (`--q-lora-rank`): activation-aware SVD of [W' | b'] with the bias as a constant input
     (the augmented moment E[[x;1][x;1]^T], cross terms with the mean included); the residual reported is
     the relative error of the rebuilt queries on the calibration statistics.
     Returns (q_a weight, q_a bias, q_b weight, residual or None without a bias, alpha).
     """
     d = q_weight.shape[1]
-    rank = mla.q_lora_rank or d
-    if rank >= d:
+    # no q_lora_rank asked: full rank, plus one constant channel for a bias W_q's columns cannot reach (more query
+    # rows than inputs); that rank goes through the augmented path below, exact at d + 1
+    rank = mla.q_lora_rank or (d + 1 if b_q_source is not None and w_q_source.shape[0] > d else d)
+    if rank == d:
         if b_q_source is not None:
             shift = torch.linalg.lstsq(w_q_source, b_q_source.view(-1, 1)).solution.view(-1)  # (d,)
             residual = (torch.linalg.norm(w_q_source @ shift - b_q_source) / torch.linalg.norm(b_q_source).clamp_min(1e-30)).item()

@@ -204,7 +204,7 @@ class ExportLayout:
 def export_layout(source: SourceConfig, mla: MLAShape, target: Target) -> ExportLayout:
     if not target.serving:
         # a query bias rides exactly on a full-rank q_a path (see layer.py); everything else as the source
-        q_lora = mla.q_lora_rank if mla.q_lora_rank is not None else (source.hidden_size if source.qkv_bias else None)
+        q_lora = mla.q_lora_rank if mla.q_lora_rank is not None else (source.max_q_lora_rank if source.qkv_bias else None)
         return ExportLayout(q_lora, source.qkv_bias or source.o_bias, source.tied_embeddings)
     identity = mla.q_lora_rank is None and target.needs_q_lora_rank
     q_lora = mla.q_lora_rank if mla.q_lora_rank is not None else (source.hidden_size if identity else None)

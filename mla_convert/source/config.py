@@ -124,9 +124,16 @@ class SourceConfig:
         return self.head_dim
 
     @property
+    def query_bias_channel(self) -> bool:
+        """Whether the query bias needs a latent channel of its own: with more query rows than inputs, W_q's
+        column space is a proper subspace and a bias generally lies outside it (q_a_proj's bias feeds q_b_proj
+        through one constant channel instead)."""
+        return self.qkv_bias and self.num_heads * self.head_dim > self.hidden_size
+
+    @property
     def max_q_lora_rank(self) -> int:
-        """The query latent cannot usefully be wider than the input it is computed from."""
-        return self.hidden_size
+        """The query latent cannot usefully be wider than the input it is computed from (plus the bias channel)."""
+        return self.hidden_size + int(self.query_bias_channel)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
