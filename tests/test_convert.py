@@ -500,3 +500,54 @@ def test_a_shape_that_grows_the_cache_is_said_so_before_converting(tmp_path):
     assert ("note: 64+8 caches 72 values per token and layer, more than the source's 64: the KV cache grows 1.12x "
             "(compression 0.89x)") in grown.seen
     assert not any("the KV cache grows" in text for text in smaller.seen)
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+def test_a_sliding_window_source_exports_the_context_where_both_attentions_agree(tmp_path):
+    """Mistral with sliding_window 16 was exported as full attention over 512 positions, and called exact: past 16
+    tokens the source reads a window and the export everything (logits 89 % apart).  The export now declares the
+    window as its positions, where it is exact, and the report and card say why."""
+    source = save_tiny_model(tmp_path / "src", family="mistral", num_heads=4, num_kv_heads=1, head_dim=16,
+                             hidden_size=64, num_layers=2, weight_scale=3.0)
+    _edit_config(source, sliding_window=16)
+    result = convert(source, tmp_path / "mla", fast_options(kv_lora_rank=32, rope_dim=16))
+    config = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 16
+    assert (result.report["source"]["sliding_window"], result.report["source"]["max_position_embeddings"]) == (16, 512)
+    assert "declares `max_position_embeddings` = 16 (the source: 512)" in (tmp_path / "mla" / "README.md").read_text()
+    ids = torch.randint(0, 128, (2, 16))
+    torch.testing.assert_close(logits_of(tmp_path / "mla", ids), logits_of(source, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_qwen2_window_settings_that_slide_no_layer_change_nothing(tmp_path):
+    """use_sliding_window with max_window_layers = every layer slides none (transformers: all full attention); it
+    used to be refused.  Where one layer slides, the window caps the positions as for Mistral."""
+    source = save_tiny_model(tmp_path / "src", family="qwen2", num_heads=4, num_kv_heads=2, head_dim=16,
+                             hidden_size=64, num_layers=2)
+    _edit_config(source, use_sliding_window=True, sliding_window=16, max_window_layers=2, layer_types=None)
+    convert(source, tmp_path / "none", fast_options(compression=2))
+    assert json.loads((tmp_path / "none" / "config.json").read_text())["max_position_embeddings"] == 512
+    _edit_config(source, max_window_layers=1)
+    convert(source, tmp_path / "one", fast_options(compression=2))
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["max_position_embeddings"] == 16
+
+
+def test_missing_positions_are_the_familys_transformers_default(tmp_path):
+    """A config without max_position_embeddings was exported with 4096 positions; transformers reads Llama's as 2048."""
+    from transformers import AutoConfig
+
+    source = save_tiny_model(tmp_path / "src", num_layers=1)
+    _edit_config(source, max_position_embeddings=None)
+    convert(source, tmp_path / "mla", fast_options(compression=2))
+    exported = json.loads((tmp_path / "mla" / "config.json").read_text())["max_position_embeddings"]
+    assert exported == AutoConfig.from_pretrained(source).max_position_embeddings == 2048

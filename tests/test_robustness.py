@@ -322,19 +322,6 @@ def _(ws):
     return []
 
 
-@case("qwen2-sliding-window", "sliding-window Qwen2", "a real Qwen2ForCausalLM with use_sliding_window=True",
-      "use_sliding_window")
-def _(ws):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    values = tiny_config(family="qwen2", vocab_size=128).to_dict()
-    values.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    values.pop("layer_types", None)
-    shutil.rmtree(ws.src)
-    Qwen2ForCausalLM(Qwen2Config(**values)).save_pretrained(ws.src)
-    return []
-
-
 @case("rope-yarn", "unsupported rope_type yarn", "rope_parameters {rope_type: yarn, factor 4}", "RoPE type 'yarn'", "is not supported")
 def _(ws):
     ws.edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,

@@ -432,6 +432,10 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         raise PreflightError(list(dict.fromkeys(problems)))
     if storage_summary:
         message(storage_summary)
+    if source.sliding_window is not None:
+        message(f"note: the source slides its attention over {source.sliding_window} tokens; DeepseekV3 attends to every "
+                f"position, so the export declares max_position_embeddings {source.sliding_window} (the source: "
+                f"{source.max_position_embeddings}), the context where the two agree")
     grown = mla.kv_values_per_token_layer / source.kv_values_per_token_layer
     if grown > 1:  # allowed (e.g. an exact full-rank conversion), but not what anyone converts for by accident
         message(f"note: {mla.kv_lora_rank}+{mla.rope_dim} caches {mla.kv_values_per_token_layer} values per token and "

@@ -125,6 +125,8 @@ def build_report(facts: ConversionFacts) -> dict:
             "hidden_size": source.hidden_size,
             "qkv_bias": source.qkv_bias,
             "rope_parameters": source.rope_parameters,
+            "max_position_embeddings": source.max_position_embeddings,
+            "sliding_window": source.sliding_window,
         },
         "options": {**options, "kv_lora_rank": mla.kv_lora_rank, "rope_dim": mla.rope_dim,
                     "q_lora_rank": facts.q_lora_rank, "dtype": dtype_name(facts.export_dtype)},

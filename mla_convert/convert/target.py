@@ -241,7 +241,7 @@ def build_config(source: SourceConfig, mla: MLAShape, rope_parameters: dict, dty
         moe_intermediate_size=source.intermediate_size,
         num_mtp_layers=0,
         hidden_act=source.hidden_act,
-        max_position_embeddings=source.max_position_embeddings,
+        max_position_embeddings=source.export_max_positions,
         rms_norm_eps=EXPORT_RMS_NORM_EPS,
         rope_parameters=dict(rope_parameters),
         rope_interleave=True,

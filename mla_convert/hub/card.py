@@ -592,6 +592,14 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
             "and the rest of `kv_a_proj_with_mqa` can round them to zero (a GGUF conversion: convert with "
             "`--target llama.cpp`)."
         )
+    window = _get(report, "source", "sliding_window")
+    if isinstance(window, int):
+        lines.append(
+            f"- **Context: {window} tokens.** The source model slides its attention over a window of {window} tokens; "
+            "DeepSeek-V3 attends to every position. The two read the same tokens only up to the window, so this export "
+            f"declares `max_position_embeddings` = {window} (the source: "
+            f"{_text(_get(report, 'source', 'max_position_embeddings', default='more'))})."
+        )
     if _get(report, "source", "qkv_bias") and isinstance(_get(serving, "bias"), Mapping):
         lines.append(
             "- **Attention biases.** The source model has biases on its query/key/value projections; the serving "

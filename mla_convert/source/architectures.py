@@ -43,6 +43,12 @@ class ArchitectureSpec:
     mlp_bias: bool | str = False
     # Config keys whose non-default values the converter cannot reproduce in DeepseekV3.
     unsupported_config: Mapping[str, Any] = field(default_factory=dict)
+    # Sliding-window attention: the key holding the window, the key that switches it on (None: on whenever the
+    # window is set), and the key from which layer index on layers slide (None: every layer).  DeepseekV3 attends
+    # to every position, which is the same attention for contexts up to the window.
+    sliding_window: str | None = None
+    sliding_window_switch: str | None = None
+    sliding_from_layer: str | None = None
 
     def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool) -> dict[str, str]:
         """Names of one layer's attention tensors, keyed by role (`q_weight`, `k_bias`, ...)."""
@@ -82,6 +88,7 @@ MISTRAL = ArchitectureSpec(
     hf_architectures=("MistralForCausalLM",),
     model_types=("mistral",),
     config_class="transformers.MistralConfig",
+    sliding_window="sliding_window",
 )
 
 QWEN2 = ArchitectureSpec(
@@ -90,8 +97,9 @@ QWEN2 = ArchitectureSpec(
     model_types=("qwen2",),
     config_class="transformers.Qwen2Config",
     qkv_bias=True,
-    # Sliding-window attention has no counterpart in DeepseekV3.
-    unsupported_config={"use_sliding_window": True},
+    sliding_window="sliding_window",
+    sliding_window_switch="use_sliding_window",
+    sliding_from_layer="max_window_layers",
 )
 
 SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2)

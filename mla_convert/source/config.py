@@ -79,6 +79,9 @@ class SourceConfig:
     pad_token_id: int | None = None
     initializer_range: float = 0.02
     license: str | None = None
+    # the source's attention window when some layer slides and the window is shorter than its positions: the export
+    # (full attention) agrees with the source only up to it, so it declares that many positions
+    sliding_window: int | None = None
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -122,6 +125,12 @@ class SourceConfig:
     @property
     def max_rope_dim(self) -> int:
         return self.head_dim
+
+    @property
+    def export_max_positions(self) -> int:
+        """Positions the export declares: the source's, or its attention window where layers slide (beyond it a
+        full-attention export and the source read different tokens)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @property
     def query_bias_channel(self) -> bool:
@@ -292,7 +301,9 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     tied = read.flag("tie_word_embeddings")
     eps = read.number("rms_norm_eps", 1e-6)
     initializer_range = read.number("initializer_range", 0.02)
-    max_positions = read.size("max_position_embeddings", default=DEFAULT_MAX_POSITIONS) or DEFAULT_MAX_POSITIONS
+    max_positions = read.size("max_position_embeddings") or _family_default(arch, "max_position_embeddings",
+                                                                            DEFAULT_MAX_POSITIONS)
+    window = _sliding_window(raw, arch, sizes["num_hidden_layers"], max_positions, read)
     dtype = _dtype(raw, read.problems)
     vocab = sizes["vocab_size"]
     token_ids = _token_ids(raw, vocab, read.problems)
@@ -326,7 +337,31 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
         pad_token_id=token_ids["pad_token_id"],
         initializer_range=initializer_range,
         license=license_,
+        sliding_window=window,
     ), []
+
+
+def _family_default(arch: ArchitectureSpec, key: str, fallback: int) -> int:
+    """What transformers' config class of the family assumes for a key the config leaves out (loading the source
+    in transformers gives the same), e.g. 2048 positions for Llama but 32768 for Qwen2 and Mistral."""
+    module_name, _, class_name = arch.config_class.rpartition(".")
+    value = getattr(getattr(importlib.import_module(module_name), class_name)(), key, None)
+    return value if _is_int(value) and value > 0 else fallback
+
+
+def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, num_layers: int | None, max_positions: int,
+                    read: _Reader) -> int | None:
+    """The window of the source's sliding layers, when there are any and it is shorter than the positions."""
+    if arch.sliding_window is None or raw.get(arch.sliding_window) is None:
+        return None
+    if arch.sliding_window_switch is not None and not read.flag(arch.sliding_window_switch):
+        return None
+    window = read.size(arch.sliding_window)
+    if arch.sliding_from_layer is not None and num_layers is not None:
+        first = raw.get(arch.sliding_from_layer)
+        if _is_int(first) and first >= num_layers:  # e.g. Qwen2's max_window_layers = layers: none slides
+            return None
+    return window if window is not None and window < max_positions else None
 
 
 def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:
