@@ -551,3 +551,18 @@ def test_missing_positions_are_the_familys_transformers_default(tmp_path):
     convert(source, tmp_path / "mla", fast_options(compression=2))
     exported = json.loads((tmp_path / "mla" / "config.json").read_text())["max_position_embeddings"]
     assert exported == AutoConfig.from_pretrained(source).max_position_embeddings == 2048
+
+
+def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_named(tmp_path):
+    """A 512-id tokenizer on a 64-row model: the embedding left those rows as uninitialised memory and the run
+    failed on 'second_moment holds NaN/Inf' (or, with finite garbage, would have converted on it)."""
+    from tiny_models import save_tiny_tokenizer
+
+    source = save_tiny_tokenizer(save_tiny_model(tmp_path / "src", num_layers=1, vocab_size=64), vocab_size=512)
+    text = tmp_path / "text.txt"
+    text.write_text("zebra quartz jukebox " * 40)  # lower-case letters are ids 68..93 in the character tokenizer
+    with pytest.raises(MLAConvertError, match="gives token id .* but the model's vocab_size is 64; the tokenizer does "
+                                              "not belong to this model"):
+        convert(source, tmp_path / "mla", fast_options(compression=2, calibration=CalibrationOptions(
+            data=str(text), num_samples=2, seq_len=16)))
+    assert not (tmp_path / "mla").exists()

@@ -45,7 +45,12 @@ def calibration_ids(
     # and must not depend on where the command ran); a datasets spec as given
     local = Path(str(options.data)).expanduser()
     text = local.name if local.exists() else str(options.data)
-    return text_windows(folder, options), f"{options.num_samples} x {options.seq_len} token windows of {text}"
+    ids = text_windows(folder, options)
+    vocab = model.shape.vocab_size
+    if int(ids.max()) >= vocab:  # the embedding has no row for them: the statistics would be garbage
+        raise MLAConvertError(f"calibration text {text}: the tokenizer in {folder} gives token id {int(ids.max())}, but the "
+                              f"model's vocab_size is {vocab}; the tokenizer does not belong to this model")
+    return ids, f"{options.num_samples} x {options.seq_len} token windows of {text}"
 
 
 def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:

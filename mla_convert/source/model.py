@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import MLAConvertError
 from ..io.reader import CheckpointReader
 from .config import SourceConfig
 
@@ -266,6 +267,9 @@ class StreamedSourceModel:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows for `ids` (any shape), read in row chunks so the full table is never resident."""
         flat = ids.reshape(-1).cpu()
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.shape.vocab_size:
+            raise MLAConvertError(f"token ids {int(flat.min())}..{int(flat.max())} outside the vocabulary "
+                                  f"(0..{self.shape.vocab_size - 1})")  # rows left unset would be whatever memory held
         out = torch.empty(flat.numel(), self.shape.hidden_size, dtype=self.dtype, device=self.device)
         rows = self._row_slicer(self.arch.embed)
         for start in range(0, self.shape.vocab_size, EMBED_CHUNK_ROWS):
