@@ -354,6 +354,13 @@ def _mkdir(relative):
     return lambda folder: (folder / relative).mkdir()
 
 
+def _config_of_another_conversion(folder):
+    """config.json (and with it the weights) copied in from a 4x conversion; the report still says 12 + 4."""
+    config = json.loads((folder / "config.json").read_text())
+    config.update(kv_lora_rank=10, qk_rope_head_dim=6)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 INDEX = "model.safetensors.index.json"
 SHARD_1, SHARD_2, SHARD_3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
 LEFTOVERS = "leftovers of an unfinished conversion inside it"
@@ -363,6 +370,9 @@ SINGLE_CASES = {
     "no report": (_drop("mla_convert.json"), "mla_convert.json is missing: this folder was not produced by mla-convert"),
     "broken report": (_write("mla_convert.json", "{oops"), "mla_convert.json: cannot be read as JSON"),
     "no config": (_drop("config.json"), "config.json is missing"),
+    # used to pass, and the card stated the report's shape and ratio for other weights
+    "config of another conversion": (_config_of_another_conversion, "config.json and mla_convert.json describe different "
+                                     "models (kv_lora_rank 10 (the report: 12), qk_rope_head_dim 6 (the report: 4))"),
     "not deepseek": (_write("config.json", '{"model_type": "llama"}'), "describes a 'llama' model"),
     "no weights": (_drop("model.safetensors"), f"no weights: neither model.safetensors nor {INDEX}"),
     "truncated": (_truncate("model.safetensors"), "cannot push: model.safetensors: truncated or corrupt safetensors file"),
