@@ -163,6 +163,35 @@ def test_the_card_convert_wrote_is_refreshed_with_the_repo_id(single, hub):
     assert (single / "README.md").read_text() == uploaded
 
 
+def test_a_card_an_earlier_version_wrote_is_still_refreshed_but_an_edited_one_is_kept(single, hub):
+    """The card was recognised as the tool's only while it equalled this version's card byte for byte: a folder
+    converted before any wording change uploaded a card loading "path/to/this/model", presented as the user's."""
+    from mla_convert.hub.card import build_model_card, load_report, save_card
+
+    older = str(build_model_card(load_report(single))).replace("## Caveats", "## Caveats (older wording)")
+    save_card(older, single / "README.md")  # an unedited card, in an earlier version's words
+    plan = push_to_hub(single, REPO, dry_run=True)
+    assert plan.card_generated and "(generated from mla_convert.json)" in plan.summary()
+    (single / "README.md").write_text((single / "README.md").read_text() + "\nMy own notes.\n")  # edited: the user's
+    plan = push_to_hub(single, REPO, dry_run=True)
+    assert not plan.card_generated and plan.card_has_placeholder
+    assert "kept as it is: edited or not written by mla-convert; it still loads path/to/this/model" in plan.summary()
+    pushed = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert "My own notes." in hub.files(REPO)["README.md"].decode() and not pushed.card_generated
+
+
+def test_update_card_refuses_to_replace_an_edited_card_before_evaluating(single):
+    """`eval --update-card` regenerated README.md and the user's notes in it were gone without a word."""
+    from mla_convert.hub.card import build_model_card, card_update_problems, load_report, save_card
+
+    save_card(build_model_card(load_report(single)), single / "README.md")
+    assert card_update_problems(single, "src") == []
+    (single / "README.md").write_text((single / "README.md").read_text() + "\nMy own notes.\n")
+    problems = card_update_problems(single, "src")
+    assert len(problems) == 1 and "has text mla-convert did not write" in problems[0]
+    assert "My own notes." in (single / "README.md").read_text()
+
+
 # ---------------------------------------------------------------------------------------------- dry run
 def test_dry_run_makes_no_request_writes_nothing_and_lists_exact_files(sharded, hub):
     before = folder_files(sharded)

@@ -337,9 +337,9 @@ def describe_device(device: torch.device) -> str:
 
 
 def _write_card(writer: CheckpointWriter, report: dict) -> None:
-    from ..hub.card import build_model_card
+    from ..hub.card import build_model_card, save_card
 
-    build_model_card(report).save(str(writer.partial / "README.md"))
+    save_card(build_model_card(report), writer.partial / "README.md")
 
 
 def install_sigterm_handler() -> None:

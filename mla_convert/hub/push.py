@@ -32,7 +32,17 @@ from ..io.paths import absolute_path
 from ..io.reader import read_safetensors_header
 from ..io.writer import BACKUP_SUFFIX, OWNER_FILE, PARTIAL_SUFFIX
 from ..units import human_bytes
-from .card import CARD_FILE, REPORT_FILE, CardValidationError, build_model_card, load_report, validate_card
+from .card import (
+    CARD_FILE,
+    CARD_PLACEHOLDER,
+    REPORT_FILE,
+    CardValidationError,
+    build_model_card,
+    card_is_unedited,
+    load_report,
+    marked_card_text,
+    validate_card,
+)
 
 # Names the checkpoint writer uses for unfinished work (`checkpoint_writer.py`; a test keeps them in
 # sync).  Repeated here so that `push --dry-run` does not import torch.
@@ -72,6 +82,7 @@ class PushResult:
     revision: str | None
     commit_message: str
     card_generated: bool  # README.md was (or would be) generated from mla_convert.json
+    card_has_placeholder: bool = False  # a kept README that still loads the model from "path/to/this/model"
     repo_url: str | None = None
     commit_url: str | None = None
     commit_oid: str | None = None
@@ -90,6 +101,9 @@ class PushResult:
         width = max((len(f"{f.size:,}") for f in self.files), default=1)
         for item in self.files:
             note = "  (generated from mla_convert.json)" if item.path == CARD_FILE and self.card_generated else ""
+            if item.path == CARD_FILE and self.card_has_placeholder:
+                note = (f"  (kept as it is: edited or not written by mla-convert; it still loads {CARD_PLACEHOLDER}: "
+                        "delete it to have the card generated with the repository id)")
             lines.append(f"  {item.size:>{width},}  {item.path}{note}")
         lines.append(f"commit message: {self.commit_message}")
         if self.commit_url:
@@ -259,20 +273,21 @@ def _files_containing(folder: Path, files: list[UploadFile], found: Callable[[by
 def _card_for(folder: Path, repo_id: str) -> tuple[str, bool]:
     """The README.md text to upload and whether it is (re)generated from `mla_convert.json`.
 
-    A missing README is generated for `repo_id`.  The card `convert` wrote has placeholder paths in its
-    loading snippets (the repo was not known then); if the README is still exactly that card, it is
-    regenerated with the repo id.  Any other README is the user's: kept as it is, but validated.
+    A missing README is generated for `repo_id`.  The card mla-convert wrote has placeholder paths in its
+    loading snippets (the repo was not known then); while the README is still that card, unedited (its mark,
+    whichever version wrote it), it is regenerated with the repo id.  Any other README is the user's: kept as it
+    is, but validated.
     """
     readme = folder / CARD_FILE
     report = load_report(folder)
     if readme.is_file():
         text = readme.read_text(encoding="utf-8")
-        if text != str(build_model_card(report)):
+        if not card_is_unedited(text) and text != str(build_model_card(report)):
             validate_card(text)
             return text, False
     card = build_model_card(report, repo_id=repo_id)
     validate_card(card)
-    return str(card), True
+    return marked_card_text(card), True  # still the tool's own card after the push (a later update may regenerate it)
 
 
 # Branch names git's check-ref-format accepts (the Hub stores each revision as a git branch); the dry run says so
@@ -396,6 +411,7 @@ def push_to_hub(
         revision=revision,
         commit_message=message,
         card_generated=generated,
+        card_has_placeholder=not generated and CARD_PLACEHOLDER in card_text,
     )
     if dry_run:
         return PushResult(dry_run=True, **plan)
