@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import save_tiny_model, tiny_mla_config
+from tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_mla_config
 
 from mla_convert.convert import ConvertOptions, convert
 from mla_convert.convert.target import LATENT_NORM_EPS, LINEARITY_MARGIN
@@ -789,3 +789,18 @@ def test_fp16_mixed_precision_on_the_cpu_is_refused_not_reported(tiny_llama, tmp
     with pytest.raises(FinetuneConfigError, match="mixed_precision fp16: acts only on a GPU"):
         run_finetune(_tiny_run_config(converted, tmp_path, "out", mixed_precision="fp16"), log=lambda t: None)
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_scoring_on_the_training_text_is_recorded_for_the_card(tiny_llama, tmp_path):
+    """The console warned "the perplexity is not held out"; the report and the card said nothing."""
+    source, original = tiny_llama
+    converted = Path(shutil.copytree(original, tmp_path / "with-tokenizer"))
+    save_tiny_tokenizer(converted, vocab_size=json.loads((converted / "config.json").read_text())["vocab_size"])
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 80)
+    result = run_finetune(_tiny_run_config(converted, tmp_path, "same", data=str(text), eval_data=str(text),
+                                           eval_context=32, eval_windows=2, eval_teacher=False, max_steps=2,
+                                           checkpoint_every=0, teacher=str(source)), log=lambda line: None)
+    report = json.loads((result.output / "mla_convert.json").read_text())
+    assert report["finetuning"]["eval_held_out"] is False
+    assert "**Not held out:**" in (result.output / "README.md").read_text()

@@ -401,3 +401,13 @@ def test_the_card_says_what_the_calibration_text_was_used_for():
     aware = factors_line("activation-aware", "12 steps per layer (0.10 GFLOP each within 2.25 per layer)")
     assert "calibrated on calibration data" in aware and "then refined on it" in aware and "12 steps per layer" in aware
     assert "refined" not in factors_line("activation-aware", "off (--effort fast)")
+
+
+def test_a_fine_tuning_scored_on_its_training_text_says_so():
+    """finetune warned on the console when --eval-data was the training text, but the card showed the perplexities
+    after fine-tuning as ordinary results."""
+    report = smollm2_report()
+    same = str(build_model_card({**report, "finetuning": {**report["finetuning"], "eval_held_out": False}}))
+    held_out = str(build_model_card({**report, "finetuning": {**report["finetuning"], "eval_held_out": True}}))
+    assert "**Not held out:** the perplexities below were measured on the text the model was trained on" in same
+    assert "Not held out" not in held_out

@@ -645,6 +645,9 @@ class Finetuner:
             "loss_min": min(row[2] for row in losses) if losses else None,
             "loss_curve": [[row[0], round(row[2], 5)] for row in downsample(losses)],
             "eval_data": self.eval_data.description if self.eval_data is not None else None,
+            # the console warned at the start; the report and the card must say it too
+            "eval_held_out": (None if self.eval_data is None or not config.data
+                              else not _same_source(config.data, config.eval_data)),
             "perplexity_teacher": state.teacher_perplexity,
             "perplexity_before": before,
             "perplexity_after": after,

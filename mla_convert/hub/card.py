@@ -381,6 +381,9 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         distilled = not str(finetuning.get("loss") or "").startswith("0 x KL")
         how = "distillation from the source" if distilled else "next-token cross-entropy on its training text"
         lines.append(f"After the conversion the model was trained further ({how}) to recover quality:")
+        if finetuning.get("eval_held_out") is False:
+            lines += ["", "**Not held out:** the perplexities below were measured on the text the model was trained on; "
+                      "they overstate its quality on other text."]
         lines += ["", "| | |", "|---|---|"]
         for key, value in finetuning.items():
             if value is None or key in FINETUNE_CURVES or isinstance(value, (list, dict)):
