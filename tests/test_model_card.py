@@ -411,3 +411,13 @@ def test_a_fine_tuning_scored_on_its_training_text_says_so():
     held_out = str(build_model_card({**report, "finetuning": {**report["finetuning"], "eval_held_out": True}}))
     assert "**Not held out:** the perplexities below were measured on the text the model was trained on" in same
     assert "Not held out" not in held_out
+
+
+def test_the_card_names_a_changed_norm_epsilon():
+    """The export sets rms_norm_eps to 1e-6 for every norm (what transformers' latent norms use, and engines use one
+    eps for all); a source with 1e-5 got a different layer norm without a word."""
+    report = stories260k_report()
+    changed = str(build_model_card({**report, "source": {**report["source"], "rms_norm_eps": 1e-5}}))
+    same = str(build_model_card({**report, "source": {**report["source"], "rms_norm_eps": 1e-6}}))
+    assert "Every RMSNorm here uses eps 1e-06 (the source: 1e-05)" in changed
+    assert "Norm epsilon" not in same and "Norm epsilon" not in str(build_model_card(report))

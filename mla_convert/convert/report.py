@@ -126,6 +126,7 @@ def build_report(facts: ConversionFacts) -> dict:
             "qkv_bias": source.qkv_bias,
             "rope_parameters": source.rope_parameters,
             "max_position_embeddings": source.max_position_embeddings,
+            "rms_norm_eps": source.rms_norm_eps,
             "sliding_window": source.sliding_window,
         },
         "options": {**options, "kv_lora_rank": mla.kv_lora_rank, "rope_dim": mla.rope_dim,

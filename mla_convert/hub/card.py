@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..convert.report import REPORT_FILE
-from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM
+from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, LATENT_NORM_EPS
 from ..errors import MLAConvertError
 from ..units import human_bytes
 
@@ -599,6 +600,14 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
             "bfloat16 and float32 keep them. For the same reason, a quantizer that shares one scale between these rows "
             "and the rest of `kv_a_proj_with_mqa` can round them to zero (a GGUF conversion: convert with "
             "`--target llama.cpp`)."
+        )
+    eps = _number(_get(report, "source", "rms_norm_eps"))
+    if eps is not None and not math.isclose(eps, LATENT_NORM_EPS):
+        lines.append(
+            f"- **Norm epsilon.** Every RMSNorm here uses eps {LATENT_NORM_EPS:g} (the source: {eps:g}): transformers "
+            "fixes the latent norms at that value and the serving engines use one eps for all norms, so the export "
+            "sets it for all of them. The layer norms compute slightly differently from the source's; the measured "
+            "attention error does not include this."
         )
     window = _get(report, "source", "sliding_window")
     if isinstance(window, int):
