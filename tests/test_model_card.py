@@ -421,3 +421,13 @@ def test_the_card_names_a_changed_norm_epsilon():
     same = str(build_model_card({**report, "source": {**report["source"], "rms_norm_eps": 1e-6}}))
     assert "Every RMSNorm here uses eps 1e-06 (the source: 1e-05)" in changed
     assert "Norm epsilon" not in same and "Norm epsilon" not in str(build_model_card(report))
+
+
+def test_the_card_claims_a_tokenizer_only_when_one_was_copied():
+    """A source folder without tokenizer files gave an export without them, and a card saying the tokenizer was
+    taken from the source."""
+    report = stories260k_report()
+    without = str(build_model_card({**report, "copied_from_source": ["generation_config.json"]}))
+    with_one = str(build_model_card({**report, "copied_from_source": ["tokenizer.json", "tokenizer_config.json"]}))
+    assert "(embeddings, MLP, layer norms) is taken" in without and "had no tokenizer files" in without
+    assert "(embeddings, MLP, layer norms, tokenizer) is taken" in with_one and "no tokenizer files" not in with_one

@@ -243,7 +243,7 @@ class Converter:
             if source.tied_embeddings and not layout.tie_word_embeddings:  # the engine builds its own head: give it one
                 self._copy_table(writer, source.architecture.embed, "lm_head.weight", export_dtype)
             target_config.save_pretrained(writer.partial)
-            writer.copy_sidecars(self.source_path)
+            copied = writer.copy_sidecars(self.source_path)
             report = build_report(ConversionFacts(
                 source_name=str(self.source), source_folder=self.source_path, output=output, source=source, mla=mla, options=options,
                 calibration_description=self.calibration_description, calibration_tokens=int(self.ids.numel()),
@@ -256,6 +256,7 @@ class Converter:
             ))
             progress.stop()
             report["rope"]["max_relative_frequency_error"] = rope_error
+            report["copied_from_source"] = copied  # tokenizer and generation files: the card says what came along
             report["summary"]["phase_seconds"] = {name: round(value, 3) for name, value in phase_seconds.items()}
             report["summary"]["phase_cpu_seconds"] = {name: round(value, 3) for name, value in phase_cpu.items()}
             report["summary"]["phase_windows_unix"] = {name: [round(t, 3) for t in window] for name, window in phase_windows.items()}

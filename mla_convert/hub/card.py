@@ -308,11 +308,18 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
             )
     finetuning = _get(report, "finetuning")
     trained_all = isinstance(finetuning, Mapping) and finetuning.get("trained") == "all"
+    copied = _get(report, "copied_from_source")
+    tokenizer = not isinstance(copied, list) or any(str(name).startswith("tokenizer") or name in ("vocab.json", "merges.txt")
+                                                    for name in copied)
     lines.append(
-        "- Everything outside attention (embeddings, MLP, layer norms, tokenizer) is taken from the source model"
+        f"- Everything outside attention (embeddings, MLP, layer norms{', tokenizer' if tokenizer else ''}) is taken from "
+        "the source model"
         + (" and was then fine-tuned with the rest (see below)." if trained_all else
            " (fine-tuning, below, trained the attention only)." if isinstance(finetuning, Mapping) else ".")
     )
+    if not tokenizer:
+        lines.append("- The source folder had no tokenizer files, so neither has this one: load the source model's "
+                     "tokenizer with it.")
     lines.append("")
     return lines
 
