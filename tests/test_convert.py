@@ -550,7 +550,7 @@ def test_missing_positions_are_the_familys_transformers_default(tmp_path):
     _edit_config(source, max_position_embeddings=None)
     result = convert(source, tmp_path / "mla", fast_options(compression=2))
     # (no tokenizer in this source: the report says what was copied and the card does not claim one)
-    assert result.report["copied_from_source"] == [] and "had no tokenizer files" in (tmp_path / "mla" / "README.md").read_text()
+    assert result.report["copied_from_source"] == ["generation_config.json"] and "had no tokenizer files" in (tmp_path / "mla" / "README.md").read_text()
     exported = json.loads((tmp_path / "mla" / "config.json").read_text())["max_position_embeddings"]
     assert exported == AutoConfig.from_pretrained(source).max_position_embeddings == 2048
 
