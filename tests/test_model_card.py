@@ -431,3 +431,12 @@ def test_the_card_claims_a_tokenizer_only_when_one_was_copied():
     with_one = str(build_model_card({**report, "copied_from_source": ["tokenizer.json", "tokenizer_config.json"]}))
     assert "(embeddings, MLP, layer norms) is taken" in without and "had no tokenizer files" in without
     assert "(embeddings, MLP, layer norms, tokenizer) is taken" in with_one and "no tokenizer files" not in with_one
+
+
+@pytest.mark.parametrize("ratio, words", [(4.0, "**4x smaller** than"), (1.0, "**the same size** as"),
+                                          (64 / 72, "**1.12x larger** than")])
+def test_the_card_says_larger_when_the_cache_grew(ratio, words):
+    """A 0.89x conversion (allowed, e.g. full rank) was "0.889x smaller"; ratio 1 was "1x smaller"."""
+    report = stories260k_report()
+    text = str(build_model_card({**report, "cache": {**report["cache"], "ratio": ratio}}))
+    assert f"Its KV cache is {words} the original's." in text

@@ -255,8 +255,13 @@ def _section_summary(report: Mapping[str, Any], title: str, source_label: str) -
         "mla-convert. It is a stock `DeepseekV3ForCausalLM`: "
         "it loads with plain `transformers`, with no custom code."
     )
-    if numbers["ratio"]:
-        text += f" Its KV cache is **{numbers['ratio']:.3g}x smaller** than the original's."
+    ratio = numbers["ratio"]
+    if ratio and f"{ratio:.3g}" == "1":
+        text += " Its KV cache is **the same size** as the original's."
+    elif ratio and ratio < 1:
+        text += f" Its KV cache is **{1 / ratio:.3g}x larger** than the original's."
+    elif ratio:
+        text += f" Its KV cache is **{ratio:.3g}x smaller** than the original's."
     lines += [text, ""]
     return lines
 
