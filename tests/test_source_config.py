@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -94,3 +95,13 @@ def test_only_the_config_module_reads_the_raw_config_dict():
     offenders = [f"{path.relative_to(package)}:{number}" for path in package.rglob("*.py") if path not in allowed
                  for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
+
+
+def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
+    """inspect and convert on a converted folder said "unsupported architecture 'DeepseekV3ForCausalLM'"."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                                                       "kv_lora_rank": 144, "qk_rope_head_dim": 48}))
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_folder(tmp_path)
+    assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
+                                      "convert and inspect take the Llama / Mistral / Qwen2 model it was converted from"]

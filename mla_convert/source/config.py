@@ -259,6 +259,10 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
     model_type = raw.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         return None, [f"config.json: model_type must be a string (found {model_type!r})"]
+    if model_type == "deepseek_v3":  # an export given as a source: say so, its architecture is not "unsupported"
+        rank, rope = raw.get("kv_lora_rank"), raw.get("qk_rope_head_dim")
+        return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert and "
+                      "inspect take the Llama / Mistral / Qwen2 model it was converted from"]
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
     try:
