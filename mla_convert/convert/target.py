@@ -297,6 +297,30 @@ def global_names(source: SourceConfig) -> tuple[dict[str, str], dict[str, str]]:
 
 
 # --------------------------------------------------------------------------- reading an export
+# config.json key -> where the report records the same fact: the card states the report, the weights follow the config
+_REPORT_FACTS = {"kv_lora_rank": ("options", "kv_lora_rank"), "qk_rope_head_dim": ("options", "rope_dim"),
+                 "num_hidden_layers": ("source", "num_layers")}
+
+
+def export_report_mismatches(folder: str | os.PathLike, report: dict, report_name: str) -> list[str]:
+    """A config.json (and so weights) from another conversion than the report describes: the card would be false."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # reported by the config check
+    if not isinstance(config, dict):
+        return []
+    wrong = []
+    for key, (section, name) in _REPORT_FACTS.items():
+        recorded = report.get(section, {}).get(name) if isinstance(report.get(section), dict) else None
+        if recorded is not None and config.get(key) is not None and recorded != config.get(key):
+            wrong.append(f"{key} {config.get(key)} (the report: {recorded})")
+    if not wrong:
+        return []
+    return [f"config.json and {report_name} describe different models ({', '.join(wrong)}): the card would state the "
+            "report's numbers for other weights; convert again, or copy back the matching files"]
+
+
 def export_config_problem(folder: str | os.PathLike) -> str | None:
     """Why `folder/config.json` is not a DeepseekV3 export (None: it is one)."""
     path = Path(folder) / "config.json"

@@ -26,7 +26,7 @@ from pathlib import Path
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
 
-from ..convert.target import export_config_problem
+from ..convert.target import export_config_problem, export_report_mismatches
 from ..errors import CheckpointError, MLAConvertError
 from ..io.paths import absolute_path
 from ..io.reader import read_safetensors_header
@@ -190,30 +190,6 @@ def _weight_problems(folder: Path, files: list[str]) -> list[str]:
     return problems
 
 
-# config.json key -> where the report records the same fact: the card states the report, the weights follow the config
-_REPORT_FACTS = {"kv_lora_rank": ("options", "kv_lora_rank"), "qk_rope_head_dim": ("options", "rope_dim"),
-                 "num_hidden_layers": ("source", "num_layers")}
-
-
-def _report_config_mismatches(folder: Path, report: dict) -> list[str]:
-    """A config.json (and so weights) from another conversion than the report describes: the card would be false."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []  # reported by the config check
-    if not isinstance(config, dict):
-        return []
-    wrong = []
-    for key, (section, name) in _REPORT_FACTS.items():
-        recorded = report.get(section, {}).get(name) if isinstance(report.get(section), dict) else None
-        if recorded is not None and config.get(key) is not None and recorded != config.get(key):
-            wrong.append(f"{key} {config.get(key)} (the report: {recorded})")
-    if not wrong:
-        return []
-    return [f"config.json and {REPORT_FILE} describe different models ({', '.join(wrong)}): the card would state the "
-            "report's numbers for other weights; convert again, or copy back the matching files"]
-
-
 def check_pushable(folder: str | Path) -> list[UploadFile]:
     """Return the files to upload, or raise `NotPushableError` naming every problem found.
 
@@ -246,7 +222,7 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
         problems.append(f"{REPORT_FILE} is missing: this folder was not produced by mla-convert")
     else:
         try:
-            problems += _report_config_mismatches(folder, load_report(folder))
+            problems += export_report_mismatches(folder, load_report(folder), REPORT_FILE)
         except CardValidationError as error:
             problems.append(str(error).replace(str(folder / REPORT_FILE), REPORT_FILE))
     config_problem = export_config_problem(folder)
