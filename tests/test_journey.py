@@ -59,6 +59,7 @@ def test_eval_update_card_writes_the_measured_numbers(converted, stories260k, ti
     assert evaluation["source_perplexity"] == pytest.approx(results[measured["baseline"]]["perplexity"], rel=1e-12)
     assert evaluation["ratio"] == pytest.approx(measured["ratio"], rel=1e-12)
     assert evaluation["windows"] == 6 and evaluation["context_length"] == 512  # min(1024, max_position_embeddings 512)
+    assert evaluation["protocol"].startswith("non-overlapping windows")  # the stride is the context here
     assert not os.path.isabs(evaluation["data"])
     card = (folder / "README.md").read_text()
     assert "## Quality" in card and f"{evaluation['converted_perplexity']:.4g}" in card

@@ -440,3 +440,14 @@ def test_the_card_says_larger_when_the_cache_grew(ratio, words):
     report = stories260k_report()
     text = str(build_model_card({**report, "cache": {**report["cache"], "ratio": ratio}}))
     assert f"Its KV cache is {words} the original's." in text
+
+
+def test_the_card_gives_an_overlapping_evaluations_stride_and_scored_tokens():
+    """`eval --stride 128 --context 256 --max-windows 3 --update-card` scored 511 tokens; the card said only
+    "context 256 tokens, 3 windows", and the report's protocol said "first token of each window unscored"."""
+    report = stories260k_report()
+    overlapping = {**report["evaluation"], "context_length": 256, "stride": 128, "windows": 3, "scored_tokens": 511}
+    text = str(build_model_card({**report, "evaluation": overlapping}))
+    assert "(`tinystories-valid-excerpt.txt`, context 256 tokens, stride 128, 3 windows, 511 scored tokens)" in text
+    plain = {**report["evaluation"], "stride": 256, "scored_tokens": 5100}
+    assert "context 256 tokens, 20 windows, 5,100 scored tokens)" in str(build_model_card({**report, "evaluation": plain}))

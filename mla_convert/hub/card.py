@@ -361,7 +361,10 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
     setup = _joined(
         f"`{_text(_public_path(evaluation['data']))}`" if evaluation.get("data") else "",
         f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
+        f"stride {evaluation['stride']:,}" if evaluation.get("stride") and evaluation.get("stride") != evaluation.get(
+            "context_length") else "",
         f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
+        f"{evaluation['scored_tokens']:,} scored tokens" if evaluation.get("scored_tokens") else "",
     )
     lines = [f"{lead} with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":"]
     lines += ["", "| model | perplexity |", "|---|---:|"]
@@ -813,7 +816,10 @@ def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
     data_path = Path(str(data)).expanduser()
     report["evaluation"] = {
         "measured_with": "mla-convert eval",
-        "protocol": "sliding window, token-weighted NLL, first token of each window unscored",
+        "protocol": ("non-overlapping windows, token-weighted NLL, first token of each window unscored"
+                     if converted.stride == converted.context_length else
+                     "sliding window (overlapping), token-weighted NLL, each token scored once, in the first window "
+                     "that holds it with at least one token before it"),
         "data": os.path.relpath(data_path.resolve(), folder.resolve()) if data_path.exists() else str(data),
         "context_length": converted.context_length,
         "stride": converted.stride,
