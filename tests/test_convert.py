@@ -568,3 +568,15 @@ def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_named(tmp_path):
         convert(source, tmp_path / "mla", fast_options(compression=2, calibration=CalibrationOptions(
             data=str(text), num_samples=2, seq_len=16)))
     assert not (tmp_path / "mla").exists()
+
+
+def test_a_tied_config_with_a_different_stored_head_converts_untied_as_transformers_loads_it(tmp_path):
+    """tie_word_embeddings true, but the checkpoint stores its own lm_head: transformers keeps both (untied); the
+    export tied them and dropped the stored head (logits 2x their scale apart)."""
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=1, head_dim=16, hidden_size=64, num_layers=2,
+                             weight_scale=3.0)
+    _edit_config(source, tie_word_embeddings=True)
+    convert(source, tmp_path / "mla", fast_options(kv_lora_rank=32, rope_dim=16))
+    assert json.loads((tmp_path / "mla" / "config.json").read_text())["tie_word_embeddings"] is False
+    ids = torch.randint(0, 128, (2, 24))
+    torch.testing.assert_close(logits_of(tmp_path / "mla", ids), logits_of(source, ids), rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ Phases:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -69,6 +70,26 @@ class ConversionResult:
     layer_reports: list[LayerReport]
 
 
+# embedding rows compared per read when a tied config meets a stored head (bounded memory on a 128K vocabulary)
+_TIE_CHECK_ROWS = 4096
+
+
+def untie_if_the_checkpoint_does(source: SourceConfig, reader: CheckpointReader, progress: Progress) -> SourceConfig:
+    """`tie_word_embeddings: true` with a stored `lm_head.weight` that differs from the embeddings: transformers loads
+    the two untied (it keeps both), so the source model *is* untied, and so must the conversion be."""
+    arch = source.architecture
+    if not source.tied_embeddings or arch.lm_head not in reader or arch.embed not in reader:
+        return source
+    for start in range(0, source.vocab_size, _TIE_CHECK_ROWS):
+        stop = min(start + _TIE_CHECK_ROWS, source.vocab_size)
+        if not torch.equal(reader.get_rows(arch.embed, start, stop), reader.get_rows(arch.lm_head, start, stop)):
+            progress.message(f"note: config.json ties the output head to the embeddings, but the checkpoint's "
+                             f"{arch.lm_head} differs from them; transformers loads the two untied, and so does "
+                             "this conversion")
+            return dataclasses.replace(source, tied_embeddings=False)
+    return source
+
+
 class Converter:
     """One source model, calibrated once, exported to one or more MLA shapes (sweeps reuse the calibration)."""
 
@@ -88,7 +109,7 @@ class Converter:
             problems.append(str(error))
         if problems:
             raise PreflightError(problems)
-        self.config = SourceConfig.from_dict(raw)
+        self.config = untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress)
         self.device = _device(self.options.device)
         self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
                                          resident_bytes=resident_weight_budget(self.device))
