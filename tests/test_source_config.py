@@ -105,3 +105,13 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
                                       "convert and inspect take the Llama / Mistral / Qwen2 model it was converted from"]
+
+
+def test_a_partial_rotary_factor_is_refused_with_the_reason():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                         num_hidden_layers=1, vocab_size=128).to_dict()
+    config.update(architectures=["LlamaForCausalLM"], partial_rotary_factor=0.5)
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_dict(config)
+    assert any("partial_rotary_factor 0.5 is not supported: only part of each head rotates" in problem
+               for problem in refused.value.problems), refused.value.problems

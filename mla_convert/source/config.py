@@ -453,7 +453,9 @@ def _unsupported_rope(params: dict, head_dim: int) -> list[str]:
     if not (_is_number(theta) and theta > 0):
         return [f"rope_theta must be a positive number (found {theta!r})"]
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        return ["partial_rotary_factor != 1 is not supported"]
+        return [f"partial_rotary_factor {params.get('partial_rotary_factor')!r} is not supported: only part of each head "
+                "rotates, and mla-convert's split of the keys into a rotated and a latent part assumes the whole head "
+                "does (factor 1, what Llama, Mistral and Qwen2 checkpoints use)"]
     missing = [key for key in ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
     if missing:
         return [f"rope_parameters of type {rope_type!r} lack {', '.join(repr(k) for k in missing)}"]
