@@ -347,7 +347,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
 
 def _family_default(arch: ArchitectureSpec, key: str, fallback: int) -> int:
     """What transformers' config class of the family assumes for a key the config leaves out (loading the source
-    in transformers gives the same), e.g. 2048 positions for Llama but 32768 for Qwen2 and Mistral."""
+    in transformers gives the same), e.g. 2048 positions for Llama, 32768 for Qwen2, 131072 for Mistral."""
     module_name, _, class_name = arch.config_class.rpartition(".")
     value = getattr(getattr(importlib.import_module(module_name), class_name)(), key, None)
     return value if _is_int(value) and value > 0 else fallback
