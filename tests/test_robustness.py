@@ -195,6 +195,18 @@ def _(ws):
     return []
 
 
+@case("duplicate-tensor", "a weight stored twice, in two indexed shards",
+      "a zeroed copy of layer 1's k_proj added to another shard (the index still names the first)",
+      "as well as in", "remove the stray copy")
+def _(ws):
+    home = ws.shard_of(K_PROJ)
+    other = next(shard for shard in sorted(ws.src.glob("model-*.safetensors")) if shard != home)
+    tensors = load_file(other)
+    tensors[K_PROJ] = torch.zeros_like(load_file(home)[K_PROJ])  # transformers may load this copy
+    save_file(tensors, str(other), metadata={"format": "pt"})
+    return []
+
+
 @case("int-tensor", "dtype mismatch: an integer tensor where a weight should be",
       "layer 1's k_proj stored as int32", "int32", "floating-point")
 def _(ws):

@@ -83,7 +83,9 @@ def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
         infos = reader.tensor_infos()
     except MLAConvertError as error:
         return [str(error)]
-    problems = []
+    problems = [f"{reader.folder}: tensor {name!r} is stored in {', '.join(files)} as well as in {infos[name].file}, the "
+                "shard the index names; transformers may load either copy, so the conversion could describe another "
+                "model: remove the stray copy" for name, files in sorted(reader.stray_copies.items()) if name in infos]
     for name, wanted in expected_tensor_shapes(shape).items():
         info = infos.get(name)
         if info is None:

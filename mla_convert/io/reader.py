@@ -164,6 +164,8 @@ class CheckpointReader:
         self._open_file: str | None = None
         self._open_handle = None
         self._infos: dict[str, TensorInfo] | None = None
+        # tensor name -> the other files holding a copy of it (filled by `tensor_infos`): an ambiguous checkpoint
+        self.stray_copies: dict[str, list[str]] = {}
         self.files_opened = 0
         self._validated_headers: set[tuple[str, int, int]] = set()  # how many times a shard was opened; lets tests check read planning
 
@@ -227,16 +229,21 @@ class CheckpointReader:
         """Shape and dtype of every tensor, from headers only (no tensor data is read)."""
         if self._infos is None:
             infos: dict[str, TensorInfo] = {}
+            self.stray_copies = {}
             for file in self.files:
                 if self.format == "safetensors":
                     header = read_safetensors_header(_inside(self.folder, file))
                     for name, entry in header.items():
+                        if name != "__metadata__" and self.weight_map.get(name, file) != file:
+                            self.stray_copies.setdefault(name, []).append(file)
                         if name == "__metadata__" or self.weight_map.get(name) != file:
                             continue
                         infos[name] = TensorInfo(name, file, tuple(entry["shape"]), TORCH_DTYPES[entry["dtype"]])
                 else:
                     state = self._load_pickle(file)
                     for name, tensor in state.items():
+                        if self.weight_map.get(name, file) != file:
+                            self.stray_copies.setdefault(name, []).append(file)
                         if self.weight_map.get(name) == file:
                             infos[name] = TensorInfo(name, file, tuple(tensor.shape), tensor.dtype)
             missing = [name for name in self.weight_map if name not in infos]
