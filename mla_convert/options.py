@@ -71,7 +71,8 @@ class ConvertOptions:
                          "constraint at once).  With a serving target --compression picks, of the shapes the target "
                          "allows, the one with the smallest ratio at or above it (else the largest); see `mla-convert "
                          "inspect --target`.", flag="--target", choices=TARGETS)
-    q_lora_rank: Optional[int] = option(None, "Also factor the queries through a latent of this rank (at most hidden_size).",
+    q_lora_rank: Optional[int] = option(None, "Also factor the queries through a latent of this rank (at most hidden_size; "
+                                        "+1 for a query bias when the heads are wider than the input).",
                                         flag="--q-lora-rank")
     method: str = option("activation-aware", "Factorization: activation-aware (inputs whitened, outputs weighted by what "
                          "their error costs), input (whitened only) or svd (weight-only baseline).", flag="--method",

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import mapped_files, save_tiny_model
+from tiny_models import mapped_files, save_tiny_model, tiny_model
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
 
@@ -542,6 +542,32 @@ def test_qwen2_window_settings_that_slide_no_layer_change_nothing(tmp_path):
     assert json.loads((tmp_path / "one" / "config.json").read_text())["max_position_embeddings"] == 16
 
 
+@pytest.mark.parametrize("family, changes, window", [
+    # transformers 5 saves layer_types, and its Qwen2 model follows them over max_window_layers
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2, layer_types=["sliding_attention"] * 2), 16),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=["full_attention"] * 2), None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=100, max_window_layers=None, layer_types=None), None),  # default 28
+    ("mistral", dict(sliding_window=None, max_position_embeddings=8192), 4096),  # a missing key: MistralConfig's 4096
+])
+def test_which_layers_slide_is_what_transformers_builds(family, changes, window):
+    """The converter read the sliding keys itself and disagreed with transformers on layer_types, on a missing
+    sliding_window and on a missing max_window_layers (an export cut for nothing, or not cut where it must be)."""
+    from transformers import AutoConfig
+
+    from mla_convert.source.config import SourceConfig
+
+    config = tiny_model(family=family, num_layers=2).config.to_dict()
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    assert SourceConfig.from_dict(config).sliding_window == window
+    built = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    slides = "sliding_attention" in (getattr(built, "layer_types", None) or ["sliding_attention"])
+    assert (window is not None) == (slides and (built.sliding_window or 1 << 30) < built.max_position_embeddings)
+
+
 def test_missing_positions_are_the_familys_transformers_default(tmp_path):
     """A config without max_position_embeddings was exported with 4096 positions; transformers reads Llama's as 2048."""
     from transformers import AutoConfig
@@ -580,3 +606,14 @@ def test_a_tied_config_with_a_different_stored_head_converts_untied_as_transform
     assert json.loads((tmp_path / "mla" / "config.json").read_text())["tie_word_embeddings"] is False
     ids = torch.randint(0, 128, (2, 24))
     torch.testing.assert_close(logits_of(tmp_path / "mla", ids), logits_of(source, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_an_explicit_q_lora_rank_of_hidden_keeps_the_bias_at_least_as_well_as_a_smaller_one(tmp_path):
+    """--q-lora-rank 64 (= hidden) on heads wider than the input took the least-squares path and kept the query bias
+    worse (residual 0.64-0.72) than rank 32 (0.03-0.05); it now takes the bias-aware factorization like any rank."""
+    source = save_tiny_model(tmp_path / "src", num_heads=8, num_kv_heads=1, head_dim=16, hidden_size=64, num_layers=1,
+                             attention_bias=True, weight_scale=4.0)
+    residual = {rank: max(layer["query_bias_residual"] for layer in convert(
+        source, tmp_path / f"q{rank}", fast_options(kv_lora_rank=32, rope_dim=16, q_lora_rank=rank)).report["layers"])
+        for rank in (32, 64)}
+    assert residual[64] <= residual[32] + 1e-9, residual

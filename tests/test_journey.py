@@ -144,7 +144,7 @@ def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_p
     (["--sample", "--seed", str(2**70)], f"--seed {2**70}: must be between 0 and"),  # was a torch overflow traceback
     (["--max-new-tokens", "1", "--prompt-words", "600"], "tokens) leaves no room for new tokens within the model's max_position_embeddings (512)"),
     # accepted, then 610 MiB and a minute for a dozen tokens
-    (["--page-size", "1000000"], "--page-size 1000000: more than the model's max_position_embeddings (512)"),
+    (["--page-size", "1000000"], "--page-size 1000000: more than the longest sequence this run can hold (512 tokens)"),
 ])
 def test_generate_refuses_settings_that_would_be_ignored_or_crash(converted, args, message):
     prompt = "Once upon a time"

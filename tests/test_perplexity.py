@@ -344,6 +344,11 @@ def test_text_and_window_problems_come_before_any_model_loads(tiny_pair, tmp_pat
     assert [problem.split(":")[0] for problem in refused.value.problems] == ["--stride 40", "--text-column body"]
     with pytest.raises(MLAConvertError, match="nothere.txt: no such file or folder"):
         run_eval(converted, tmp_path / "nothere.txt", baseline=source, context_length=32, progress=False)
+    folder = tmp_path / "plain"  # a folder of .txt files has no columns either
+    folder.mkdir()
+    (folder / "a.txt").write_text(text.read_text())
+    with pytest.raises(PreflightError, match="--text-column body: acts only with .jsonl files"):
+        run_eval(converted, folder, baseline=source, context_length=32, text_column="body", progress=False)
     blank = tmp_path / "blank.txt"
     blank.write_text("   \n")
     with pytest.raises(MLAConvertError, match="contains no text"):

@@ -104,7 +104,7 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
-                                      "convert and inspect take the Llama / Mistral / Qwen2 model it was converted from"]
+                                      "convert, inspect and sweep take the Llama / Mistral / Qwen2 model it was converted from"]
 
 
 def test_a_partial_rotary_factor_is_refused_with_the_reason():

@@ -239,6 +239,7 @@ def test_a_ratio_that_gets_an_earlier_ratios_shape_is_not_converted_again(tiny_s
     assert (first.kv_lora_rank, first.rope_dim) == (second.kv_lora_rank, second.rope_dim) == (4, 4)
     assert first.same_shape_as is None and second.same_shape_as == 8 and second.requested_ratio == 8.4
     assert second.perplexity == first.perplexity and second.model_path == first.model_path
+    assert (second.convert_seconds, second.eval_seconds) == (None, None)  # no time was spent on it
     assert result.conversions == 1 and not (tmp_path / "out" / "models" / "weight-8.4x").exists()
     markdown = result.files.markdown.read_text()
     assert "weight-only SVD 8.4x (the 8x model)" in markdown and "shared by 1 conversion." in markdown

@@ -355,8 +355,9 @@ def _query_lora(q_weight, q_bias, w_q_source, b_q_source, mla: MLAShape, second_
     d = q_weight.shape[1]
     # no q_lora_rank asked: full rank, plus one constant channel for a bias W_q's columns cannot reach (more query
     # rows than inputs); that rank goes through the augmented path below, exact at d + 1
-    rank = mla.q_lora_rank or (d + 1 if b_q_source is not None and w_q_source.shape[0] > d else d)
-    if rank == d:
+    outside = b_q_source is not None and w_q_source.shape[0] > d  # the bias can leave W_q's column space
+    rank = mla.q_lora_rank or (d + 1 if outside else d)
+    if rank == d and not outside:  # (a rank-d latent with such a bias: the augmented path's best rank-d fit below)
         if b_q_source is not None:
             shift = torch.linalg.lstsq(w_q_source, b_q_source.view(-1, 1)).solution.view(-1)  # (d,)
             residual = (torch.linalg.norm(w_q_source @ shift - b_q_source) / torch.linalg.norm(b_q_source).clamp_min(1e-30)).item()

@@ -143,7 +143,8 @@ def text_option_problems(data: str | os.PathLike | None, text_column: str = "tex
     if data is None:
         return problems
     path = Path(os.fspath(data)).expanduser()
-    if text_column != "text" and path.is_file() and path.suffix.lower() not in (".jsonl",):
+    plain_folder = path.is_dir() and not any(p.suffix.lower() == ".jsonl" for p in path.rglob("*") if p.is_file())
+    if text_column != "text" and ((path.is_file() and path.suffix.lower() != ".jsonl") or plain_folder):
         problems.append(f"--text-column {text_column}: acts only with .jsonl files, folders holding them, or datasets; "
                         f"{data} is plain text")
     if split is not None and path.exists():

@@ -697,8 +697,9 @@ def run_sweep(
                     if earlier is not None:  # the same shape from the same statistics: the same model
                         progress.message(f"{label}: the same shape ({mla.kv_lora_rank}+{mla.rope_dim}) as "
                                          f"{earlier.label}; its numbers, not converted again")
-                        result.points.append(dataclasses.replace(earlier, requested_ratio=ratio,
-                                                                 same_shape_as=earlier.requested_ratio))
+                        result.points.append(dataclasses.replace(earlier, requested_ratio=ratio,  # no time spent on it
+                                                                 same_shape_as=earlier.requested_ratio,
+                                                                 convert_seconds=None, eval_seconds=None))
                         if out is not None:
                             result.save(out, stem)
                         continue

@@ -74,9 +74,11 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         problems.append(f"--max-new-tokens {max_new_tokens}: the longest prompt ({max(lengths)} tokens) plus the new tokens "
                         f"({longest}) exceed the model's max_position_embeddings ({facts.max_positions}); generate fewer "
                         "tokens or pass --allow-long-context")
-    if facts.max_positions and page_size > facts.max_positions:  # a page no sequence of this model can fill
-        problems.append(f"--page-size {page_size}: more than the model's max_position_embeddings "
-                        f"({facts.max_positions}); every page is allocated whole, so most of it would stay empty")
+    # a page no sequence of this run can fill (with --allow-long-context, the longest sequence is the limit)
+    limit = max(facts.max_positions or 0, longest if allow_long_context else 0)
+    if limit and page_size > limit:
+        problems.append(f"--page-size {page_size}: more than the longest sequence this run can hold ({limit} tokens); "
+                        "every page is allocated whole, so most of it would stay empty")
     element = 2 if dtype in ("bf16", "bfloat16") else 4
     per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * element
     pages = PagedLatentCache.pages_needed([n + max_new_tokens - 1 for n in lengths], page_size)

@@ -43,12 +43,11 @@ class ArchitectureSpec:
     mlp_bias: bool | str = False
     # Config keys whose non-default values the converter cannot reproduce in DeepseekV3.
     unsupported_config: Mapping[str, Any] = field(default_factory=dict)
-    # Sliding-window attention: the key holding the window, the key that switches it on (None: on whenever the
-    # window is set), and the key from which layer index on layers slide (None: every layer).  DeepseekV3 attends
-    # to every position, which is the same attention for contexts up to the window.
-    sliding_window: str | None = None
-    sliding_window_switch: str | None = None
-    sliding_from_layer: str | None = None
+    # Whether the family can slide its attention over a window.  Which layers slide, and over how many tokens, is
+    # read from transformers' config class (its `sliding_window` and `layer_types`, defaults and switches included),
+    # so the converter agrees with the model transformers builds.  DeepseekV3 attends to every position, which is
+    # the same attention for contexts up to the window.
+    may_slide: bool = False
 
     def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool) -> dict[str, str]:
         """Names of one layer's attention tensors, keyed by role (`q_weight`, `k_bias`, ...)."""
@@ -88,7 +87,7 @@ MISTRAL = ArchitectureSpec(
     hf_architectures=("MistralForCausalLM",),
     model_types=("mistral",),
     config_class="transformers.MistralConfig",
-    sliding_window="sliding_window",
+    may_slide=True,
 )
 
 QWEN2 = ArchitectureSpec(
@@ -97,9 +96,7 @@ QWEN2 = ArchitectureSpec(
     model_types=("qwen2",),
     config_class="transformers.Qwen2Config",
     qkv_bias=True,
-    sliding_window="sliding_window",
-    sliding_window_switch="use_sliding_window",
-    sliding_from_layer="max_window_layers",
+    may_slide=True,
 )
 
 SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2)

@@ -261,8 +261,8 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
         return None, [f"config.json: model_type must be a string (found {model_type!r})"]
     if model_type == "deepseek_v3":  # an export given as a source: say so, its architecture is not "unsupported"
         rank, rope = raw.get("kv_lora_rank"), raw.get("qk_rope_head_dim")
-        return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert and "
-                      "inspect take the Llama / Mistral / Qwen2 model it was converted from"]
+        return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert, "
+                      "inspect and sweep take the Llama / Mistral / Qwen2 model it was converted from"]
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
     try:
@@ -307,7 +307,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     initializer_range = read.number("initializer_range", 0.02)
     max_positions = read.size("max_position_embeddings") or _family_default(arch, "max_position_embeddings",
                                                                             DEFAULT_MAX_POSITIONS)
-    window = _sliding_window(raw, arch, sizes["num_hidden_layers"], max_positions, read)
+    window = _sliding_window(raw, arch, hidden, heads, head_dim, max_positions)
     dtype = _dtype(raw, read.problems)
     vocab = sizes["vocab_size"]
     token_ids = _token_ids(raw, vocab, read.problems)
@@ -353,19 +353,28 @@ def _family_default(arch: ArchitectureSpec, key: str, fallback: int) -> int:
     return value if _is_int(value) and value > 0 else fallback
 
 
-def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, num_layers: int | None, max_positions: int,
-                    read: _Reader) -> int | None:
-    """The window of the source's sliding layers, when there are any and it is shorter than the positions."""
-    if arch.sliding_window is None or raw.get(arch.sliding_window) is None:
+def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, hidden: int | None, heads: int | None,
+                    head_dim: int | None, max_positions: int) -> int | None:
+    """The window of the source's sliding layers, when there are any and it is shorter than the positions.
+
+    As transformers' config class decides it: a missing `sliding_window` is the family's default (Mistral: 4096),
+    Qwen2's `layer_types` win over `use_sliding_window` / `max_window_layers`, whose own defaults apply when absent.
+    """
+    if not arch.may_slide or not (heads and head_dim):
         return None
-    if arch.sliding_window_switch is not None and not read.flag(arch.sliding_window_switch):
+    module_name, _, class_name = arch.config_class.rpartition(".")
+    values = {k: v for k, v in raw.items() if k not in IGNORED_BY_CONFIG_CLASS}
+    values.update(hidden_size=heads * head_dim, head_dim=head_dim)  # as for RoPE: the class checks heads x head_dim
+    try:
+        config = getattr(importlib.import_module(module_name), class_name)(**values)
+    except Exception:  # the RoPE check builds the same class and reports why it refuses
         return None
-    window = read.size(arch.sliding_window)
-    if arch.sliding_from_layer is not None and num_layers is not None:
-        first = raw.get(arch.sliding_from_layer)
-        if _is_int(first) and first >= num_layers:  # e.g. Qwen2's max_window_layers = layers: none slides
-            return None
-    return window if window is not None and window < max_positions else None
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if not _is_int(window) or window <= 0 or window >= max_positions:
+        return None
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
 
 
 def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:

@@ -36,8 +36,10 @@ def shape_problems(source: SourceConfig, kv_lora_rank: int | None, rope_dim: int
         if q_lora_rank <= 0:
             problems.append(f"--q-lora-rank {q_lora_rank}: must be positive")
         elif q_lora_rank > source.max_q_lora_rank:
-            problems.append(f"--q-lora-rank {q_lora_rank}: larger than the source allows (at most hidden_size "
-                            f"{source.max_q_lora_rank}: the query latent is computed from the {source.hidden_size}-wide input)")
+            bias = " + 1 channel for the query bias" if source.query_bias_channel else ""
+            problems.append(f"--q-lora-rank {q_lora_rank}: larger than the source allows (at most {source.max_q_lora_rank} "
+                            f"= hidden_size {source.hidden_size}{bias}: the query latent is computed from the "
+                            f"{source.hidden_size}-wide input)")
     if rope_dim is not None:
         if rope_dim <= 0:
             problems.append(f"--rope-dim {rope_dim}: must be a positive even number")
