@@ -60,11 +60,31 @@ def demo_problems(compression: float, output: Path | None, eval_data: str | None
     if not (math.isfinite(compression) and compression >= 1):
         problems.append(f"--compression {compression}: must be a number of at least 1 (how many times smaller the KV cache gets)")
     if output is not None:
-        try:
-            prepare_output_path(output, overwrite=True)  # the demo replaces its own earlier output, nothing else
-        except MLAConvertError as error:
-            problems.append(str(error))
+        if (output.exists() or output.is_symlink()) and not earlier_demo_output(output):
+            problems.append(f"--output {output}: exists and is not an earlier demo's output; the demo replaces only its "
+                            "own (choose another folder, or remove it)")
+        else:
+            try:
+                prepare_output_path(output, overwrite=True)  # the demo replaces its own earlier output, nothing else
+            except MLAConvertError as error:
+                problems.append(str(error))
     return problems
+
+
+# how the demo's conversions record their command (`mla_convert.json`): what the demo may replace
+DEMO_COMMANDS = ("mla-convert demo", "mla_convert.demo.run_demo")
+
+
+def earlier_demo_output(folder: Path) -> bool:
+    """A real folder holding a conversion the demo made and nothing has fine-tuned since."""
+    import json
+
+    try:
+        report = json.loads((folder / "mla_convert.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (not folder.is_symlink() and isinstance(report, dict) and report.get("finetuning") is None
+            and str(report.get("command") or "").startswith(DEMO_COMMANDS))
 
 
 def run_demo(
@@ -85,7 +105,12 @@ def run_demo(
     source = fetch_smollm2()
     options = options or ConvertOptions(compression=compression, overwrite=True,
                                         calibration=CalibrationOptions())
-    conversion = convert(source, output, options, progress)
+    import sys
+
+    from .io.paths import command_line
+
+    command = command_line() if sys.argv[1:2] == ["demo"] else f"mla_convert.demo.run_demo(compression={compression:g})"
+    conversion = convert(source, output, options, progress, command=command)
     result = DemoResult(conversion)
     result.perplexity, result.generations = compare_models(source, output, eval_data, prompts, max_new_tokens, progress)
     return result

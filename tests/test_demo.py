@@ -90,3 +90,27 @@ def test_unreadable_eval_data_is_refused_before_the_model_is_fetched(tmp_path):
     with pytest.raises(PreflightError, match="missing.txt"):
         run_demo(output=tmp_path / "never-written", eval_data=str(tmp_path / "missing.txt"))
     assert not (tmp_path / "never-written").exists()
+
+
+def test_an_output_the_demo_did_not_make_is_refused_before_the_model_is_fetched(tmp_path):
+    """`demo --output` replaced any mla-convert folder, a fine-tuned model included, after 11 minutes of work."""
+    import json
+
+    from mla_convert.demo import earlier_demo_output
+
+    def folder(name: str, report: dict | None):
+        (tmp_path / name).mkdir()
+        if report is not None:
+            (tmp_path / name / "mla_convert.json").write_text(json.dumps(report))
+        return tmp_path / name
+
+    earlier = folder("earlier", {"command": "mla-convert demo --output earlier", "finetuning": None})
+    api = folder("api", {"command": "mla_convert.demo.run_demo(compression=2)"})
+    tuned = folder("tuned", {"command": "mla-convert demo", "finetuning": {"steps": 3}})
+    converted = folder("converted", {"command": "mla-convert convert src converted -c 2"})
+    notes = folder("notes", None)
+    assert earlier_demo_output(earlier) and earlier_demo_output(api)
+    for other in (tuned, converted, notes):
+        (problem,) = demo_problems(2.0, other)
+        assert "exists and is not an earlier demo's output" in problem
+    assert demo_problems(2.0, earlier) == []  # its own earlier output: replaced when the demo writes it
