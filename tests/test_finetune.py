@@ -804,3 +804,29 @@ def test_scoring_on_the_training_text_is_recorded_for_the_card(tiny_llama, tmp_p
     report = json.loads((result.output / "mla_convert.json").read_text())
     assert report["finetuning"]["eval_held_out"] is False
     assert "**Not held out:**" in (result.output / "README.md").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"checkpoint_dir": "OUT"}, "checkpoint_dir OUT: inside the output folder"),  # the save failed after training
+    ({"checkpoint_dir": "OUT/ck"}, "checkpoint_dir OUT/ck: inside the output folder"),  # deleted by --overwrite's save
+    ({"checkpoint_dir": "MODEL/ck"}, "inside the model folder"),  # wrote step folders into the converted model
+    ({"max_steps": 1, "warmup_steps": 1}, "warmup_steps (1) must be below max_steps (1)"),  # trained at lr 0
+])
+def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_path, monkeypatch, change, message):
+    _, converted = tiny_llama
+    monkeypatch.chdir(tmp_path)
+    change = {key: value.replace("MODEL", str(converted)) if isinstance(value, str) else value
+              for key, value in change.items()}
+    with pytest.raises(FinetuneConfigError, match=re.escape(message)):
+        FinetuneConfig(**{"model": str(converted), "output": "OUT", "max_steps": 4, "warmup_steps": 0, **change}).validate()
+
+
+def test_an_evaluation_text_inside_the_training_folder_is_not_held_out(tmp_path):
+    from mla_convert.finetune.trainer import _same_source
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "b.md").write_text("x")
+    assert _same_source(str(tmp_path / "texts"), str(tmp_path / "texts" / "b.md"))
+    assert _same_source(str(tmp_path / "texts" / "b.md"), str(tmp_path / "texts"))  # the evaluation reads b.md too
+    (tmp_path / "c.md").write_text("y")
+    assert not _same_source(str(tmp_path / "texts"), str(tmp_path / "c.md"))

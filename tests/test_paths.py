@@ -99,3 +99,9 @@ def test_a_quoted_home_path_for_results_is_written_in_the_home_folder(tmp_path, 
     run_sweep(source, "2", text, "~/sweep", context_length=32, max_windows=1, methods="svd",
               options=FAST)
     assert (home / "sweep" / "sweep.json").is_file() and not (work / "~").exists()
+
+
+def test_a_positional_model_and_a_model_flag_are_refused_together(tmp_path, capsys):
+    """`finetune A B --model C` trained C without a word."""
+    assert finetune_main([str(tmp_path / "a"), str(tmp_path / "b"), "--model", str(tmp_path / "c")]) == 2
+    assert "--model: given both as a positional argument and as a flag" in capsys.readouterr().err

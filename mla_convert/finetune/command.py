@@ -16,6 +16,11 @@ def main(argv: list[str] | None = None, prog: str = "mla-convert finetune") -> i
     positional = []  # MODEL OUTPUT before the flags, as the usage line says (the recipe script takes them too)
     while args and not args[0].startswith("-") and len(positional) < 2:
         positional.append(args.pop(0))
+    twice = [flag for flag, _ in zip(("--model", "--output"), positional)
+             if any(arg == flag or arg.startswith(flag + "=") for arg in args)]
+    if twice:  # argparse keeps the last one: the positional was silently overridden
+        print(f"error: {', '.join(twice)}: given both as a positional argument and as a flag; give it once", file=sys.stderr)
+        return 2
     for flag, value in zip(("--model", "--output"), positional):
         args = [flag, value, *args]
     try:

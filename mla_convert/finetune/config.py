@@ -165,7 +165,13 @@ class FinetuneConfig:
             problems.append(f"lr: must be positive (got {self.lr})")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio: must be between 0 and 1 (got {self.min_lr_ratio})")
-        if self.warmup_steps >= self.max_steps and self.max_steps > 1:
+        if self.checkpoint_dir and self.output and self.model:
+            checkpoints = absolute_path(str(self.checkpoint_dir)).resolve()
+            for name, folder in (("output", self.output), ("model", self.model)):
+                if checkpoints.is_relative_to(absolute_path(str(folder)).resolve()):  # the save replaces OUTPUT whole
+                    problems.append(f"checkpoint_dir {self.checkpoint_dir}: inside the {name} folder {folder}; "
+                                    "checkpoints go beside it (the default: OUTPUT.checkpoints)")
+        if self.warmup_steps >= self.max_steps:  # (a 1-step run with warmup trained at lr 0 and said it trained)
             problems.append(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps}); "
                             "for a short run lower --warmup-steps too")
         if self.temperature <= 0 or self.sample_temperature <= 0:

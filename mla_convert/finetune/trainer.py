@@ -184,9 +184,10 @@ def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
 
 
 def _same_source(a: str, b: str) -> bool:
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    """Whether texts `a` and `b` overlap: the same file, or one inside the folder the other reads."""
+    pa, pb = Path(a).expanduser().resolve(), Path(b).expanduser().resolve()
     if pa.exists() and pb.exists():
-        return pa.resolve() == pb.resolve()
+        return pa == pb or pb.is_relative_to(pa) or pa.is_relative_to(pb)
     return a == b
 
 
