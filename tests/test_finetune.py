@@ -367,6 +367,25 @@ def test_windows_past_the_models_positions_are_refused_and_leave_nothing_behind(
     assert sorted(tmp_path.iterdir()) == [text]
 
 
+@pytest.mark.parametrize("texts, message", [
+    ({"data": "nope.txt"}, "nope.txt: no such file or folder"),
+    ({"eval_data": "nope.txt"}, "nope.txt: no such file or folder"),  # found after 155 s of teacher sampling
+    ({"data": "rows.jsonl", "text_column": "body"}, "no 'body' field"),
+])
+def test_texts_are_read_before_any_model_loads_or_the_teacher_samples(tiny_llama, tmp_path, monkeypatch, texts, message):
+    import mla_convert.io.hf_loading as hf_loading
+
+    _, converted = tiny_llama
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"text": "the cat sat on the mat"}\n')
+    monkeypatch.setattr(hf_loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded first"))
+    config = FinetuneConfig(model=str(converted), output=str(tmp_path / "out"), max_steps=2, warmup_steps=0,
+                            num_threads=1, **texts)
+    with pytest.raises(MLAConvertError, match=re.escape(message)):
+        run_finetune(config, log=lambda line: None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.checkpoints").exists()
+
+
 # --------------------------------------------------------------------------- recipe configs
 def _header(path: Path) -> dict[str, str]:
     """The `# key: value` lines of a config's header comment (prepare, launch)."""

@@ -183,6 +183,9 @@ def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
     return teacher, path
 
 
+TEXT_CHECK_CHARS = 64 * 1024
+
+
 def _same_source(a: str, b: str) -> bool:
     """Whether texts `a` and `b` overlap: the same file, or one inside the folder the other reads."""
     pa, pb = Path(a).expanduser().resolve(), Path(b).expanduser().resolve()
@@ -294,6 +297,15 @@ class Finetuner:
         too_long = [f"{name} {getattr(config, name)}" for name in windows if getattr(config, name) > positions]
         if too_long:  # positions the model never trained on; sampling that much teacher text also takes hours
             raise FinetuneConfigError(f"{', '.join(too_long)}: longer than the model's max_position_embeddings ({positions})")
+        # the texts, read as the run will read them (the first 64K characters), before any model loads or the teacher
+        # samples: a missing file or a wrong column used to surface after both loads and minutes of sampling
+        from ..eval.textdata import load_text
+
+        if config.data:
+            load_text(config.data, text_column=config.text_column, split=config.split,
+                      max_chars=min(config.max_chars or TEXT_CHECK_CHARS, TEXT_CHECK_CHARS))
+        if config.eval_data:
+            load_text(config.eval_data, max_chars=TEXT_CHECK_CHARS)
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
         student = load_causal_lm(self.converted, dtype=torch.float32)
