@@ -345,6 +345,19 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     ), []
 
 
+def _family_config(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int):
+    """The family's transformers config class built from `raw`, as loading the source would build it.
+
+    The class also validates the architecture (transformers 5 refuses a hidden size that is not a multiple of the
+    heads even with an explicit head_dim); mla-convert converts such models, so the class sees a hidden size
+    consistent with the heads and everything else as written.  Raises what the class raises.
+    """
+    module_name, _, class_name = arch.config_class.rpartition(".")
+    values = {k: v for k, v in raw.items() if k not in IGNORED_BY_CONFIG_CLASS}
+    values.update(hidden_size=heads * head_dim, head_dim=head_dim)
+    return getattr(importlib.import_module(module_name), class_name)(**values)
+
+
 def _family_default(arch: ArchitectureSpec, key: str, fallback: int) -> int:
     """What transformers' config class of the family assumes for a key the config leaves out (loading the source
     in transformers gives the same), e.g. 2048 positions for Llama, 32768 for Qwen2, 131072 for Mistral."""
@@ -362,11 +375,8 @@ def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, hidden: int 
     """
     if not arch.may_slide or not (heads and head_dim):
         return None
-    module_name, _, class_name = arch.config_class.rpartition(".")
-    values = {k: v for k, v in raw.items() if k not in IGNORED_BY_CONFIG_CLASS}
-    values.update(hidden_size=heads * head_dim, head_dim=head_dim)  # as for RoPE: the class checks heads x head_dim
     try:
-        config = getattr(importlib.import_module(module_name), class_name)(**values)
+        config = _family_config(raw, arch, heads, head_dim)
     except Exception:  # the RoPE check builds the same class and reports why it refuses
         return None
     window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
@@ -427,13 +437,9 @@ def _rope_parameters(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int,
     if "rope_theta" in raw and not (_is_number(raw["rope_theta"]) and raw["rope_theta"] > 0):
         problems.append(f"config.json: rope_theta must be a positive number (found {raw['rope_theta']!r})")
         return None
-    module_name, _, class_name = arch.config_class.rpartition(".")
-    config_class = getattr(importlib.import_module(module_name), class_name)
-    values = {k: v for k, v in raw.items() if k not in IGNORED_BY_CONFIG_CLASS}
-    values.update(hidden_size=heads * head_dim, head_dim=head_dim)
+    class_name = arch.config_class.rpartition(".")[2]
     try:
-        standardized = config_class(**values)
-        params = dict(getattr(standardized, "rope_parameters", None) or {})
+        params = dict(getattr(_family_config(raw, arch, heads, head_dim), "rope_parameters", None) or {})
     except Exception as error:  # transformers validates in its own ways; report the reason it gives
         reason = error.__cause__ or error
         first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
