@@ -32,6 +32,7 @@ from mla_convert.finetune.config import (
     FinetuneConfig,
     FinetuneConfigError,
     config_from_mapping,
+    inert_settings,
     load_yaml_config,
     parse_config,
     paths_relative_to,
@@ -435,6 +436,7 @@ def test_recipe_config_is_valid_and_its_launch_line_matches(path, monkeypatch):
         assert key in values, f"{path.name} lacks {key}"
     config = config_from_mapping(paths_relative_to(values, path.parent))
     config.validate()
+    assert inert_settings(config, values, as_flags=False) == [], "a recipe key the run does not use"
     assert config.data != config.eval_data, "training on the evaluation text"
     header = _header(path)
     assert {"prepare", "launch"} <= set(header), f"{path.name}: header needs '# prepare:' and '# launch:' lines"
@@ -838,6 +840,47 @@ def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_pa
               for key, value in change.items()}
     with pytest.raises(FinetuneConfigError, match=re.escape(message)):
         FinetuneConfig(**{"model": str(converted), "output": "OUT", "max_steps": 4, "warmup_steps": 0, **change}).validate()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data", "TEXT", "--sample-top-p", "0.5"], "--sample-top-p: not used by this run (they shape the text sampled"),
+    (["--data", "TEXT", "--teacher-samples", "9", "--sample-batch-size", "3"], "--teacher-samples, --sample-batch-size:"),
+    (["--eval-every", "5"], "--eval-every: not used by this run (there is no eval_data"),
+    (["--eval-windows", "5", "--eval-teacher"], "--eval-windows, --eval-teacher: not used"),
+    (["--data", "TEXT", "--kd-weight", "0", "--ce-weight", "1", "--temperature", "2"], "--temperature: not used by this run"),
+    (["--max-chars", "100"], "--max-chars: not used by this run (they read data, and none is given"),
+    (["--data", "TEXT", "--split", "train"], "--split train: acts only with a datasets spec; TEXT is a local file"),
+    (["--data", "TEXT", "--text-column", "body"], "--text-column body: acts only with .jsonl files"),
+    (["--data", "TEXT", "--kd-weight", "0", "--ce-weight", "1", "--teacher-dtype", "bf16"], "--teacher-dtype: not used"),
+    (["--data", "TEXT", "--max-chars", "0"], "max_chars: must be at least 1"),
+])
+def test_a_flag_this_run_cannot_use_is_refused(tmp_path, flags, message):
+    """These flags were accepted and did nothing (and --temperature was recorded in the report's loss line)."""
+    text = tmp_path / "train.txt"
+    text.write_text("words " * 50)
+    flags = [str(text) if flag == "TEXT" else flag for flag in flags]
+    with pytest.raises(FinetuneConfigError, match=re.escape(message.replace("TEXT", str(text)))):
+        parse_config(["--model", "m", "--output", "o", *flags])
+
+
+def test_a_recipe_key_this_run_cannot_use_is_a_note_and_switching_off_is_allowed(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: m\noutput: o\nteacher_samples: 64\nsample_top_p: 0.9\n")
+    text = tmp_path / "train.txt"
+    text.write_text("words " * 50)
+    notes = []
+    config = parse_config(["--config", str(recipe), "--data", str(text), "--no-eval-teacher"], notes=notes)
+    assert config.data == str(text) and config.eval_teacher is False  # turning off what does not run is harmless
+    assert notes == [f"{recipe}: teacher_samples, sample_top_p: not used by this run (they shape the text sampled from "
+                     "the teacher, and data gives the training text)"]
+    notes.clear()
+    parse_config(["--config", str(recipe)], notes=notes)  # no data: the keys act
+    assert notes == []
+    from mla_convert.finetune.command import main as finetune_main
+
+    assert finetune_main(["--config", str(recipe), "--data", str(text)]) == 2  # (the model "m" does not exist)
+    err = capsys.readouterr().err
+    assert err.index("note: ") < err.index("error: ") and "teacher_samples, sample_top_p: not used" in err
 
 
 def test_an_evaluation_text_inside_the_training_folder_is_not_held_out(tmp_path):

@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None, prog: str = "mla-convert finetune") -> i
     for flag, value in zip(("--model", "--output"), positional):
         args = [flag, value, *args]
     try:
-        config = parse_config(args, prog=prog)
+        notes: list[str] = []
+        config = parse_config(args, prog=prog, notes=notes)
+        for note in notes:  # recipe keys this run cannot use (e.g. the sampling settings when --data gives the text)
+            print(f"note: {note}", file=sys.stderr)
         result = run_finetune(config)
     except MLAConvertError as error:
         for line in str(error).splitlines():

@@ -186,8 +186,48 @@ class FinetuneConfig:
             problems.append(f"stop_after: must be between 1 and max_steps ({self.max_steps})")
         if self.num_threads is not None and self.num_threads < 1:
             problems.append("num_threads: must be at least 1")
+        if self.max_chars is not None and self.max_chars < 1:  # 0 read the whole text in training, 64K in the check
+            problems.append(f"max_chars: must be at least 1 (got {self.max_chars})")
         if problems:
             raise FinetuneConfigError("; ".join(problems))
+
+
+# --------------------------------------------------------------------------- settings that cannot act
+# (settings, when they cannot act, why): given on the command line such a setting is refused, from a recipe YAML it is a
+# note (a recipe may set them for the runs that use them, and a flag such as `--data` may switch them off).
+INERT_WHEN = (
+    (("teacher_samples", "sample_temperature", "sample_top_p", "sample_batch_size"), lambda c: c.data is not None,
+     "they shape the text sampled from the teacher, and data gives the training text"),
+    (("text_column", "split", "max_chars"), lambda c: c.data is None,
+     "they read data, and none is given: the training text is sampled from the teacher"),
+    (("eval_context", "eval_windows", "eval_every", "eval_batch_size", "eval_teacher"), lambda c: c.eval_data is None,
+     "there is no eval_data to evaluate on"),
+    (("temperature",), lambda c: c.kd_weight == 0, "it is the distillation temperature, and kd_weight is 0"),
+    (("teacher_dtype",), lambda c: not c.needs_teacher,
+     "no teacher is loaded (kd_weight 0, training text given, no teacher evaluation)"),
+)
+
+
+def inert_settings(config: FinetuneConfig, names, as_flags: bool = True) -> list[str]:
+    """Of the settings `names` (those given explicitly), the ones this run cannot use, each with the reason; named as
+    flags (`--sample-top-p`) or as YAML keys (`sample_top_p`)."""
+    from ..eval.checks import text_option_problems
+
+    def spelled(name: str) -> str:
+        return "--" + name.replace("_", "-") if as_flags else name
+
+    given = set(names)
+    found = []
+    for settings, cannot_act, why in INERT_WHEN:
+        idle = [name for name in settings if name in given and getattr(config, name) is not False]  # (off is off)
+        if idle and cannot_act(config):
+            found.append(f"{', '.join(map(spelled, idle))}: not used by this run ({why})")
+    if config.data is not None:  # a column or a split of a plain local text
+        column = config.text_column if "text_column" in given else "text"
+        split = config.split if "split" in given else None
+        found.extend(problem.replace("--text-column", spelled("text_column")).replace("--split", spelled("split"))
+                     for problem in text_option_problems(config.data, column, split))
+    return found
 
 
 # --------------------------------------------------------------------------- coercion
@@ -324,8 +364,11 @@ def paths_relative_to(values: dict, folder: Path) -> dict:
     return out
 
 
-def parse_config(argv: list[str] | None = None, prog: str | None = None) -> FinetuneConfig:
-    """YAML (if `--config`, its paths relative to itself) then flags, then validation."""
+def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: list[str] | None = None) -> FinetuneConfig:
+    """YAML (if `--config`, its paths relative to itself) then flags, then validation.
+
+    A flag the run cannot use is refused; a YAML key it cannot use is appended to `notes` (when given).
+    """
     parser = build_parser(prog)
     given = vars(parser.parse_args(argv))
     config_file = given.pop("config", None)
@@ -349,4 +392,9 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None) -> Fine
         if isinstance(value, str) and value.startswith("~"):
             setattr(config, key, str(Path(value).expanduser()))
     config.validate()
+    idle_flags = inert_settings(config, given)
+    if idle_flags:  # a flag that does nothing must not look as if it did something
+        raise FinetuneConfigError("; ".join(idle_flags))
+    if notes is not None:
+        notes.extend(f"{config_file}: {problem}" for problem in inert_settings(config, set(values) - set(given), as_flags=False))
     return config
