@@ -791,6 +791,34 @@ def test_fine_tuning_a_fine_tuned_folder_elsewhere_finds_the_teacher_and_the_car
     assert second.output.is_dir()
 
 
+def test_a_second_round_keeps_the_first_in_the_report_and_the_card(straight_and_resumed, tmp_path):
+    """A second fine-tuning replaced the first round's section: after a first round that trained every parameter the
+    card said "trained the attention only", and the first round's steps and text were gone."""
+    converted, _, _, _ = straight_and_resumed
+    first = run_finetune(_tiny_run_config(converted, tmp_path, "all", max_steps=2, checkpoint_every=0, train="all"),
+                         log=lambda t: None)
+    report_path = first.output / "mla_convert.json"
+    report = json.loads(report_path.read_text())
+    # what `mla-convert eval --update-card` records on the first round's folder
+    report["evaluation"] = {"data": "text.txt", "context_length": 32, "source_perplexity": 10.0, "converted_perplexity": 12.5}
+    report_path.write_text(json.dumps(report))
+    deeper = tmp_path / "x" / "y"
+    deeper.mkdir(parents=True)
+    second = run_finetune(_tiny_run_config(first.output, deeper, "attn", max_steps=2, checkpoint_every=0),
+                          log=lambda t: None)
+    final = json.loads((second.output / "mla_convert.json").read_text())
+    (kept,) = final["finetuning_earlier"]
+    assert (kept["trained"], kept["steps"], final["finetuning"]["trained"]) == ("all", 2, "attention")
+    assert "loss_curve" not in kept and "curve_png" not in kept  # the plot is the first folder's
+    teacher = json.loads((converted / "mla_convert.json").read_text())["source"]["name_or_path"]
+    assert (second.output / kept["teacher"]).resolve() == (converted / teacher).resolve()  # named from the new folder
+    assert final["evaluation_before_finetuning"]["before_round"] == 2
+    card = (second.output / "README.md").read_text()
+    assert "fine-tuned with the rest (see below)" in card and "trained the attention only" not in card
+    assert "fine-tuned in 2 rounds" in card and "1. trained every parameter, 2 steps" in card
+    assert "Before fine-tuning round 2, perplexity measured" in card and "| MLA before fine-tuning round 2 | 12.5 |" in card
+
+
 def test_empty_values_and_home_paths_in_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(FinetuneConfigError, match="--data: must not be empty"):

@@ -72,9 +72,13 @@ def _rebase_report_paths(out: dict, old_folder: Path, new_folder: Path) -> None:
     calibration = (out.get("options") or {}).get("calibration") if isinstance(out.get("options"), dict) else None
     if isinstance(calibration, dict):
         calibration["data"] = rebased_path(calibration.get("data"), old_folder, new_folder)
-    evaluation = out.get("evaluation")
-    if isinstance(evaluation, dict):
-        evaluation["data"] = rebased_path(evaluation.get("data"), old_folder, new_folder)
+    for key in ("evaluation", "evaluation_before_finetuning"):
+        if isinstance(out.get(key), dict):
+            out[key]["data"] = rebased_path(out[key].get("data"), old_folder, new_folder)
+    # an earlier fine-tuning round (of a fine-tuned input) names its teacher from that folder too
+    for entry in [out.get("finetuning"), *(out.get("finetuning_earlier") or [])]:
+        if isinstance(entry, dict) and entry.get("teacher"):
+            entry["teacher"] = rebased_path(entry["teacher"], old_folder, new_folder)
 
 
 def updated_report(report: dict, sites: list[LatentSite], scales: list[float], finetuning: dict, dtype: torch.dtype,
@@ -104,13 +108,28 @@ def updated_report(report: dict, sites: list[LatentSite], scales: list[float], f
         cache["dtype"] = dtype_name
     if isinstance(out.get("options"), dict):
         out["options"]["dtype"] = dtype_name
+    # fine-tuning a fine-tuned folder: its round is kept (without the curves, which its own folder plots), so the
+    # card can still say that an earlier round trained every parameter (a second round used to replace the first)
+    rounds = [entry for entry in (out.get("finetuning_earlier") or []) if isinstance(entry, dict)]
+    if isinstance(out.get("finetuning"), dict):
+        rounds.append({key: value for key, value in out["finetuning"].items() if key not in ROUND_PLOT_KEYS})
+    if rounds:
+        out["finetuning_earlier"] = rounds
     out["finetuning"] = finetuning
     # `mla-convert eval --update-card` measured the folder that was fine-tuned, not this one: its numbers move
-    # to their own key (the card shows them as "before fine-tuning") until this folder is evaluated itself
+    # to their own key (the card shows them as "before fine-tuning") until this folder is evaluated itself.  Without
+    # such numbers, an earlier round's "before" stays: it was measured before that round.
     earlier = out.get("evaluation")
     out["evaluation"] = None
-    out["evaluation_before_finetuning"] = earlier if isinstance(earlier, dict) else None
+    if isinstance(earlier, dict):
+        out["evaluation_before_finetuning"] = {**earlier, "before_round": len(rounds) + 1}
+    elif not isinstance(out.get("evaluation_before_finetuning"), dict):
+        out["evaluation_before_finetuning"] = None
     return out
+
+
+# entries of a fine-tuning section that belong to its own folder's plot, not to the history of a later round
+ROUND_PLOT_KEYS = ("loss_curve", "perplexity_curve", "curve_png")
 
 
 def save_finetuned(

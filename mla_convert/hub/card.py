@@ -198,8 +198,10 @@ def _card_data(report: Mapping[str, Any]) -> ModelCardData:
     if base_model is not None:
         # after the fine-tuning recipe the weights were trained further: the Hub's own word for that
         extra["base_model_relation"] = "finetune" if isinstance(_get(report, "finetuning"), Mapping) else BASE_MODEL_RELATION
+    rounds = [*_finetuning_rounds(report, earlier_only=True), _get(report, "finetuning")]
     datasets = [d for d in (_get(report, "calibration", "datasets", default=[]) or [])
-                + (_get(report, "finetuning", "datasets", default=[]) or []) if _valid_repo_id(d)]
+                + [name for entry in rounds if isinstance(entry, Mapping) for name in (entry.get("datasets") or [])]
+                if _valid_repo_id(d)]
     if datasets:
         extra["datasets"] = sorted(set(datasets))
     return ModelCardData(
@@ -312,7 +314,8 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
                 + (f", calibrated on {_text(calib)}" if calib else "") + (f",{refined}." if refined else ".")
             )
     finetuning = _get(report, "finetuning")
-    trained_all = isinstance(finetuning, Mapping) and finetuning.get("trained") == "all"
+    trained_all = isinstance(finetuning, Mapping) and any(
+        entry.get("trained") == "all" for entry in [*_finetuning_rounds(report, earlier_only=True), finetuning])
     copied = _get(report, "copied_from_source")
     tokenizer = not isinstance(copied, list) or any(str(name).startswith("tokenizer") or name in ("vocab.json", "merges.txt")
                                                     for name in copied)
@@ -320,7 +323,8 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
         f"- Everything outside attention (embeddings, MLP, layer norms{', tokenizer' if tokenizer else ''}) is taken from "
         "the source model"
         + (" and was then fine-tuned with the rest (see below)." if trained_all else
-           " (fine-tuning, below, trained the attention only)." if isinstance(finetuning, Mapping) else ".")
+           f" (fine-tuning, below, trained the attention only{' in every round' if _finetuning_rounds(report, True) else ''})."
+           if isinstance(finetuning, Mapping) else ".")
     )
     if not tokenizer:
         lines.append("- The source folder had no tokenizer files, so neither has this one: load the source model's "
@@ -389,10 +393,17 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         lines.append("")
     if isinstance(finetuning, Mapping):
         lines += ["### Fine-tuning after conversion", ""]
+        earlier_rounds = _finetuning_rounds(report, earlier_only=True)
+        if earlier_rounds:
+            lines += [f"The model was fine-tuned in {len(earlier_rounds) + 1} rounds, each starting from the one before; "
+                      "the table below is the last round. Earlier rounds:", ""]
+            lines += [f"{number}. {_round_summary(entry)}" for number, entry in enumerate(earlier_rounds, 1)] + [""]
         earlier = _get(report, "evaluation_before_finetuning")
         if isinstance(earlier, Mapping):
             # measured on the folder that was fine-tuned: its numbers are not this model's
-            lines += _evaluation_lines(earlier, "MLA before fine-tuning", lead="Before fine-tuning, perplexity measured")
+            before = earlier.get("before_round")
+            when = f"fine-tuning round {before}" if isinstance(before, int) and before > 1 else "fine-tuning"
+            lines += _evaluation_lines(earlier, f"MLA before {when}", lead=f"Before {when}, perplexity measured")
         # the loss line reads "<kd_weight> x KL(teacher || student) ... + <ce_weight> x next-token CE"
         distilled = not str(finetuning.get("loss") or "").startswith("0 x KL")
         how = "distillation from the source" if distilled else "next-token cross-entropy on its training text"
@@ -411,6 +422,20 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         if finetuning.get("curve_png"):
             lines += [f"![loss and perplexity during fine-tuning]({_text(finetuning['curve_png'])})", ""]
     return lines
+
+
+def _finetuning_rounds(report: Mapping[str, Any], earlier_only: bool) -> list[Mapping[str, Any]]:
+    """The fine-tuning rounds before the last one, oldest first (recorded when a fine-tuned folder is fine-tuned)."""
+    rounds = _get(report, "finetuning_earlier", default=[]) or []
+    return [entry for entry in rounds if isinstance(entry, Mapping)] if isinstance(rounds, list) else []
+
+
+def _round_summary(entry: Mapping[str, Any]) -> str:
+    """One earlier fine-tuning round in a line: what it trained, how long, on what."""
+    trained = {"all": "every parameter", "attention": "the attention"}.get(str(entry.get("trained")), "?")
+    return _joined(f"trained {trained}", f"{entry['steps']} steps" if entry.get("steps") is not None else "",
+                   f"{entry['tokens']:,} tokens" if isinstance(entry.get("tokens"), int) else "",
+                   f"on {_text(_public_path(entry['data']))}" if entry.get("data") else "")
 
 
 _ATTENTION_ERROR = "attention_output_relative_error"
