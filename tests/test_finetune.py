@@ -258,6 +258,13 @@ def test_trainer_schedule_warms_up_then_decays_to_the_floor(tiny_llama, tmp_path
     assert values[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
     assert values[20] == pytest.approx(0.1) and min(values[4:]) == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(values[4:], values[5:]))
+    # the report's words for it (values[s - 1] is the rate step s trains at): it said "cosine to 0.1 x lr at step 20",
+    # which step 20 never trained at, and nothing of step 1's zero
+    from mla_convert.finetune.trainer import schedule_text
+
+    assert schedule_text(4, 20, 0.1) == ("linear warmup from 0 (step 1 trains at lr 0) to lr at step 5; then cosine "
+                                         "decay to 0.1 x lr, the rate after step 20")
+    assert values[0] == 0 and values[5 - 1] == 1.0 and values[20 - 1] > 0.1 == pytest.approx(values[20])
 
 
 def test_window_cursor_covers_each_epoch_once_and_resumes_identically():
@@ -807,6 +814,9 @@ def test_a_second_round_keeps_the_first_in_the_report_and_the_card(straight_and_
     second = run_finetune(_tiny_run_config(first.output, deeper, "attn", max_steps=2, checkpoint_every=0),
                           log=lambda t: None)
     final = json.loads((second.output / "mla_convert.json").read_text())
+    # warmup 1 of 2 steps: step 2 is the cosine's start, at the full rate (the floor comes only after it)
+    assert final["finetuning"]["lr_last_step"] == pytest.approx(3e-3)
+    assert final["finetuning"]["schedule"].endswith("to lr at step 2; then cosine decay to 0.1 x lr, the rate after step 2")
     (kept,) = final["finetuning_earlier"]
     assert (kept["trained"], kept["steps"], final["finetuning"]["trained"]) == ("all", 2, "attention")
     assert "loss_curve" not in kept and "curve_png" not in kept  # the plot is the first folder's

@@ -186,6 +186,16 @@ def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
 TEXT_CHECK_CHARS = 64 * 1024
 
 
+def schedule_text(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> str:
+    """The learning-rate schedule as the steps see it (transformers' cosine with a floor, stepped after each step):
+    step s trains at the rate of schedule position s - 1, so step 1 of a warmup trains at lr 0 and the floor is the
+    rate after the last step."""
+    decay = f"cosine decay to {min_lr_ratio:g} x lr, the rate after step {max_steps}"
+    if warmup_steps == 0:
+        return f"no warmup; {decay}"
+    return f"linear warmup from 0 (step 1 trains at lr 0) to lr at step {warmup_steps + 1}; then {decay}"
+
+
 def _same_source(a: str, b: str) -> bool:
     """Whether texts `a` and `b` overlap: the same file, or one inside the folder the other reads."""
     pa, pb = Path(a).expanduser().resolve(), Path(b).expanduser().resolve()
@@ -650,7 +660,8 @@ class Finetuner:
             "seq_len": config.seq_len,
             "batch_windows_per_step": self.global_micro * config.grad_accum,
             "lr": config.lr,
-            "schedule": f"linear warmup {config.warmup_steps} steps, cosine to {config.min_lr_ratio:g} x lr at step {config.max_steps}",
+            "schedule": schedule_text(config.warmup_steps, config.max_steps, config.min_lr_ratio),
+            "lr_last_step": losses[-1][5] if losses else None,  # the cosine reaches its floor only after the last step
             "optimizer": f"AdamW betas ({config.adam_beta1}, {config.adam_beta2}), weight decay {config.weight_decay}, clip {config.max_grad_norm}",
             "loss": f"{config.kd_weight:g} x KL(teacher || student) at T={config.temperature:g} + {config.ce_weight:g} x next-token CE",
             "loss_first": losses[0][2] if losses else None,
