@@ -351,7 +351,7 @@ def sweep(
     context: Optional[int] = typer.Option(None, help="Evaluation context length (non-overlapping windows; default: "
                                           "1024, or the source's max_position_embeddings when shorter)."),
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
-    keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models."),
+    keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models, named METHOD-RATIOx (e.g. svd-2x)."),
     batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),
     options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),

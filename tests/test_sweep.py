@@ -218,7 +218,7 @@ def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_p
                        methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
     (point,) = result.points
     kept = Path(point.model_path)
-    assert kept == tmp_path / "out" / "models" / "weight-2x" and (kept / "config.json").exists()
+    assert kept == tmp_path / "out" / "models" / "svd-2x" and (kept / "config.json").exists()
     report = run_eval(kept, tiny_text, context_length=64, max_windows=2, progress=False)
     assert next(iter(report.results.values())).perplexity == pytest.approx(point.perplexity, rel=1e-9)
 
@@ -240,7 +240,7 @@ def test_a_ratio_that_gets_an_earlier_ratios_shape_is_not_converted_again(tiny_s
     assert first.same_shape_as is None and second.same_shape_as == 8 and second.requested_ratio == 8.4
     assert second.perplexity == first.perplexity and second.model_path == first.model_path
     assert (second.convert_seconds, second.eval_seconds) == (None, None)  # no time was spent on it
-    assert result.conversions == 1 and not (tmp_path / "out" / "models" / "weight-8.4x").exists()
+    assert result.conversions == 1 and not (tmp_path / "out" / "models" / "svd-8.4x").exists()
     markdown = result.files.markdown.read_text()
     assert "weight-only SVD 8.4x (the 8x model)" in markdown and "shared by 1 conversion." in markdown
     assert "1 requested ratio got the shape of a smaller one" in markdown
@@ -250,7 +250,7 @@ def test_a_ratio_that_gets_an_earlier_ratios_shape_is_not_converted_again(tiny_s
 @pytest.mark.parametrize("occupant", ["folder", "link to a kept model"])
 def test_a_kept_models_place_held_by_something_else_is_refused_before_any_work(tiny_source, tiny_text, tmp_path,
                                                                                occupant):
-    place = tmp_path / "out" / "models" / "weight-2x"
+    place = tmp_path / "out" / "models" / "svd-2x"
     place.parent.mkdir(parents=True)
     if occupant == "folder":
         place.mkdir()
@@ -325,7 +325,7 @@ def test_stories260k_sweep(stories260k, tinystories_text, tmp_path):
     # the project's claim: calibrated factorization beats weight-only SVD at the same cache size
     assert rows["activation-aware 2x"]["perplexity"] < rows["weight-only SVD 2x"]["perplexity"]
     assert result.calibration_passes == 1
-    kept = tmp_path / "out" / "models" / "output-2x"
+    kept = tmp_path / "out" / "models" / "activation-aware-2x"
     report = run_eval(kept, tinystories_text, context_length=128, max_windows=4, progress=False)
     assert next(iter(report.results.values())).perplexity == pytest.approx(rows["activation-aware 2x"]["perplexity"], rel=1e-9)
     with Image.open(tmp_path / "out" / "sweep.png") as image:

@@ -723,7 +723,8 @@ def run_sweep(
 
 
 def _folder_name(method: str, ratio: float) -> str:
-    return f"{method}-{ratio:g}x"
+    """A kept model's folder, named as `--methods` names its method (`svd-2x`; it was the internal `weight-2x`)."""
+    return f"{METHOD_NAMES[method]}-{ratio:g}x"
 
 
 def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[float], methods: Sequence[str],
