@@ -849,6 +849,22 @@ def test_successful_run_shows_the_disk_estimate_and_it_is_close(workspace):
     assert list(ws.scratch.iterdir()) == [], "statistics folder removed after a successful run"
 
 
+@pytest.mark.parametrize("flip_one_bit", [False, True], ids=["identical-copy", "one-bit-apart"])
+def test_a_tensor_stored_twice_is_refused_only_when_the_copies_differ(workspace, flip_one_bit):
+    """A re-sharded checkpoint may repeat a tensor: byte-identical copies are one model (they were refused too)."""
+    ws = workspace
+    home = ws.shard_of(K_PROJ)
+    other = next(shard for shard in sorted(ws.src.glob("model-*.safetensors")) if shard != home)
+    tensors, copy = load_file(other), load_file(home)[K_PROJ].clone()
+    if flip_one_bit:
+        copy.view(torch.int32 if copy.element_size() == 4 else torch.int16)[0, 0] ^= 1
+    tensors[K_PROJ] = copy
+    save_file(tensors, str(other), metadata={"format": "pt"})
+    result = CliRunner().invoke(app, ["convert", str(ws.src), str(ws.out), *QUICK])
+    assert (result.exit_code, "remove the stray copy" in result.stderr) == ((2, True) if flip_one_bit else (0, False)), \
+        result.stderr
+
+
 def test_output_and_statistics_on_one_disk_must_fit_there_together(workspace):
     """Each fits the disk alone, both do not: pre-flight says so.  (It checked them one at a time, and a
     Llama-3-8B-width conversion here, with /tmp and the output on one nearly full disk, passed pre-flight and

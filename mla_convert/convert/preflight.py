@@ -74,8 +74,24 @@ def expected_tensor_shapes(shape: SourceConfig) -> dict[str, tuple[int, ...]]:
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def _copies_identical(reader: CheckpointReader, name: str, stray_files: list[str]) -> bool:
+    """Whether every stray copy of `name` holds what the indexed one holds (dtype, shape and bytes): then either
+    copy is the same model (a re-sharded checkpoint may repeat a tensor), and nothing is ambiguous."""
+    try:
+        indexed = reader.get(name)
+        return all(_same_bytes(indexed, reader.get_from(file, name)) for file in stray_files)
+    except MLAConvertError:  # an unreadable copy is not known to be the same
+        return False
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                       b.reshape(-1).view(torch.uint8))
+
+
 def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
-    """Every expected tensor is stored, with the expected shape and a floating-point dtype (headers only)."""
+    """Every expected tensor is stored, with the expected shape and a floating-point dtype (headers only, except
+    that a tensor stored twice is read to compare its copies)."""
     damaged = reader.header_problems()
     if damaged:
         return damaged
@@ -84,8 +100,9 @@ def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
     except MLAConvertError as error:
         return [str(error)]
     problems = [f"{reader.folder}: tensor {name!r} is stored in {', '.join(files)} as well as in {infos[name].file}, the "
-                "shard the index names; transformers may load either copy, so the conversion could describe another "
-                "model: remove the stray copy" for name, files in sorted(reader.stray_copies.items()) if name in infos]
+                "shard the index names, and the copies differ; transformers may load either, so the conversion could describe another "
+                "model: remove the stray copy" for name, files in sorted(reader.stray_copies.items())
+                if name in infos and not _copies_identical(reader, name, files)]
     for name, wanted in expected_tensor_shapes(shape).items():
         info = infos.get(name)
         if info is None:

@@ -298,6 +298,10 @@ class CheckpointReader:
                 out[name] = self._read(handle, file, name)
         return {name: out[name] for name in names}
 
+    def get_from(self, file: str, name: str) -> torch.Tensor:
+        """The copy of `name` stored in `file`, whatever the index says (to compare a stray copy with the indexed one)."""
+        return self._read(self._handle(file), file, name)
+
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of a tensor, reading only those rows (embedding tables of large vocabularies)."""
         if name not in self.weight_map:
