@@ -857,11 +857,15 @@ def test_scoring_on_the_training_text_is_recorded_for_the_card(tiny_llama, tmp_p
     save_tiny_tokenizer(converted, vocab_size=json.loads((converted / "config.json").read_text())["vocab_size"])
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat. " * 80)
+    logged = []
     result = run_finetune(_tiny_run_config(converted, tmp_path, "same", data=str(text), eval_data=str(text),
                                            eval_context=32, eval_windows=2, eval_teacher=False, max_steps=2,
-                                           checkpoint_every=0, teacher=str(source)), log=lambda line: None)
+                                           checkpoint_every=0, teacher=str(source)), log=logged.append)
     report = json.loads((result.output / "mla_convert.json").read_text())
     assert report["finetuning"]["eval_held_out"] is False
+    # the report names the text from the output folder, the console as it was given (it printed "../text.txt ...")
+    assert report["finetuning"]["data"].startswith("../text.txt (")
+    assert any(line.startswith("training ") and f" on {text} (" in line for line in logged), logged
     assert "**Not held out:**" in (result.output / "README.md").read_text()
 
 

@@ -347,6 +347,9 @@ class Finetuner:
         if config.data and config.eval_data and _same_source(config.data, config.eval_data):
             self.log(f"warning: the training text {config.data} is also the evaluation text: the perplexity is not held out")
         self.windows, self.data_description = self._training_windows()
+        # the report names a local text relative to the output folder; the console, as the user gave it
+        self.data_on_console = (self.data_description.replace(self._label(config.data), str(config.data), 1)
+                                if config.data else self.data_description)
         self.global_micro = config.micro_batch_size * accelerator.num_processes
         self.cursor = WindowCursor(self.windows.shape[0], config.seed)
         self.eval_data = None
@@ -544,7 +547,7 @@ class Finetuner:
                     self.config.checkpoint_path.rmdir()
             raise
         config, state, accelerator = self.config, self.state, self.accelerator
-        self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_description}; "
+        self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_on_console}; "
                  f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
         if state.step == 0 and not state.evals and self.eval_data is not None:
             if config.eval_teacher and self.teacher is not None:
