@@ -283,8 +283,10 @@ def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
     sample: bool = typer.Option(False, help="Sample instead of greedy decoding."),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default 1.0; only with --sample)."),
-    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling threshold, in (0, 1] (default 1.0; only with --sample)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default: the folder's "
+                                                "generation_config.json, else 1.0; only with --sample)."),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling threshold, in (0, 1] (default: the folder's "
+                                          "generation_config.json, else 1.0; only with --sample)."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed; prompt i uses seed + i (default 0; only with --sample)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)."),
     dtype: str = typer.Option("auto", help="Compute dtype: auto (the stored one), bf16 or fp32; fp16 is refused."),
@@ -295,8 +297,7 @@ def generate(
     from .runtime.checks import generation_problems
 
     given = [flag for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--seed", seed)) if value is not None]
-    temperature, top_p, seed = (1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p,
-                                0 if seed is None else seed)
+    seed = 0 if seed is None else seed
     problems, facts = generation_problems(model, prompts, max_new_tokens, temperature if sample else None,
                                           top_p if sample else None, device, dtype, page_size, allow_long_context,
                                           seed=seed)
@@ -305,7 +306,11 @@ def generate(
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))
     from .runtime import generate_text
+    from .runtime.generation_settings import GenerationSettings
     from .units import human_bytes, parse_dtype
+
+    for note in GenerationSettings.from_folder(facts.path).notes(sample):  # what transformers' generate() would do
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
     result = generate_text(facts.path, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,
                            top_p=top_p, seed=seed, device=device, page_size=page_size,

@@ -17,6 +17,7 @@ sizes spend ~100x longer in thread barriers than computing (a generate call took
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,6 +230,49 @@ def test_stops_at_eos_like_transformers(tiny_folder):
         expected = free[: free.index(eos) + 1] if eos in free else free
         assert ours == expected
     assert_same_tokens(stopped, transformers_greedy(tiny_folder, prompts, eos_token_id=eos))
+
+
+def test_the_folders_generation_config_applies_as_in_transformers(tiny_folder, tmp_path):
+    """A converted folder keeps its source's generation_config.json; transformers' generate() applies its repetition
+    penalty and no-repeat n-grams even when decoding greedily.  The runtime ignored them and decoded other tokens."""
+    import json
+
+    folder = Path(shutil.copytree(tiny_folder, tmp_path / "with-penalty"))
+    path = folder / "generation_config.json"
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**settings, "repetition_penalty": 1.8, "no_repeat_ngram_size": 2, "do_sample": True,
+                                "temperature": 0.7}))
+    prompts = prompt_ids(folder)
+    reference = transformers_greedy(folder, prompts)
+    model = AbsorbedMLAModel.from_folder(folder, device="cpu")
+    assert_same_tokens(run_generation(model, prompts, NEW_TOKENS).sequences, reference)
+    ignoring = run_generation(model, prompts, NEW_TOKENS, generation_config=False).sequences
+    assert ignoring != reference, "the penalties must change these tokens, or this test proves nothing"
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    result = CliRunner().invoke(app, ["generate", str(folder), "Once upon", "--max-new-tokens", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "note: generation_config.json samples (do_sample true, temperature 0.7" in result.stderr
+
+
+def test_generation_config_settings_the_runtime_lacks_are_named(tmp_path):
+    from transformers import GenerationConfig
+
+    from mla_convert.runtime.generation_settings import TRANSFORMERS_DEFAULTS, GenerationSettings
+
+    defaults = GenerationConfig._get_default_generation_params()
+    assert {name: defaults[name] for name in TRANSFORMERS_DEFAULTS} == TRANSFORMERS_DEFAULTS
+    assert GenerationSettings.from_folder(tmp_path) == GenerationSettings()  # no file: transformers' defaults
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_new_tokens": 4, "num_beams": 1}')
+    settings = GenerationSettings.from_folder(tmp_path)
+    assert (settings.do_sample, settings.temperature, settings.top_p, settings.top_k) == (True, 0.7, 0.8, 20)
+    assert settings.not_applied == {"min_new_tokens": 4}  # num_beams 1 asks for nothing
+    greedy, sampled = settings.notes(sampling=False), settings.notes(sampling=True)
+    assert "this run decodes greedily: add --sample" in greedy[0] and "min_new_tokens 4; mla-convert generate" in greedy[1]
+    assert len(sampled) == 1
 
 
 # ----------------------------------------------------------------------------------------- 2. cache

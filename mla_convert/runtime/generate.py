@@ -1,8 +1,11 @@
 """Batched generation with the absorbed MLA model: prefill every prompt, then one token per sequence per step.
 
 Semantics follow transformers' `generate` for a single unpadded prompt, so each prompt's output can be
-compared with it token for token: greedy picks the argmax of the logits; sampling uses temperature and
-nucleus (top-p) filtering; a sequence stops after `max_new_tokens` tokens or right after it emits an
+compared with it token for token: the folder's generation_config.json applies as it does there (repetition
+penalty, no-repeat n-grams, and when sampling its temperature, top-k and top-p unless given; settings the
+runtime does not implement are listed by `GenerationSettings.notes`); greedy picks the argmax of the logits;
+sampling uses temperature, top-k and nucleus (top-p) filtering; a sequence stops after `max_new_tokens`
+tokens or right after it emits an
 end-of-sequence id (which is kept in its output, as `generate` keeps it), and finished sequences leave
 the batch and give their cache pages back.
 
@@ -19,6 +22,7 @@ import torch
 
 from ..eval.sampling import top_p_sample
 from .errors import GenerationSettingsError
+from .generation_settings import GenerationSettings
 from .model import AbsorbedMLAModel
 from .paged_cache import PagedLatentCache
 
@@ -53,13 +57,19 @@ def _check_settings(prompts: list[list[int]], vocab_size: int, max_new_tokens: i
 
 
 def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_tokens: int, do_sample: bool = False,
-                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, page_size: int = DEFAULT_PAGE_SIZE,
-                   num_pages: int | None = None) -> GenerationOutput:
+                   temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                   page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                   generation_config: bool = True) -> GenerationOutput:
     """Generate for token-id prompts of any lengths; `num_pages=None` sizes the cache for the worst case.
 
     The worst case is every prompt running to max_new_tokens: the cache then holds prompt + max_new_tokens
-    - 1 tokens per sequence (the last generated token is returned, never fed back).
+    - 1 tokens per sequence (the last generated token is returned, never fed back).  `temperature` and `top_p`
+    None: the folder's generation config's (else 1.0); `generation_config=False` ignores that file entirely.
     """
+    settings = model.generation_settings if generation_config else GenerationSettings()
+    temperature = settings.temperature if temperature is None else temperature
+    top_p = settings.top_p if top_p is None else top_p
+    chain = settings.processors(do_sample)
     prompts = [list(map(int, prompt)) for prompt in prompts]
     _check_settings(prompts, model.embed_tokens.shape[0], max_new_tokens, do_sample, temperature, top_p, page_size)
     if num_pages is None:
@@ -75,6 +85,9 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     active = list(range(len(prompts)))
     logits = model.prefill(cache, seq_ids, prompts)  # (B, vocab)
     while True:
+        if chain:  # each sequence's penalties see its own tokens so far, prompt included, as in generate()
+            logits = torch.cat([settings.apply(chain, prompts[index] + outputs[index], logits[row : row + 1])
+                                for row, index in enumerate(active)])
         if do_sample:
             chosen = [int(top_p_sample(logits[row : row + 1].float(), temperature, top_p, generators[index])[0])
                       for row, index in enumerate(active)]
@@ -100,7 +113,7 @@ def _model(model_or_dir: AbsorbedMLAModel | str | Path, device, decode_backend: 
 
 
 def generate_ids(model_or_dir: AbsorbedMLAModel | str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
-                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                 do_sample: bool = False, temperature: float | None = None, top_p: float | None = None, seed: int = 0,
                  device: str | torch.device | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  decode_backend: str = "auto") -> list[list[int]]:
     """Generated token ids per prompt (prompt excluded, a final eos included).
@@ -139,7 +152,7 @@ def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
 
 
 def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int, do_sample: bool = False,
-                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, device: str | torch.device | None = None,
+                  temperature: float | None = None, top_p: float | None = None, seed: int = 0, device: str | torch.device | None = None,
                   page_size: int = DEFAULT_PAGE_SIZE, decode_backend: str = "auto",
                   dtype: torch.dtype | None = None) -> TextGeneration:
     """Continuations of text prompts, tokenised and detokenised with the folder's own tokenizer."""

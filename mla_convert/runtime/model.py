@@ -50,6 +50,7 @@ from ..source.model import rms_norm
 from .absorption import AbsorptionPlan, fuse_output_weight, fuse_query_weight, plan_absorption
 from .decode_backends import DecodeAttention, decode_attention
 from .errors import GenerationSettingsError, RuntimeModelError
+from .generation_settings import GenerationSettings
 from .loading import ExportedFolder, compute_dtype, read_exported_folder
 from .paged_cache import PagedLatentCache
 
@@ -121,6 +122,8 @@ class AbsorbedMLAModel:
         self.device = torch.device(device)
         self.dtype = compute_dtype(dtype, folder.stored_dtype)
         self.eos_token_ids = folder.eos_token_ids
+        # what the folder's generation_config.json asks generate() for (a repetition penalty, sampling defaults)
+        self.generation_settings = GenerationSettings.from_folder(folder.path)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.nope_dim = config.qk_nope_head_dim

@@ -1,0 +1,95 @@
+"""The folder's `generation_config.json`, applied as transformers' `generate` applies it.
+
+A converted folder carries its source's generation config (Qwen2.5-Instruct sets a repetition penalty, top-k,
+top-p and temperature).  `model.generate()` applies those settings by default, so a runtime that ignored them
+decoded other tokens than transformers on the same folder.  Here the settings that choose tokens are read with
+transformers' own `GenerationConfig`, applied with transformers' own logits processors, and the ones the runtime
+does not implement are named, so that nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# transformers' values for settings a generation config leaves unset (GenerationConfig._get_default_generation_params
+# in transformers 5; a test keeps this table in step with it)
+TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
+                         "no_repeat_ngram_size": 0}
+# settings that change which tokens `generate` picks and that this runtime does not implement, with the value that
+# means "off" (a config holding that value asks for nothing)
+NOT_APPLIED = {"min_length": 0, "min_new_tokens": None, "typical_p": 1.0, "min_p": None, "top_h": None,
+               "epsilon_cutoff": None, "eta_cutoff": None, "bad_words_ids": None, "renormalize_logits": False,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+               "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
+               "watermarking_config": None, "num_beams": 1, "penalty_alpha": None, "dola_layers": None,
+               "diversity_penalty": None, "num_beam_groups": None, "constraints": None, "force_words_ids": None,
+               "stop_strings": None}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the folder's generation config asks `generate` for (transformers' defaults where it says nothing)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    not_applied: dict = field(default_factory=dict)  # setting -> value the runtime cannot apply
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> GenerationSettings:
+        from transformers import GenerationConfig
+
+        if not (Path(folder) / "generation_config.json").is_file():
+            return cls()
+        config = GenerationConfig.from_pretrained(str(folder))
+        values = {name: getattr(config, name, None) for name in TRANSFORMERS_DEFAULTS}
+        values = {name: default if values[name] is None else values[name] for name, default in TRANSFORMERS_DEFAULTS.items()}
+        ignored = {name: getattr(config, name, None) for name in NOT_APPLIED}
+        ignored = {name: value for name, value in ignored.items() if value is not None and value != NOT_APPLIED[name]}
+        return cls(**values, not_applied=ignored)
+
+    def processors(self, sampling: bool):
+        """transformers' logits processors for these settings, in `generate`'s order (penalties, then top-k when
+        sampling; temperature and top-p are applied by the sampler)."""
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            NoRepeatNGramLogitsProcessor,
+            RepetitionPenaltyLogitsProcessor,
+            TopKLogitsWarper,
+        )
+
+        chain = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            chain.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.no_repeat_ngram_size > 0:
+            chain.append(NoRepeatNGramLogitsProcessor(self.no_repeat_ngram_size))
+        if sampling and self.top_k:
+            chain.append(TopKLogitsWarper(self.top_k))
+        return chain
+
+    def apply(self, chain, sequence: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (1, vocab) of a sequence whose tokens so far (prompt and new ones) are `sequence`."""
+        if not chain:
+            return logits
+        ids = torch.tensor([sequence], dtype=torch.long, device=logits.device)  # (1, tokens so far)
+        return chain(ids, logits.float())
+
+    def notes(self, sampling: bool) -> list[str]:
+        """What a reader of the folder's generation config must know about this run."""
+        lines = []
+        if self.do_sample and not sampling:
+            lines.append(f"generation_config.json samples (do_sample true, temperature {self.temperature:g}, top-p "
+                         f"{self.top_p:g}, top-k {self.top_k}); this run decodes greedily: add --sample to sample as "
+                         "transformers' generate() would")
+        if self.not_applied:
+            listed = ", ".join(f"{name} {value!r}" for name, value in self.not_applied.items())
+            lines.append(f"generation_config.json sets {listed}; mla-convert generate does not apply "
+                         f"{'it' if len(self.not_applied) == 1 else 'them'}, so its tokens can differ from "
+                         "transformers' generate()")
+        return lines
