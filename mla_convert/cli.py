@@ -282,7 +282,8 @@ def generate(
     model: str = typer.Argument(..., help="Converted (DeepseekV3) model folder."),
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
-    sample: bool = typer.Option(False, help="Sample instead of greedy decoding."),
+    sample: bool = typer.Option(False, help="Sample instead of greedy decoding (top-k: the folder's "
+                                "generation_config.json, else transformers' 50)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default: the folder's "
                                                 "generation_config.json, else 1.0; only with --sample)."),
     top_p: Optional[float] = typer.Option(None, help="Nucleus sampling threshold, in (0, 1] (default: the folder's "
@@ -319,7 +320,10 @@ def generate(
         console.print(escape(prompt) + "[bold]" + escape(text) + "[/]", highlight=False, soft_wrap=True)
     err_console.print(f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tokens/s); "
                       f"latent cache {human_bytes(result.cache_bytes_in_use)} in use of {human_bytes(result.cache_bytes_allocated)} "
-                      "allocated (R + D values per token and layer)", highlight=False, soft_wrap=True)
+                      "allocated (R + D values per token and layer" + (
+                          f"; {human_bytes(result.cache_storage_bytes)} with the rows padded to 16 bytes)"
+                          if result.cache_storage_bytes > result.cache_bytes_allocated else ")"),
+                      highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -142,7 +142,7 @@ def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_p
     (["--temperature", "5", "--seed", "3"], "--temperature, --seed: only change sampling; greedy decoding ignores them"),
     (["--sample", "--temperature", "inf"], "--temperature inf: must be a finite number > 0"),
     (["--sample", "--seed", str(2**70)], f"--seed {2**70}: must be between 0 and"),  # was a torch overflow traceback
-    (["--max-new-tokens", "1", "--prompt-words", "600"], "tokens) leaves no room for new tokens within the model's max_position_embeddings (512)"),
+    (["--max-new-tokens", "1", "--prompt-words", "600"], "tokens) is longer than the model's max_position_embeddings (512)"),
     # accepted, then 610 MiB and a minute for a dozen tokens
     (["--page-size", "1000000"], "--page-size 1000000: more than the longest sequence this run can hold (512 tokens)"),
 ])

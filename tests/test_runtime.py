@@ -275,6 +275,45 @@ def test_generation_config_settings_the_runtime_lacks_are_named(tmp_path):
     assert len(sampled) == 1
 
 
+def test_the_preflight_counts_the_positions_a_run_takes(tiny_folder):
+    """The last new token is never fed back, so prompt + new tokens - 1 positions must fit (runs that fit, a prompt
+    of exactly max_position_embeddings tokens with one new token among them, were refused)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mla_convert.runtime.checks import generation_problems
+
+    positions = json.loads((tiny_folder / "config.json").read_text())["max_position_embeddings"]
+    prompt = "Once upon"
+    length = len(AutoTokenizer.from_pretrained(str(tiny_folder))(prompt)["input_ids"])
+
+    def problems(new_tokens, text=prompt):
+        return generation_problems(tiny_folder, [text], new_tokens, None, None, "cpu", "auto", 1, False)[0]
+
+    assert problems(positions - length + 1) == []
+    assert f"take {positions + 1} positions, more than" in " ".join(problems(positions - length + 2))
+    whole = "a" * (positions - length) + prompt  # (a character-level tokenizer: one token per character)
+    assert problems(1, whole) == [] and "is longer than" in " ".join(problems(1, whole + "a"))
+
+
+def test_generate_reports_the_storage_the_row_padding_adds(tiny_tokenizer, tmp_path):
+    """R + D = 24 + 2 fp32 values (104 bytes) are stored in 112-byte rows: the line said only the payload allocated."""
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+    from mla_convert.units import human_bytes
+
+    folder = build_tiny_folder(tmp_path / "unaligned", tiny_tokenizer, rope_dim=2)
+    result = generate_text(folder, ["Once upon"], max_new_tokens=3, device="cpu", page_size=4)
+    slots = result.cache_bytes_allocated // (2 * 26 * 4)  # 2 layers of 26 fp32 values per token
+    assert slots % 4 == 0 and result.cache_storage_bytes == slots * 2 * 28 * 4
+    line = CliRunner().invoke(app, ["generate", str(folder), "Once upon", "--max-new-tokens", "3", "--page-size", "4",
+                                    "--device", "cpu"]).stderr
+    assert (f"{human_bytes(slots * 208)} allocated (R + D values per token and layer; {human_bytes(slots * 224)} with the "
+            "rows padded to 16 bytes)") in " ".join(line.split())
+
+
 # ----------------------------------------------------------------------------------------- 2. cache
 def test_page_sizes_give_the_same_tokens_and_cache_holds_r_plus_d_per_token(tiny_folder):
     model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")

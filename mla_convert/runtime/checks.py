@@ -66,20 +66,22 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
     except MLAConvertError as error:
         return problems + [str(error)], facts
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]
-    longest = max(lengths) + max_new_tokens
-    if facts.max_positions and max(lengths) >= facts.max_positions and not allow_long_context:
-        problems.append(f"the longest prompt ({max(lengths)} tokens) leaves no room for new tokens within the model's "
-                        f"max_position_embeddings ({facts.max_positions}); shorten it or pass --allow-long-context")
+    # positions the longest sequence takes: its prompt and every new token but the last (that one is never fed back)
+    longest = max(lengths) + max_new_tokens - 1
+    if facts.max_positions and max(lengths) > facts.max_positions and not allow_long_context:
+        problems.append(f"the longest prompt ({max(lengths)} tokens) is longer than the model's max_position_embeddings "
+                        f"({facts.max_positions}); shorten it or pass --allow-long-context")
     elif facts.max_positions and longest > facts.max_positions and not allow_long_context:
-        problems.append(f"--max-new-tokens {max_new_tokens}: the longest prompt ({max(lengths)} tokens) plus the new tokens "
-                        f"({longest}) exceed the model's max_position_embeddings ({facts.max_positions}); generate fewer "
-                        "tokens or pass --allow-long-context")
+        problems.append(f"--max-new-tokens {max_new_tokens}: the longest prompt ({max(lengths)} tokens) and the new tokens "
+                        f"fed back after it take {longest} positions, more than the model's max_position_embeddings "
+                        f"({facts.max_positions}); generate fewer tokens or pass --allow-long-context")
     # a page no sequence of this run can fill (with --allow-long-context, the longest sequence is the limit)
     limit = max(facts.max_positions or 0, longest if allow_long_context else 0)
     if limit and page_size > limit:
         problems.append(f"--page-size {page_size}: more than the longest sequence this run can hold ({limit} tokens); "
                         "every page is allocated whole, so most of it would stay empty")
-    element = 2 if dtype in ("bf16", "bfloat16") else 4
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # auto computes in the stored dtype
+    element = 2 if dtype in ("bf16", "bfloat16") or (dtype == "auto" and str(stored).endswith("bfloat16")) else 4
     per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * element
     pages = PagedLatentCache.pages_needed([n + max_new_tokens - 1 for n in lengths], page_size)
     needed = pages * page_size * per_token

@@ -133,7 +133,8 @@ class TextGeneration:
     new_tokens: int
     seconds: float  # prefill + decode
     cache_bytes_in_use: int  # the latent cache's payload: every sequence's tokens at its end
-    cache_bytes_allocated: int
+    cache_bytes_allocated: int  # payload of every slot of every page
+    cache_storage_bytes: int = 0  # what was allocated, the rows' 16-byte alignment padding included
 
     @property
     def tokens_per_second(self) -> float:
@@ -175,4 +176,5 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
     return TextGeneration(
         texts=[continuation(tokenizer, p, s) for p, s in zip(prompt_ids, output.sequences)],
         new_tokens=sum(len(s) for s in output.sequences), seconds=seconds,
-        cache_bytes_in_use=cached_tokens * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated)
+        cache_bytes_in_use=cached_tokens * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated,
+        cache_storage_bytes=output.cache.storage_bytes)
