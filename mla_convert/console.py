@@ -144,7 +144,9 @@ def print_summary(console: Console, report: dict) -> None:
     print_table(console, "mla-convert summary", (), summary_rows(report), right=(1,))
 
 
-def engine_verdict(ok: bool | None) -> str:
+def engine_verdict(ok: bool | None, patches: list | None = None) -> str:
+    if ok is True and patches:  # what a patched engine did, not the released one
+        return "only patched (measured)"
     return "yes (measured)" if ok is True else ("no" if ok is False else "not measured")
 
 
@@ -153,5 +155,5 @@ def print_engines(console: Console, report: dict) -> None:
     rows = []
     for engine, facts in report["engines"].items():
         notes = list(facts.get("notes", [])) + list(facts.get("runs", []))
-        rows.append((engine, engine_verdict(facts.get("ok")), "; ".join(notes)))
+        rows.append((engine, engine_verdict(facts.get("ok"), facts.get("patches")), "; ".join(notes)))
     print_table(console, "engines (measured runs: docs/engines.md)", ("engine", "runs", "notes"), rows)

@@ -9,6 +9,7 @@ test sets the margin tiny to check everything else.  The engine runs themselves 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,6 +349,41 @@ def test_summary_and_card_render_the_record(capsys):
     assert "| SGLang | not measured |" in card and "| vLLM | no |" in card
     assert "vllm serve" not in card and "convert_hf_to_gguf.py" in card
     assert "This export was made with `--target llama.cpp`" in card
+
+
+@pytest.mark.real_model
+def test_a_run_that_needed_the_harness_patches_is_not_a_plain_yes(capsys, stories260k):
+    """Every recorded vLLM run patched vLLM (its CPU rotary op at least), and the stories260K llama.cpp runs patched
+    llama.cpp's vocabulary converter: the table said "yes (measured)" and the card printed serve commands for them."""
+    from rich.console import Console
+
+    from mla_convert.convert.engines import sentencepiece_vocabulary
+
+    vllm = engine_compatibility(MLAShape(256, 64, 576), False, 576, "all", tied=False)  # the shipped record
+    assert vllm["vllm"]["ok"] is True and vllm["vllm"]["patches"] == ["allowlist", "decode", "rotary"]
+    assert any(note.startswith("runs only with the harness's patches to the engine: allowlist (") for note in vllm["vllm"]["notes"])
+    stories = engine_compatibility(MLAShape(24, 8, 64), False, 64, "llama.cpp", tied=True)
+    assert stories["llama.cpp"]["ok"] is True and stories["llama.cpp"]["patches"] == ["vocab"]
+    # the same shape and record, for a model whose own vocabulary is SentencePiece-style: patched whatever was run
+    assert engine_compatibility(MLAShape(256, 64, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,),
+                                sentencepiece=True)["llama.cpp"]["patches"] == ["vocab"]
+    assert sentencepiece_vocabulary(stories260k) and not sentencepiece_vocabulary(Path(stories260k) / "no-such-folder")
+    print_engines(Console(force_terminal=False, width=400), {"engines": vllm})
+    assert "| vllm | only patched (measured) |" in capsys.readouterr().out
+    card = str(build_model_card({"source": {"name_or_path": "m"}, "options": {"kv_lora_rank": 256, "rope_dim": 64,
+                                 "target": "all"}, "engines": vllm, "serving": {"target": "all"}}))
+    assert "| vLLM | only patched |" in card and "vllm serve" not in card
+    assert "sglang.launch_server" not in card and "convert_hf_to_gguf.py" in card  # SmolLM2 256+64 ran unpatched
+    assert vllm["sglang"] == {"ok": None, "notes": ["not measured: no run of SGLang is recorded (it has no CPU build to "
+                                                    "run here)"], "runs": []}
+
+
+def test_a_26_or_27_layer_model_is_not_measured_in_llama_cpp():
+    """llama.cpp takes such a model for DeepSeek-V2-Lite and ignores q_lora_rank; no such model was run."""
+    lite = engine_compatibility(MLAShape(256, 64, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,), num_layers=26)
+    assert lite["llama.cpp"]["ok"] is None and any("takes a 26- or 27-layer" in note for note in lite["llama.cpp"]["notes"])
+    assert engine_compatibility(MLAShape(256, 64, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,),
+                                num_layers=30)["llama.cpp"]["ok"] is True
 
 
 def test_the_shipped_record_is_well_formed():

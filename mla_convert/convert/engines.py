@@ -10,6 +10,9 @@ weights, KV cache) that somebody actually ran, with the engine version, the date
 * "no" when the export breaks a constraint the engine's code imposes (target.py: widths, tying, biases,
   q_lora_rank, weight magnitudes) -- each with the `--target` that fixes it;
 * "not measured" otherwise: nobody ran that target at that shape.
+
+A run that passed only with one of the harness's patches to the engine (`PATCHES`) says what the patched engine
+does, not the released one: the verdict then says "only patched" and names the patches.
 """
 
 from __future__ import annotations
@@ -24,6 +27,17 @@ from . import target as T
 RUNS_FILE = Path(__file__).with_name("engine_runs.json")
 # engines the table always lists; SGLang has no CPU build to measure here
 ENGINES = ("transformers", "vllm", "llama.cpp", "sglang", "mla_decode_triton")
+# The engine harness's patches (scripts/engines/, marked HARNESS WORKAROUND; docs/engines.md), as the records name them
+PATCHES = {
+    "rotary": "vLLM-CPU's rotary op mis-rotates DeepSeek queries: vLLM's own torch rotary used instead",
+    "allowlist": "vLLM's MLA head-size allow-list lifted",
+    "decode": "vLLM-CPU's MLA decode kernel (512+64 only) replaced by a torch stand-in",
+    "vocab": "llama.cpp's DeepSeek converter refuses SentencePiece-style vocabularies: its Llama vocabulary routine used "
+             "instead",
+}
+# llama.cpp's deepseek2 loader takes a 26- or 27-layer model for DeepSeek-V2-Lite and then ignores q_lora_rank
+# (src/models/deepseek2.cpp, read in b11434; no such model was run)
+LLAMA_CPP_LITE_LAYERS = (26, 27)
 
 
 @lru_cache(maxsize=1)
@@ -80,13 +94,31 @@ def constraint_problems(engine: str, mla: MLAShape, target: T.Target, attention_
     return problems
 
 
+def sentencepiece_vocabulary(folder: str | Path | None) -> bool:
+    """Whether a model folder's tokenizer is SentencePiece-style (a tokenizer.model, or a byte-fallback BPE in
+    tokenizer.json), the kind llama.cpp's DeepSeek converter refused (stories260K); SmolLM2's byte-level BPE passed."""
+    if folder is None:
+        return False
+    folder = Path(folder)
+    if (folder / "tokenizer.model").is_file():
+        return True
+    try:
+        model = json.loads((folder / "tokenizer.json").read_text()).get("model") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(isinstance(model, dict) and model.get("byte_fallback"))
+
+
 def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int | None, target: str | None = None,
                          tied: bool = False, runs: tuple[dict, ...] | None = None,
-                         servable: frozenset[str] | None = None) -> dict:
-    """{engine: {"ok": True / False / None (not measured), "notes": [...], "runs": [...]}} for one export.
+                         servable: frozenset[str] | None = None, sentencepiece: bool = False,
+                         num_layers: int | None = None) -> dict:
+    """{engine: {"ok": True / False / None (not measured), "notes": [...], "runs": [...], "patches": [...]}} for one
+    export; `patches`: the harness's patches the engine needed to run it (empty: the released engine ran it).
 
     `servable`: the targets that have a shape for this source (None: not known, every target assumed to), so
     that the advice to convert with another target is only given where that target would not refuse.
+    `sentencepiece`: the tokenizer is SentencePiece-style (llama.cpp's converter then needs the `vocab` patch).
     """
     chosen = T.target_of(target)
     runs = engine_runs() if runs is None else runs
@@ -118,11 +150,21 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
             others = sorted({f"{r['kv_lora_rank']}+{r['rope_dim']}" for r in mine if r["status"] == "ok"})
             notes.append(f"not measured at {shape[0]}+{shape[1]} with --target {chosen.name}"
                          + (f" (measured at {', '.join(others)})" if others else ""))
+        patches = sorted({name for r in here if r["status"] == "ok" for name in r.get("workarounds") or []})
+        if engine == "llama.cpp" and sentencepiece and not problems:
+            patches = sorted({*patches, "vocab"})
+        if engine == "llama.cpp" and num_layers in LLAMA_CPP_LITE_LAYERS and not problems:
+            ok = None if ok else ok
+            notes.append(f"{num_layers} layers: llama.cpp b11434 takes a 26- or 27-layer DeepSeek model for V2-Lite and "
+                         "ignores its q_lora_rank (read in src/models/deepseek2.cpp; no such model was run)")
+        if patches and ok is not False:
+            notes.append("runs only with the harness's patches to the engine: "
+                         + "; ".join(f"{name} ({PATCHES.get(name, 'see docs/engines.md')})" for name in patches))
         if engine == "vllm" and not problems and mla.kv_values_per_token_layer != 576:
-            notes.append("vLLM's CPU backend decodes only 512+64")
-        report[engine] = {"ok": ok, "notes": notes, "runs": [describe_run(r) for r in here]}
-    report["sglang"] = {"ok": None, "notes": ["not measured (no CPU build); same DeepSeek structure as vLLM: --target vllm "
-                                             "meets the constraints known from vLLM"], "runs": []}
+            notes.append("vLLM's CPU backend decodes only 512+64 (vllm-cpu 0.32.0, measured)")
+        report[engine] = {"ok": ok, "notes": notes, "runs": [describe_run(r) for r in here], "patches": patches}
+    report["sglang"] = {"ok": None, "notes": ["not measured: no run of SGLang is recorded (it has no CPU build to run "
+                                             "here)"], "runs": []}
     report["mla_decode_triton"] = {"ok": True, "notes": ["mla-convert's kernel: any (kv_lora_rank, rope_dim) "
                                                         "(tests/test_mla_decode_kernel.py)"]}
     return report

@@ -95,7 +95,7 @@ def build_report(facts: ConversionFacts) -> dict:
     import safetensors
     import transformers
 
-    from .engines import engine_compatibility
+    from .engines import engine_compatibility, sentencepiece_vocabulary
 
     source, mla = facts.source, facts.mla
     src_values = source.kv_values_per_token_layer
@@ -158,7 +158,8 @@ def build_report(facts: ConversionFacts) -> dict:
         "serving": facts.serving,
         "engines": engine_compatibility(mla, facts.attention_bias, facts.q_lora_rank, facts.options.target,
                                         tied=(facts.serving or {}).get("tie_word_embeddings", source.tied_embeddings),
-                                        servable=servable_targets(source)),
+                                        servable=servable_targets(source), num_layers=source.num_layers,
+                                        sentencepiece=sentencepiece_vocabulary(facts.source_folder)),
         "versions": {
             "mla_convert": __version__,
             "torch": torch.__version__,

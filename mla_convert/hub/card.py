@@ -545,7 +545,9 @@ _ENGINE_NAMES = {
 }
 
 
-def _yes_no(flag: Any) -> str:
+def _yes_no(flag: Any, patches: Any = None) -> str:
+    if flag is True and patches:  # measured only with the engine harness's patches (named in the notes)
+        return "only patched"
     return "yes" if flag is True else ("no" if flag is False else "not measured")
 
 
@@ -577,19 +579,19 @@ def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str
             runs = _get(info, "runs", default=[])
             items = (notes if isinstance(notes, list) else [notes]) + (runs if isinstance(runs, list) else [])
             notes_text = "; ".join(_cell(note) for note in items)
-            cells = [_ENGINE_NAMES.get(key, _cell(key)), _yes_no(_get(info, "ok"))]
+            cells = [_ENGINE_NAMES.get(key, _cell(key)), _yes_no(_get(info, "ok"), _get(info, "patches"))]
             if with_fast:
                 cells.append(_yes_no(_get(info, "fast_path")))
             lines.append("| " + " | ".join([*cells, notes_text or "-"]) + " |")
         lines.append("")
-    refused = {key for key, info in (engines.items() if isinstance(engines, Mapping) else []) if _get(info, "ok") is False}
+    # commands only for engines measured on this export's kind, as they were run (no bf16 vLLM or SGLang run exists)
+    runs_stock = {key for key, info in (engines.items() if isinstance(engines, Mapping) else [])
+                  if _get(info, "ok") is True and not _get(info, "patches")}
     commands = []
-    if "vllm" not in refused:
-        commands.append(f"vllm serve {model} --dtype bfloat16")
-    if "sglang" not in refused and "vllm" not in refused:
-        commands.append(f"python -m sglang.launch_server --model-path {model} --dtype bfloat16")
-    if target and "llama.cpp" not in refused:
-        commands += ["# llama.cpp: its own converter, then any weight type (f16 is its default)",
+    if "vllm" in runs_stock:
+        commands += ["# vLLM: measured with fp32 weights (runs above)", f"vllm serve {model} --dtype float32"]
+    if target and "llama.cpp" in runs_stock:
+        commands += ["# llama.cpp: its own converter, then the weight types measured above (f16 is its default)",
                      "python convert_hf_to_gguf.py path/to/this/model --outfile model-f16.gguf",
                      "llama-completion -m model-f16.gguf -p \"Once upon a time\" -n 40"]
     if commands:

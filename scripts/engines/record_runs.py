@@ -83,7 +83,10 @@ def records_of(result: dict, origin: str) -> list[dict]:
     if lc and lc.get("export"):
         export = lc["export"]
         version = _llamacpp_version(export.get("versions") or {})
-        common = {**base, "engine": "llama.cpp", "version": version}
+        # the harness's patch to llama.cpp's DeepSeek converter for a SentencePiece-style vocabulary (stories260K)
+        patched = any(isinstance(step, dict) and step.get("workaround_llama_vocab")
+                      for step in (export.get("convert") or {}).values())
+        common = {**base, "engine": "llama.cpp", "version": version, "workarounds": ["vocab"] if patched else []}
         if export.get("status") in ("load-failed", "convert-failed", "harness-error"):
             out.append({**common, "weights": None, "kv_cache": None, "status": export["status"],
                         "error": short_error(export.get("error"))})
