@@ -62,7 +62,7 @@ def user_errors(command):
 # source's dtype, as `convert --dtype auto` does)
 ESTIMATE_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "dtype", "device", "revision", "overwrite", "force",
                      "allow_pickle", "base_model", "license", "max_shard_size", "refine_lr", "seed", "text_column",
-                     "temperature", "top_p", "profile_samples"}
+                     "temperature", "top_p"}
 
 
 @app.command()
@@ -348,9 +348,24 @@ def push(
 SWEEP_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "method", "overwrite", "force", "max_shard_size"}
 
 
+def _swept_options(kwargs: dict, options: ConvertOptions) -> list[ConvertOptions]:
+    """The options of each swept method (a flag such as --kv-balance-search must act in one of them)."""
+    import dataclasses
+
+    from .convert.decisions import METHOD_NAMES
+    from .errors import MLAConvertError
+    from .eval.sweep import canonical_methods
+
+    try:
+        methods = canonical_methods(kwargs.get("methods") or "")
+    except MLAConvertError:  # refused with its own message by the sweep
+        return [options]
+    return [dataclasses.replace(options, method=METHOD_NAMES[method]) for method in methods]
+
+
 @app.command()
 @user_errors
-@cli_options(options=(ConvertOptions, SWEEP_EXCLUDES))
+@cli_options(variants=_swept_options, options=(ConvertOptions, SWEEP_EXCLUDES))
 def sweep(
     source: str = typer.Argument(..., help="Source model folder or hub id."),
     data: str = typer.Option(..., "--data", help="Evaluation text: file, folder or datasets spec."),
@@ -370,6 +385,9 @@ def sweep(
     from .convert.pipeline import install_sigterm_handler
     from .eval.sweep import run_sweep
 
+    idle = [flag for flag, value in (("--license", options.license), ("--base-model", options.base_model)) if value]
+    if idle and not keep_models:  # they go into the kept models' cards; without --keep-models no card is written
+        raise PreflightError([f"{', '.join(idle)}: acts only with --keep-models (the kept models' cards)"])
     install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
     try:

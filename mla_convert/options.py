@@ -49,8 +49,6 @@ class CalibrationOptions:
                                 flag="--calib-temperature", minimum=0.0, maximum=100.0)
     top_p: float = option(0.95, "Nucleus threshold for self-sampled calibration text, in (0, 1].",
                           flag="--calib-top-p", positive=True, maximum=1.0)
-    profile_samples: int = option(8, "Windows used for each head's attention-distance profile.",
-                                  flag="--calib-profile-samples", minimum=1, maximum=1 << 20)
     error_samples: int = option(4, "Windows kept per layer to measure the conversion error (and to refine on).",
                                 flag="--calib-error-samples", minimum=1, maximum=1 << 20)
     chunk: int = option(4, "Windows pushed through a layer at once (memory vs speed).", flag="--calib-chunk",
@@ -176,14 +174,43 @@ def _refines(options: ConvertOptions) -> bool:
     return options.effort != "fast" and options.method != "svd"  # both: no refinement unless --refine-steps N
 
 
+def error_windows_kept(calibration: CalibrationOptions) -> int:
+    """Windows each layer keeps to measure (and refine on) its conversion error."""
+    return min(calibration.error_samples, max(calibration.num_samples, 0))
+
+
+def _sampled_at_temperature(options: ConvertOptions) -> bool:
+    return _self_sampled(options) and options.calibration.temperature > 0  # (0: greedy, no seed or nucleus)
+
+
+def _reads_a_column(options: ConvertOptions) -> bool:
+    """Calibration text with named fields: a .jsonl file, a folder holding one, or a datasets spec (not a path)."""
+    from pathlib import Path
+
+    data = options.calibration.data
+    if data is None:
+        return False
+    path = Path(data).expanduser()
+    if path.is_file():
+        return path.suffix.lower() == ".jsonl"
+    if path.is_dir():
+        return any(p.suffix.lower() == ".jsonl" for p in path.rglob("*") if p.is_file())
+    return True
+
+
 ACTS_ONLY_WITH: dict[tuple[str, ...], tuple[Callable[[ConvertOptions], bool], str]] = {
     ("force",): (lambda o: o.overwrite, "--overwrite"),
-    ("calibration", "seed"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
+    ("calibration", "seed"): (_sampled_at_temperature, "calibration text sampled from the model (no --calib-data) "
+                                                       "at a --calib-temperature above 0"),
     ("calibration", "temperature"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
-    ("calibration", "top_p"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
+    ("calibration", "top_p"): (_sampled_at_temperature, "calibration text sampled from the model (no --calib-data) "
+                                                        "at a --calib-temperature above 0"),
+    ("calibration", "text_column"): (_reads_a_column, "--calib-data of .jsonl files or a datasets spec"),
     ("kv_balance_search",): (lambda o: o.method == "activation-aware", "--method activation-aware"),
     ("refine_lr",): (_refines, "layer refinement (--refine-steps N, or --effort default/thorough with a "
                                "calibrated --method)"),
+    ("refine_steps",): (lambda o: not o.refine_steps or error_windows_kept(o.calibration) >= 2,
+                        "at least 2 error windows per layer (--calib-error-samples and --calib-samples of 2 or more)"),
 }
 
 
@@ -246,12 +273,15 @@ def _build(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...] 
     return cls(**kwargs)
 
 
-def cli_options(**groups: type | tuple[type, frozenset[str] | set[str]]):
+def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]] | None = None,
+                **groups: type | tuple[type, frozenset[str] | set[str]]):
     """Decorate a typer command: each keyword names a parameter of the command that receives a dataclass
     (optionally with field names to leave out); its fields become the command's flags.
 
     Example: `@cli_options(options=(ConvertOptions, {"method"}))` gives the command every ConvertOptions
-    flag but `--method` and calls it with `options=ConvertOptions(...)`.
+    flag but `--method` and calls it with `options=ConvertOptions(...)`.  `variants(kwargs, options)`: the
+    ConvertOptions the command will really run with (sweep: one per --methods entry); a typed flag is refused
+    only when it can act in none of them.
     """
     specs = {name: (value, frozenset()) if isinstance(value, type) else (value[0], frozenset(value[1]))
              for name, value in groups.items()}
@@ -278,7 +308,10 @@ def cli_options(**groups: type | tuple[type, frozenset[str] | set[str]]):
                 values = {flag.path: kwargs.pop(flag.parameter.name) for flag in flags if flag.parameter.name in kwargs}
                 kwargs[name] = _build(specs[name][0], values)
                 if isinstance(kwargs[name], ConvertOptions):
-                    problems += ineffective_flag_problems(kwargs[name], _given_on_command_line(context, flags))
+                    given = _given_on_command_line(context, flags)
+                    cases = variants(kwargs, kwargs[name]) if variants else [kwargs[name]]
+                    idle = [ineffective_flag_problems(case, given) for case in cases or [kwargs[name]]]
+                    problems += [problem for problem in idle[0] if all(problem in other for other in idle[1:])]
             if problems:
                 raise PreflightError(problems)
             return func(*args, **kwargs)

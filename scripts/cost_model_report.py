@@ -9,6 +9,7 @@ Llama-3-8B- and Llama-3-70B-shaped conversions on a 16-core CPU box and one H200
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import fit_cost_model as fitting
@@ -42,7 +43,8 @@ def llama3_config(name: str) -> dict:
 
 def options_of(run: dict) -> ConvertOptions:
     options = dict(run["options"])
-    calibration = CalibrationOptions(**options.pop("calibration"))
+    known = {field.name for field in dataclasses.fields(CalibrationOptions)}  # (older records hold removed options)
+    calibration = CalibrationOptions(**{k: v for k, v in options.pop("calibration").items() if k in known})
     return ConvertOptions(**options, calibration=calibration)
 
 

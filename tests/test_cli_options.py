@@ -104,6 +104,13 @@ def test_option_ranges_are_checked_in_one_place(changes, message):
     (["--refine-steps", "0", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
     (["--effort", "fast", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
     (["--method", "svd", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
+    # greedy sampling has no seed or nucleus (the report said "(seed 1)")
+    (["--calib-temperature", "0", "--seed", "1"], "--seed: acts only with calibration text sampled from the model (no "
+                                                  "--calib-data) at a --calib-temperature above 0"),
+    (["--calib-temperature", "0", "--calib-top-p", "0.1"], "--calib-top-p: acts only with"),
+    # one error window: refinement never ran, and the report said "5 steps per layer (given)"
+    (["--refine-steps", "5", "--calib-error-samples", "1"], "--refine-steps: acts only with at least 2 error windows"),
+    (["--refine-steps", "5", "--calib-samples", "1"], "--refine-steps: acts only with at least 2 error windows"),
 ])
 def test_a_flag_that_cannot_act_with_the_others_is_refused_not_ignored(monkeypatch, args, message):
     """These were accepted and changed nothing (e.g. --seed with --calib-data: the text is read, not sampled)."""
@@ -122,6 +129,63 @@ def test_a_flag_that_cannot_act_with_the_others_is_refused_not_ignored(monkeypat
     ["--method", "input", "--refine-lr", "0.01"],
     ["--effort", "fast", "--refine-steps", "5", "--refine-lr", "0.01"],
     ["--method", "svd", "--refine-steps", "5", "--refine-lr", "0.01"],
+    ["--calib-data", "corpus.jsonl", "--calib-text-column", "body"],
+    ["--calib-data", "wikitext:wikitext-2-raw-v1:train", "--calib-text-column", "body"],
+    ["--refine-steps", "5", "--calib-error-samples", "2"],
 ])
 def test_the_same_flags_are_accepted_where_they_act(monkeypatch, args):
     assert isinstance(parsed_options(monkeypatch, ["src", "out", *args]), ConvertOptions)
+
+
+def test_a_text_column_of_a_plain_text_is_refused(monkeypatch, tmp_path):
+    """A plain text has no columns: the weights were identical with and without --calib-text-column."""
+    from typer.testing import CliRunner
+
+    import mla_convert.convert.pipeline as pipeline
+
+    (tmp_path / "corpus.txt").write_text("words " * 100)
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "a.jsonl").write_text('{"body": "words"}\n')
+    monkeypatch.setattr(pipeline, "convert", lambda *a, **k: pytest.fail("converted despite an ineffective flag"))
+    result = CliRunner().invoke(cli.app, ["convert", "src", "out", "--calib-data", str(tmp_path / "corpus.txt"),
+                                          "--calib-text-column", "body"])
+    assert result.exit_code == 2 and ("--calib-text-column: acts only with --calib-data of .jsonl files or a datasets "
+                                      "spec") in " ".join(result.output.split())
+    assert isinstance(parsed_options(monkeypatch, ["src", "out", "--calib-data", str(tmp_path / "rows"),
+                                                   "--calib-text-column", "body"]), ConvertOptions)
+
+
+def test_refinement_with_one_error_window_is_reported_off():
+    """From the API (or --effort default with --calib-samples 1) the report said "16 steps per layer" and no layer
+    refined: refinement needs one window to fit and another to judge on."""
+    from mla_convert.convert.decisions import RefinePolicy
+    from mla_convert.options import CalibrationOptions
+    from mla_convert.source.config import SourceConfig
+
+    source = SourceConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                     "intermediate_size": 96, "max_position_embeddings": 128})
+    for calibration in (CalibrationOptions(error_samples=1), CalibrationOptions(num_samples=1)):
+        policy = RefinePolicy.of(ConvertOptions(refine_steps=5, calibration=calibration), source)
+        assert policy.steps == 0 and policy.decision.startswith("off (refinement needs 2 error windows per layer; "
+                                                                "this run keeps 1")
+    assert RefinePolicy.of(ConvertOptions(refine_steps=5), source).steps == 5
+
+
+def test_sweep_refuses_a_flag_no_swept_method_uses(tmp_path):
+    """sweep judged the flags against convert's default method, not against --methods."""
+    from typer.testing import CliRunner
+
+    def sweep(*args):
+        result = CliRunner().invoke(cli.app, ["sweep", "src", "--data", str(tmp_path / "none.txt"), "--out-dir",
+                                              str(tmp_path / "out"), *args])
+        return result.exit_code, " ".join(result.output.split())
+
+    code, output = sweep("--methods", "svd", "--kv-balance-search")
+    assert code == 2 and "--kv-balance-search: acts only with --method activation-aware" in output
+    code, output = sweep("--methods", "svd,activation-aware", "--kv-balance-search")  # acts for one of them
+    assert "--kv-balance-search" not in output
+    code, output = sweep("--license", "mit")
+    assert code == 2 and "--license: acts only with --keep-models" in output
+    assert not (tmp_path / "out").exists()
+    assert "--calib-profile-samples" not in flags_of("convert") | flags_of("sweep")  # it did nothing; it is gone

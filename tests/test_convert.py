@@ -22,7 +22,7 @@ from mla_convert.eval.kv_cache import measure_kv_cache
 from mla_convert.options import CalibrationOptions
 from mla_convert.source.model import rope_inv_freq
 
-TINY_CALIBRATION = CalibrationOptions(num_samples=4, seq_len=32, error_samples=2, profile_samples=2)
+TINY_CALIBRATION = CalibrationOptions(num_samples=4, seq_len=32, error_samples=2)
 
 
 def fast_options(**kwargs) -> ConvertOptions:

@@ -235,7 +235,7 @@ def test_biased_qwen2_exports_bias_free_with_its_cost_in_the_report(tmp_path):
     out = tmp_path / "out"
     result = convert(source, out, fast_options(kv_lora_rank=256, rope_dim=64, target="all",
                                                calibration=fast_options().calibration.__class__(num_samples=8, seq_len=32,
-                                                                                               error_samples=2, profile_samples=2)))
+                                                                                               error_samples=2)))
     tensors, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
     assert not config["attention_bias"] and not any(name.endswith("bias") for name in tensors)
     bias = result.report["serving"]["bias"]

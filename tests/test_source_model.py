@@ -168,3 +168,25 @@ def test_mlp_matrices_larger_than_a_block_stay_in_their_shard_and_run_block_by_b
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # blocked products (see the test above)
     block = layer.weights["gate_weight"].read(3, 11, torch.float32)
     assert torch.equal(block, whole.weights["gate_weight"][3:11])
+
+
+@pytest.mark.real_model
+def test_the_calibration_description_counts_the_windows_it_used(stories260k, tmp_path):
+    """A text too short for --calib-samples gave fewer windows, while the summary, report and card said the number
+    asked for; greedy sampling gives one sequence, however many windows are asked for."""
+    from mla_convert.convert.calibration import calibration_ids
+    from mla_convert.options import CalibrationOptions
+    from mla_convert.source.model import StreamedSourceModel
+
+    text = tmp_path / "short.txt"
+    text.write_text("Once upon a time there was a little cat. " * 20)
+    shape = SourceConfig.from_folder(stories260k)
+    with CheckpointReader(stories260k) as reader:
+        model = StreamedSourceModel(reader, shape)
+        ids, description = calibration_ids(model, stories260k, CalibrationOptions(data=str(text), num_samples=100,
+                                                                                  seq_len=64))
+        assert ids.shape[0] < 100
+        assert description == f"{ids.shape[0]} x 64 token windows of short.txt (the text holds {ids.shape[0]} of the 100 asked for)"
+        ids, description = calibration_ids(model, stories260k, CalibrationOptions(num_samples=3, seq_len=8, temperature=0))
+        assert torch.equal(ids[0], ids[1]) and torch.equal(ids[0], ids[2])
+        assert description == "3 x 8 tokens sampled greedily from the source model (one sequence, 3 times)"

@@ -35,7 +35,7 @@ from mla_convert.eval.sweep import (
 from mla_convert.options import CalibrationOptions
 
 EXPECTED_PNG_SIZE = (round(PLOT_SIZE_INCHES[0] * PLOT_DPI), round(PLOT_SIZE_INCHES[1] * PLOT_DPI))
-TINY_CALIBRATION = CalibrationOptions(num_samples=2, seq_len=32, profile_samples=2, error_samples=2)
+TINY_CALIBRATION = CalibrationOptions(num_samples=2, seq_len=32, error_samples=2)
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -40,6 +40,9 @@ def calibration_ids(
     if options.data is None:
         ids = sample_from_model(model, options.num_samples, options.seq_len, options.seed, options.temperature,
                                 options.top_p, progress=progress)
+        if options.temperature == 0:  # greedy from one start token: every window is the same sequence
+            return ids, (f"{options.num_samples} x {options.seq_len} tokens sampled greedily from the source model"
+                         + (f" (one sequence, {options.num_samples} times)" if options.num_samples > 1 else ""))
         return ids, f"{options.num_samples} x {options.seq_len} tokens sampled from the source model (seed {options.seed})"
     # a local text by its name (the report records its path relative to the model folder; this line is read in cards
     # and must not depend on where the command ran); a datasets spec as given
@@ -50,7 +53,8 @@ def calibration_ids(
     if int(ids.max()) >= vocab:  # the embedding has no row for them: the statistics would be garbage
         raise MLAConvertError(f"calibration text {text}: the tokenizer in {folder} gives token id {int(ids.max())}, but the "
                               f"model's vocab_size is {vocab}; the tokenizer does not belong to this model")
-    return ids, f"{options.num_samples} x {options.seq_len} token windows of {text}"
+    short = f" (the text holds {ids.shape[0]} of the {options.num_samples} asked for)" if ids.shape[0] < options.num_samples else ""
+    return ids, f"{ids.shape[0]} x {options.seq_len} token windows of {text}{short}"
 
 
 def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:

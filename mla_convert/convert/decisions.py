@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConversionError, NonFiniteError
-from ..options import ConvertOptions
+from ..options import ConvertOptions, error_windows_kept
 from ..source.config import SourceConfig
 from ..source.model import StreamedSourceModel, apply_rotary, attention_from_qkv, mlp, project_qkv, rms_norm
 from ..source.shapes import MLAShape
@@ -261,6 +261,10 @@ class RefinePolicy:
 
     @classmethod
     def of(cls, options: ConvertOptions, source: SourceConfig) -> RefinePolicy:
+        kept = error_windows_kept(options.calibration)
+        if kept < 2 and options.refine_steps != 0:  # one window to fit and to judge on: it would never run
+            return cls(0, None, f"off (refinement needs 2 error windows per layer; this run keeps {kept}: "
+                                "--calib-error-samples / --calib-samples)")
         if options.refine_steps is not None:
             return cls(options.refine_steps, None, f"{options.refine_steps} steps per layer (given)")
         if METHOD_ALIASES.get(options.method) == "weight":  # the baseline stays free of calibration data
