@@ -252,8 +252,10 @@ def _flags(cls: type, exclude: frozenset[str], path: tuple[str, ...] = ()) -> li
             names[0] = f"{flag}/--no-{flag[2:]}"
         default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
         help_text = meta.get("help", "")
-        if meta.get("choices"):
-            help_text += f" [choices: {', '.join(meta['choices'])}]"
+        if meta.get("choices"):  # escaped: rich reads an unescaped [choices: ...] as markup and drops it
+            from rich.markup import escape
+
+            help_text += escape(f" [choices: {', '.join(meta['choices'])}]")
         param_name = flag.lstrip("-").replace("-", "_")
         parameter = inspect.Parameter(param_name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                                       default=typer.Option(default, *names, help=help_text, show_default=True))

@@ -189,3 +189,12 @@ def test_sweep_refuses_a_flag_no_swept_method_uses(tmp_path):
     assert code == 2 and "--license: acts only with --keep-models" in output
     assert not (tmp_path / "out").exists()
     assert "--calib-profile-samples" not in flags_of("convert") | flags_of("sweep")  # it did nothing; it is gone
+
+
+def test_the_help_shows_each_choice_list():
+    """`[choices: ...]` was read as rich markup and dropped from every --help."""
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(cli.app, ["convert", "--help"], env={"COLUMNS": "250"}, terminal_width=250)
+    text = " ".join(result.output.replace("│", " ").split())  # (the help is wrapped inside a box)
+    assert "[choices: activation-aware, input, svd]" in text and "[choices: fast, default, thorough]" in text

@@ -762,9 +762,14 @@ def _collect_preflight_problems(converter: Converter, base: ConvertOptions, rati
             try:
                 converter.preflight(folder, dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method]))
             except PreflightError as error:
-                problems += error.problems
+                problems += [_as_sweep_flags(problem, ratio) for problem in error.problems]
             except MLAConvertError as error:
-                problems.append(str(error))
+                problems.append(_as_sweep_flags(str(error), ratio))
+
+
+def _as_sweep_flags(problem: str, ratio: float) -> str:
+    """convert's message about its --compression, in the sweep's words (a ratio comes from --ratios)."""
+    return problem.replace(f"--compression {ratio}", f"--ratios {ratio:g}").replace("--compression", "--ratios")
 
 
 def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
