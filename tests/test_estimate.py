@@ -143,6 +143,19 @@ def test_estimate_has_the_phases_of_a_real_stories260k_conversion(stories260k, t
     assert 1 / 3 < rss_ratio < 3
 
 
+def test_the_estimate_follows_the_target(stories260k):
+    """`inspect --estimate --target llama.cpp` predicted the transformers export (the identity query path a llama.cpp
+    export adds, ~84 KB on stories260K, was missing from the disk figure)."""
+    from mla_convert.convert.preflight import estimated_output_bytes, export_dtype
+    from mla_convert.source.shapes import pick_target_shape
+
+    source = SourceConfig.from_folder(stories260k)
+    plain, serving = (estimate(source, ConvertOptions(compression=2, target=target)) for target in ("transformers", "llama.cpp"))
+    mla, dtype = pick_target_shape(source, "llama.cpp", compression=2), export_dtype("auto", source)
+    added = estimated_output_bytes(source, mla, dtype, "llama.cpp") - estimated_output_bytes(source, mla, dtype)
+    assert serving.output_bytes - plain.output_bytes == added > 0
+
+
 # --------------------------------------------------------------------------- the command line
 def test_inspect_estimate_prints_every_phase_and_the_totals(smollm2_config_folder):
     result = run_cli("inspect", smollm2_config_folder, "--estimate", "--cpu-cores", "4", "--compression", "4")

@@ -35,7 +35,7 @@ from pathlib import Path
 from ..options import ConvertOptions
 from ..source.config import SourceConfig
 from ..source.model import WIDENED_BLOCK_BYTES
-from ..source.shapes import MLAShape, pick_shape
+from ..source.shapes import MLAShape, pick_target_shape
 from ..units import dtype_bytes, human_bytes
 from .calibration import SAMPLING_CACHE_BYTES
 from .decisions import METHOD_ALIASES, REFINE_BATCH_WINDOWS, RefinePolicy, effort_of, refine_flops
@@ -466,7 +466,9 @@ def estimate(source: SourceConfig, options: ConvertOptions | None = None, device
     constants = constants or load_constants()
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     rates = constants[kind]
-    mla = pick_shape(source, options.kv_lora_rank, options.rope_dim, options.compression, options.q_lora_rank)
+    # the shape and the layout `convert` would write for this target (a llama.cpp export adds an identity query path)
+    mla = pick_target_shape(source, options.target, options.kv_lora_rank, options.rope_dim, options.compression,
+                            options.q_lora_rank)
     z = Sizes(source, mla, options, kind)
     notes = []
     if kind == "cpu":
@@ -500,7 +502,7 @@ def estimate(source: SourceConfig, options: ConvertOptions | None = None, device
         peak_rss = memory["base_bytes"] + memory["working_set_factor"] * z.layer_params * z.stored
         peak_device = memory["device_base_bytes"] + resident + memory["device_working_set_factor"] * peak_set
     out_dtype = z.output_dtype
-    output = estimated_output_bytes(source, mla, out_dtype) + sidecar_bytes + OUTPUT_OVERHEAD_BYTES
+    output = estimated_output_bytes(source, mla, out_dtype, options.target) + sidecar_bytes + OUTPUT_OVERHEAD_BYTES
     if MEASURING in work:
         notes.append(f"{MEASURING}: {z.finalists} finalists of {z.grids} grids assumed measured (a runner-up whose estimate is not "
                      "within 1.5x of the best is skipped)")
