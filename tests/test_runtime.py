@@ -273,6 +273,15 @@ def test_generation_config_settings_the_runtime_lacks_are_named(tmp_path):
     greedy, sampled = settings.notes(sampling=False), settings.notes(sampling=True)
     assert "this run decodes greedily: add --sample" in greedy[0] and "min_new_tokens 4; mla-convert generate" in greedy[1]
     assert len(sampled) == 1
+    # values transformers' processors refuse, and a file that is not JSON: one clear error, not a traceback at token 1
+    from mla_convert.runtime.errors import GenerationSettingsError
+
+    for text, message in (('{"repetition_penalty": 0, "top_k": -1}', "top_k -1: must be a whole number, 0 or more; "
+                                                                      "repetition_penalty 0: must be a number above 0"),
+                          ("{not json", "generation_config.json: It looks like")):
+        (tmp_path / "generation_config.json").write_text(text)
+        with pytest.raises(GenerationSettingsError, match=message):
+            GenerationSettings.from_folder(tmp_path)
 
 
 def test_the_preflight_counts_the_positions_a_run_takes(tiny_folder):

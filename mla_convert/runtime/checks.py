@@ -17,6 +17,7 @@ from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError
 from ..eval.checks import ModelFacts, dtype_problems, model_facts, positive_problems
 from ..io.hf_loading import load_config, load_tokenizer
+from .generation_settings import GenerationSettings
 from .paged_cache import PagedLatentCache
 
 SEED_MAX = 2**63 - 1  # as `convert --seed`; torch generators take 64-bit seeds
@@ -63,6 +64,7 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
     try:
         tokenizer = load_tokenizer(facts.path)
         config = load_config(facts.path)
+        GenerationSettings.from_folder(facts.path)  # its generation_config.json, read as the run will apply it
     except MLAConvertError as error:
         return problems + [str(error)], facts
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import GenerationSettingsError
+
 # transformers' values for settings a generation config leaves unset (GenerationConfig._get_default_generation_params
 # in transformers 5; a test keeps this table in step with it)
 TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
@@ -27,6 +29,22 @@ NOT_APPLIED = {"min_length": 0, "min_new_tokens": None, "typical_p": 1.0, "min_p
                "watermarking_config": None, "num_beams": 1, "penalty_alpha": None, "dola_layers": None,
                "diversity_penalty": None, "num_beam_groups": None, "constraints": None, "force_words_ids": None,
                "stop_strings": None}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# what each applied setting must be (transformers' processors and warpers refuse anything else)
+VALID = {
+    "do_sample": (lambda v: isinstance(v, bool), "must be true or false"),
+    "temperature": (lambda v: _number(v) and v > 0, "must be a number above 0"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "must be a whole number, 0 or more"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "must be in (0, 1]"),
+    "repetition_penalty": (lambda v: _number(v) and v > 0, "must be a number above 0"),
+    "no_repeat_ngram_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                             "must be a whole number, 0 or more"),
+}
 
 
 @dataclass(frozen=True)
@@ -45,11 +63,18 @@ class GenerationSettings:
     def from_folder(cls, folder: str | Path) -> GenerationSettings:
         from transformers import GenerationConfig
 
-        if not (Path(folder) / "generation_config.json").is_file():
+        path = Path(folder) / "generation_config.json"
+        if not path.is_file():
             return cls()
-        config = GenerationConfig.from_pretrained(str(folder))
+        try:
+            config = GenerationConfig.from_pretrained(str(folder))
+        except (OSError, ValueError, TypeError) as error:  # transformers' own words, on one line
+            raise GenerationSettingsError(f"{path}: {str(error).strip().splitlines()[0]}") from error
         values = {name: getattr(config, name, None) for name in TRANSFORMERS_DEFAULTS}
         values = {name: default if values[name] is None else values[name] for name, default in TRANSFORMERS_DEFAULTS.items()}
+        problems = [f"{name} {values[name]!r}: {rule}" for name, (valid, rule) in VALID.items() if not valid(values[name])]
+        if problems:  # transformers' processors would refuse them with a traceback at the first token
+            raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
         ignored = {name: getattr(config, name, None) for name in NOT_APPLIED}
         ignored = {name: value for name, value in ignored.items() if value is not None and value != NOT_APPLIED[name]}
         return cls(**values, not_applied=ignored)
