@@ -310,7 +310,10 @@ def generate(
     from .runtime.generation_settings import GenerationSettings
     from .units import human_bytes, parse_dtype
 
-    for note in GenerationSettings.from_folder(facts.path).notes(sample):  # what transformers' generate() would do
+    settings = GenerationSettings.from_folder(facts.path)  # (read once already by the pre-flight: it is valid)
+    if sample and settings.sampling_problems(temperature, top_p):  # the config's values this sampled run would use
+        raise PreflightError(settings.sampling_problems(temperature, top_p))
+    for note in settings.notes(sample):  # what transformers' generate() would do differently
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
     result = generate_text(facts.path, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,

@@ -115,6 +115,18 @@ class ConvertOptions:
         return dataclasses.asdict(self)
 
 
+def options_from_record(recorded: dict) -> ConvertOptions:
+    """The ConvertOptions of a recorded run (a report's `options`), without the keys of options removed since
+    (older records hold `profile_samples`)."""
+    def known(cls, values: dict) -> dict:
+        names = {spec.name for spec in dataclasses.fields(cls)}
+        return {key: value for key, value in values.items() if key in names}
+
+    values = dict(recorded)
+    calibration = CalibrationOptions(**known(CalibrationOptions, values.pop("calibration", {}) or {}))
+    return ConvertOptions(**known(ConvertOptions, values), calibration=calibration)
+
+
 # --------------------------------------------------------------------------- validation
 def option_problems(options: Any, types_only: bool = False) -> list[str]:
     """Every value outside its declared range, one line each, named by its flag.
@@ -174,9 +186,9 @@ def _refines(options: ConvertOptions) -> bool:
     return options.effort != "fast" and options.method != "svd"  # both: no refinement unless --refine-steps N
 
 
-def error_windows_kept(calibration: CalibrationOptions) -> int:
-    """Windows each layer keeps to measure (and refine on) its conversion error."""
-    return min(calibration.error_samples, max(calibration.num_samples, 0))
+def error_windows_kept(calibration: CalibrationOptions, windows: int | None = None) -> int:
+    """Windows each layer keeps to measure (and refine on) its conversion error (`windows`: those actually read)."""
+    return min(calibration.error_samples, max(calibration.num_samples if windows is None else windows, 0))
 
 
 def _sampled_at_temperature(options: ConvertOptions) -> bool:

@@ -9,13 +9,12 @@ Llama-3-8B- and Llama-3-70B-shaped conversions on a 16-core CPU box and one H200
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import fit_cost_model as fitting
 
 from mla_convert.convert.estimate import Estimate, estimate, format_seconds, load_constants
-from mla_convert.options import CalibrationOptions, ConvertOptions
+from mla_convert.options import CalibrationOptions, ConvertOptions, options_from_record
 from mla_convert.source.config import SourceConfig
 from mla_convert.units import human_bytes
 
@@ -42,10 +41,7 @@ def llama3_config(name: str) -> dict:
 
 
 def options_of(run: dict) -> ConvertOptions:
-    options = dict(run["options"])
-    known = {field.name for field in dataclasses.fields(CalibrationOptions)}  # (older records hold removed options)
-    calibration = CalibrationOptions(**{k: v for k, v in options.pop("calibration").items() if k in known})
-    return ConvertOptions(**options, calibration=calibration)
+    return options_from_record(run["options"])
 
 
 def predict(run: dict, constants: dict) -> Estimate:

@@ -59,13 +59,11 @@ def load_runs(pattern: str = "*.json") -> list[dict]:
 def sizes_of(run: dict):
     """The estimator's counts for a recorded run (its config.json and resolved options)."""
     from mla_convert.convert.estimate import Sizes
-    from mla_convert.options import CalibrationOptions, ConvertOptions
+    from mla_convert.options import options_from_record
     from mla_convert.source.config import SourceConfig
     from mla_convert.source.shapes import MLAShape
 
-    options = dict(run["options"])
-    calibration = CalibrationOptions(**options.pop("calibration"))
-    options = ConvertOptions(**options, calibration=calibration)
+    options = options_from_record(run["options"])
     source = SourceConfig.from_dict(run["config"])
     mla = MLAShape(options.kv_lora_rank, options.rope_dim, options.q_lora_rank)
     return Sizes(source, mla, options, run["device"])

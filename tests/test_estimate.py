@@ -156,6 +156,22 @@ def test_the_estimate_follows_the_target(stories260k):
     assert serving.output_bytes - plain.output_bytes == added > 0
 
 
+def test_recorded_runs_still_give_their_options():
+    """The cost-model scripts rebuild each recorded run's options; the records hold options removed since
+    (`profile_samples`), which made `scripts/fit_cost_model.py` fail on every run."""
+    from pathlib import Path
+
+    from mla_convert.options import options_from_record
+
+    records = sorted((Path(__file__).resolve().parents[1] / "docs" / "bench" / "cost-model").glob("*.json"))
+    recorded = [json.loads(path.read_text()) for path in records]
+    assert any("profile_samples" in (run.get("options") or {}).get("calibration", {}) for run in recorded)
+    for run in recorded:
+        if "options" in run:
+            options = options_from_record(run["options"])
+            assert options.calibration.num_samples == run["options"]["calibration"]["num_samples"]
+
+
 # --------------------------------------------------------------------------- the command line
 def test_inspect_estimate_prints_every_phase_and_the_totals(smollm2_config_folder):
     result = run_cli("inspect", smollm2_config_folder, "--estimate", "--cpu-cores", "4", "--compression", "4")

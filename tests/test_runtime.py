@@ -276,12 +276,19 @@ def test_generation_config_settings_the_runtime_lacks_are_named(tmp_path):
     # values transformers' processors refuse, and a file that is not JSON: one clear error, not a traceback at token 1
     from mla_convert.runtime.errors import GenerationSettingsError
 
-    for text, message in (('{"repetition_penalty": 0, "top_k": -1}', "top_k -1: must be a whole number, 0 or more; "
-                                                                      "repetition_penalty 0: must be a number above 0"),
+    for text, message in (('{"repetition_penalty": 0, "no_repeat_ngram_size": -1}',
+                           "repetition_penalty 0: must be a number above 0; no_repeat_ngram_size -1: must be a whole"),
                           ("{not json", "generation_config.json: It looks like")):
         (tmp_path / "generation_config.json").write_text(text)
         with pytest.raises(GenerationSettingsError, match=message):
             GenerationSettings.from_folder(tmp_path)
+    # sampling values matter only to a sampled run, and only where no flag replaces them (transformers' greedy
+    # generate() ignores them too): a greedy run with temperature 0 in its config was refused
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.0, "top_k": -1}')
+    settings = GenerationSettings.from_folder(tmp_path)
+    assert settings.sampling_problems(temperature=0.5) == ["generation_config.json top_k -1: must be a whole number, "
+                                                           "0 or more"]
+    assert len(settings.sampling_problems()) == 2
 
 
 def test_the_preflight_counts_the_positions_a_run_takes(tiny_folder):

@@ -260,8 +260,9 @@ class RefinePolicy:
     decision: str
 
     @classmethod
-    def of(cls, options: ConvertOptions, source: SourceConfig) -> RefinePolicy:
-        kept = error_windows_kept(options.calibration)
+    def of(cls, options: ConvertOptions, source: SourceConfig, windows: int | None = None) -> RefinePolicy:
+        """`windows`: the calibration windows actually read (a short text gives fewer than --calib-samples)."""
+        kept = error_windows_kept(options.calibration, windows)
         if kept < 2 and options.refine_steps != 0:  # one window to fit and to judge on: it would never run
             return cls(0, None, f"off (refinement needs 2 error windows per layer; this run keeps {kept}: "
                                 "--calib-error-samples / --calib-samples)")

@@ -207,7 +207,7 @@ class Converter:
             if options.sequential:
                 hidden = model.embed(self.ids)
                 model.release()
-            refine = RefinePolicy.of(options, source)
+            refine = RefinePolicy.of(options, source, windows=int(self.ids.shape[0]))
 
             def export_layer(index: int) -> LayerReport:
                 """Convert and write one layer. A function so that its tensors are freed before the next layer

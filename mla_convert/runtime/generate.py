@@ -67,6 +67,8 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     None: the folder's generation config's (else 1.0); `generation_config=False` ignores that file entirely.
     """
     settings = model.generation_settings if generation_config else GenerationSettings()
+    if do_sample and settings.sampling_problems(temperature, top_p):
+        raise GenerationSettingsError("; ".join(settings.sampling_problems(temperature, top_p)))
     temperature = settings.temperature if temperature is None else temperature
     top_p = settings.top_p if top_p is None else top_p
     chain = settings.processors(do_sample)
@@ -115,14 +117,18 @@ def _model(model_or_dir: AbsorbedMLAModel | str | Path, device, decode_backend: 
 def generate_ids(model_or_dir: AbsorbedMLAModel | str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                  do_sample: bool = False, temperature: float | None = None, top_p: float | None = None, seed: int = 0,
                  device: str | torch.device | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                 decode_backend: str = "auto") -> list[list[int]]:
+                 decode_backend: str = "auto", generation_config: bool = True) -> list[list[int]]:
     """Generated token ids per prompt (prompt excluded, a final eos included).
+
+    `generation_config`: apply the folder's generation_config.json as transformers' generate() does (what it sets
+    that the runtime cannot apply: `model.generation_settings.notes(do_sample)`).
 
     `model_or_dir`: an exported folder (loaded on `device`, default CUDA when available) or an already
     loaded `AbsorbedMLAModel` (then `device` / `decode_backend` are the model's own).
     """
     model = _model(model_or_dir, device, decode_backend)
-    return run_generation(model, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, page_size).sequences
+    return run_generation(model, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, page_size,
+                          generation_config=generation_config).sequences
 
 
 @dataclass

@@ -47,6 +47,10 @@ VALID = {
 }
 
 
+# applied to every run (the sampling settings act only when sampling, and are checked then: `sampling_problems`)
+ALWAYS_APPLIED = ("repetition_penalty", "no_repeat_ngram_size")
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     """What the folder's generation config asks `generate` for (transformers' defaults where it says nothing)."""
@@ -66,18 +70,33 @@ class GenerationSettings:
         path = Path(folder) / "generation_config.json"
         if not path.is_file():
             return cls()
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its warning about sampling flags in a greedy config is ours to explain
         try:
             config = GenerationConfig.from_pretrained(str(folder))
         except (OSError, ValueError, TypeError) as error:  # transformers' own words, on one line
             raise GenerationSettingsError(f"{path}: {str(error).strip().splitlines()[0]}") from error
+        finally:
+            hf_logging.set_verbosity(verbosity)
         values = {name: getattr(config, name, None) for name in TRANSFORMERS_DEFAULTS}
         values = {name: default if values[name] is None else values[name] for name, default in TRANSFORMERS_DEFAULTS.items()}
-        problems = [f"{name} {values[name]!r}: {rule}" for name, (valid, rule) in VALID.items() if not valid(values[name])]
+        problems = [f"{name} {values[name]!r}: {rule}" for name, (valid, rule) in VALID.items()
+                    if name in ALWAYS_APPLIED and not valid(values[name])]
         if problems:  # transformers' processors would refuse them with a traceback at the first token
             raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
         ignored = {name: getattr(config, name, None) for name in NOT_APPLIED}
         ignored = {name: value for name, value in ignored.items() if value is not None and value != NOT_APPLIED[name]}
         return cls(**values, not_applied=ignored)
+
+    def sampling_problems(self, temperature: float | None = None, top_p: float | None = None) -> list[str]:
+        """The config's sampling values a sampled run would use (those not replaced by `temperature` / `top_p`) that
+        transformers' warpers refuse; a greedy run never reads them (transformers' generate ignores them too)."""
+        used = {"top_k": self.top_k, "temperature": self.temperature if temperature is None else None,
+                "top_p": self.top_p if top_p is None else None}
+        return [f"generation_config.json {name} {value!r}: {VALID[name][1]}" for name, value in used.items()
+                if value is not None and not VALID[name][0](value)]
 
     def processors(self, sampling: bool):
         """transformers' logits processors for these settings, in `generate`'s order (penalties, then top-k when
@@ -95,6 +114,9 @@ class GenerationSettings:
         if self.no_repeat_ngram_size > 0:
             chain.append(NoRepeatNGramLogitsProcessor(self.no_repeat_ngram_size))
         if sampling and self.top_k:
+            problems = self.sampling_problems(temperature=1.0, top_p=1.0)  # (top-k only: the others are given here)
+            if problems:
+                raise GenerationSettingsError("; ".join(problems))
             chain.append(TopKLogitsWarper(self.top_k))
         return chain
 

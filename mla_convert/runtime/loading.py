@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..convert.target import FP16_REFUSED
-from .errors import RuntimeModelError
+from .errors import GenerationSettingsError, RuntimeModelError
 
 # RoPE types whose inverse frequencies are fixed at load (transformers' `dynamic_rope_update` changes
 # the dynamic/longrope ones with the sequence length, which a per-position cache cannot follow).
@@ -49,7 +49,11 @@ def eos_ids(path: Path, config) -> tuple[int, ...]:
     """End-of-sequence ids the way `generate` finds them: generation_config.json first, then config.json."""
     generation_config = path / "generation_config.json"
     if generation_config.exists():
-        ids = _as_id_tuple(json.loads(generation_config.read_text()).get("eos_token_id"))
+        try:
+            settings = json.loads(generation_config.read_text())
+        except ValueError as error:  # the CLI's pre-flight says the same; the API must not raise a bare JSON error
+            raise GenerationSettingsError(f"{generation_config}: not valid JSON ({error})") from error
+        ids = _as_id_tuple(settings.get("eos_token_id") if isinstance(settings, dict) else None)
         if ids:
             return ids
     return _as_id_tuple(getattr(config, "eos_token_id", None))
