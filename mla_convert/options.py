@@ -217,8 +217,10 @@ ACTS_ONLY_WITH: dict[tuple[str, ...], tuple[Callable[[ConvertOptions], bool], st
     ("calibration", "temperature"): (_self_sampled, "calibration text sampled from the model (no --calib-data)"),
     ("calibration", "top_p"): (_sampled_at_temperature, "calibration text sampled from the model (no --calib-data) "
                                                         "at a --calib-temperature above 0"),
-    ("calibration", "text_column"): (_reads_a_column, "--calib-data of .jsonl files or a datasets spec"),
-    ("kv_balance_search",): (lambda o: o.method == "activation-aware", "--method activation-aware"),
+    ("calibration", "text_column"): (lambda o: _reads_a_column(o) or o.calibration.text_column == "text",
+                                     "--calib-data of .jsonl files, folders holding them, or a datasets spec"),
+    ("kv_balance_search",): (lambda o: o.method == "activation-aware",
+                             "the activation-aware method (convert: --method activation-aware; sweep: in --methods)"),
     ("refine_lr",): (_refines, "layer refinement (--refine-steps N, or --effort default/thorough with a "
                                "calibrated --method)"),
     ("refine_steps",): (lambda o: not o.refine_steps or error_windows_kept(o.calibration) >= 2,

@@ -100,7 +100,7 @@ def test_option_ranges_are_checked_in_one_place(changes, message):
     (["--calib-data", "corpus.txt", "--calib-temperature", "0.5", "--calib-top-p", "0.5"],
      "--calib-temperature: acts only with calibration text sampled"),
     (["--calib-data", "corpus.txt", "--calib-top-p", "0.5"], "--calib-top-p: acts only with calibration text sampled"),
-    (["--method", "svd", "--no-kv-balance-search"], "--kv-balance-search: acts only with --method activation-aware"),
+    (["--method", "svd", "--no-kv-balance-search"], "--kv-balance-search: acts only with the activation-aware method"),
     (["--refine-steps", "0", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
     (["--effort", "fast", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
     (["--method", "svd", "--refine-lr", "0.01"], "--refine-lr: acts only with layer refinement"),
@@ -149,8 +149,11 @@ def test_a_text_column_of_a_plain_text_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(pipeline, "convert", lambda *a, **k: pytest.fail("converted despite an ineffective flag"))
     result = CliRunner().invoke(cli.app, ["convert", "src", "out", "--calib-data", str(tmp_path / "corpus.txt"),
                                           "--calib-text-column", "body"])
-    assert result.exit_code == 2 and ("--calib-text-column: acts only with --calib-data of .jsonl files or a datasets "
-                                      "spec") in " ".join(result.output.split())
+    assert result.exit_code == 2 and ("--calib-text-column: acts only with --calib-data of .jsonl files, folders "
+                                      "holding them, or a datasets spec") in " ".join(result.output.split())
+    # the default column given explicitly asks for nothing different (eval and finetune accept it too)
+    assert isinstance(parsed_options(monkeypatch, ["src", "out", "--calib-data", str(tmp_path / "corpus.txt"),
+                                                   "--calib-text-column", "text"]), ConvertOptions)
     assert isinstance(parsed_options(monkeypatch, ["src", "out", "--calib-data", str(tmp_path / "rows"),
                                                    "--calib-text-column", "body"]), ConvertOptions)
 
@@ -170,6 +173,8 @@ def test_refinement_with_one_error_window_is_reported_off():
         assert policy.steps == 0 and policy.decision.startswith("off (refinement needs 2 error windows per layer; "
                                                                 "this run keeps 1")
     assert RefinePolicy.of(ConvertOptions(refine_steps=5), source).steps == 5
+    # a short --calib-data gave one window although --calib-samples asked for 16: the report said "5 steps (given)"
+    assert RefinePolicy.of(ConvertOptions(refine_steps=5), source, windows=1).decision.startswith("off (refinement needs")
 
 
 def test_sweep_refuses_a_flag_no_swept_method_uses(tmp_path):
@@ -182,7 +187,8 @@ def test_sweep_refuses_a_flag_no_swept_method_uses(tmp_path):
         return result.exit_code, " ".join(result.output.split())
 
     code, output = sweep("--methods", "svd", "--kv-balance-search")
-    assert code == 2 and "--kv-balance-search: acts only with --method activation-aware" in output
+    assert code == 2 and "--kv-balance-search: acts only with the activation-aware method (convert: --method " \
+        "activation-aware; sweep: in --methods)" in output
     code, output = sweep("--methods", "svd,activation-aware", "--kv-balance-search")  # acts for one of them
     assert "--kv-balance-search" not in output
     code, output = sweep("--license", "mit")

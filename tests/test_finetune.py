@@ -829,6 +829,23 @@ def test_a_second_round_keeps_the_first_in_the_report_and_the_card(straight_and_
     assert "Before fine-tuning round 2, perplexity measured" in card and "| MLA before fine-tuning round 2 | 12.5 |" in card
 
 
+def test_an_earlier_rounds_texts_are_named_from_the_new_folder(tmp_path):
+    """Only the teacher was rebased: an earlier round's data and eval_data kept paths relative to its own folder."""
+    from mla_convert.finetune.saving import updated_report
+
+    (tmp_path / "t.txt").write_text("x")
+    first, second = tmp_path / "r1", tmp_path / "deep" / "x" / "r2"
+    first.mkdir()
+    second.mkdir(parents=True)
+    report = {"finetuning": {"teacher": "../t.txt", "data": "../t.txt (3 windows of 16 tokens)",
+                             "eval_data": "../t.txt: context 16, 2 non-overlapping windows"}}
+    out = updated_report(report, [], [], {}, torch.float32, first, second)
+    (kept,) = out["finetuning_earlier"]
+    assert kept["data"] == "../../../t.txt (3 windows of 16 tokens)"
+    assert kept["eval_data"] == "../../../t.txt: context 16, 2 non-overlapping windows"
+    assert kept["teacher"] == "../../../t.txt"
+
+
 def test_empty_values_and_home_paths_in_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(FinetuneConfigError, match="--data: must not be empty"):
@@ -885,12 +902,12 @@ def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_pa
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--data", "TEXT", "--sample-top-p", "0.5"], "--sample-top-p: not used by this run (they shape the text sampled"),
+    (["--data", "TEXT", "--sample-top-p", "0.5"], "--sample-top-p: not used by this run (no text is sampled from the teacher"),
     (["--data", "TEXT", "--teacher-samples", "9", "--sample-batch-size", "3"], "--teacher-samples, --sample-batch-size:"),
     (["--eval-every", "5"], "--eval-every: not used by this run (there is no eval_data"),
-    (["--eval-windows", "5", "--eval-teacher"], "--eval-windows, --eval-teacher: not used"),
+    (["--eval-windows", "5", "--eval-context", "64"], "--eval-context, --eval-windows: not used"),
     (["--data", "TEXT", "--kd-weight", "0", "--ce-weight", "1", "--temperature", "2"], "--temperature: not used by this run"),
-    (["--max-chars", "100"], "--max-chars: not used by this run (they read data, and none is given"),
+    (["--max-chars", "100"], "--max-chars: not used by this run (no data is read"),
     (["--data", "TEXT", "--split", "train"], "--split train: acts only with a datasets spec; TEXT is a local file"),
     (["--data", "TEXT", "--text-column", "body"], "--text-column body: acts only with .jsonl files"),
     (["--data", "TEXT", "--kd-weight", "0", "--ce-weight", "1", "--teacher-dtype", "bf16"], "--teacher-dtype: not used"),
@@ -913,8 +930,11 @@ def test_a_recipe_key_this_run_cannot_use_is_a_note_and_switching_off_is_allowed
     notes = []
     config = parse_config(["--config", str(recipe), "--data", str(text), "--no-eval-teacher"], notes=notes)
     assert config.data == str(text) and config.eval_teacher is False  # turning off what does not run is harmless
-    assert notes == [f"{recipe}: teacher_samples, sample_top_p: not used by this run (they shape the text sampled from "
-                     "the teacher, and data gives the training text)"]
+    # and so is a default given explicitly (`--eval-every 0`, `--teacher-dtype auto`): it asks for nothing different
+    parse_config(["--model", "m", "--output", "o", "--eval-every", "0", "--data", str(text), "--kd-weight", "0",
+                  "--ce-weight", "1", "--teacher-dtype", "auto"])
+    assert notes == [f"{recipe}: teacher_samples, sample_top_p: not used by this run (no text is sampled from the "
+                     "teacher: data gives the training text)"]
     notes.clear()
     parse_config(["--config", str(recipe)], notes=notes)  # no data: the keys act
     assert notes == []

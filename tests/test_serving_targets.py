@@ -373,6 +373,7 @@ def test_a_run_that_needed_the_harness_patches_is_not_a_plain_yes(capsys, storie
     card = str(build_model_card({"source": {"name_or_path": "m"}, "options": {"kv_lora_rank": 256, "rope_dim": 64,
                                  "target": "all"}, "engines": vllm, "serving": {"target": "all"}}))
     assert "| vLLM | only patched |" in card and "vllm serve" not in card
+    assert '"only patched" where those runs needed the test harness\'s patches' in card  # the legend defines it
     assert "sglang.launch_server" not in card and "convert_hf_to_gguf.py" in card  # SmolLM2 256+64 ran unpatched
     assert vllm["sglang"] == {"ok": None, "notes": ["not measured: no run of SGLang is recorded (it has no CPU build to "
                                                     "run here)"], "runs": []}
@@ -382,6 +383,7 @@ def test_a_26_or_27_layer_model_is_not_measured_in_llama_cpp():
     """llama.cpp takes such a model for DeepSeek-V2-Lite and ignores q_lora_rank; no such model was run."""
     lite = engine_compatibility(MLAShape(256, 64, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,), num_layers=26)
     assert lite["llama.cpp"]["ok"] is None and any("takes a 26- or 27-layer" in note for note in lite["llama.cpp"]["notes"])
+    assert not any(note.startswith("measured at") for note in lite["llama.cpp"]["notes"])  # (it said both)
     assert engine_compatibility(MLAShape(256, 64, 576), False, 576, "llama.cpp", tied=True, runs=(RUN,),
                                 num_layers=30)["llama.cpp"]["ok"] is True
 

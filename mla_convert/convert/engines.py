@@ -157,6 +157,7 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
             patches = sorted({*patches, "vocab"})
         if engine == "llama.cpp" and num_layers in LLAMA_CPP_LITE_LAYERS and not problems:
             ok = None if ok else ok
+            notes = [note for note in notes if not note.startswith("measured at")]  # (runs of other layer counts)
             notes.append(f"{num_layers} layers: llama.cpp b11434 takes a 26- or 27-layer DeepSeek model for V2-Lite and "
                          "ignores its q_lora_rank (read in src/models/deepseek2.cpp; no such model was run)")
         if patches and ok is not False:

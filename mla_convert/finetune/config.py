@@ -197,15 +197,16 @@ class FinetuneConfig:
 # note (a recipe may set them for the runs that use them, and a flag such as `--data` may switch them off).
 INERT_WHEN = (
     (("teacher_samples", "sample_temperature", "sample_top_p", "sample_batch_size"), lambda c: c.data is not None,
-     "they shape the text sampled from the teacher, and data gives the training text"),
+     "no text is sampled from the teacher: data gives the training text"),
     (("text_column", "split", "max_chars"), lambda c: c.data is None,
-     "they read data, and none is given: the training text is sampled from the teacher"),
+     "no data is read: the training text is sampled from the teacher"),
     (("eval_context", "eval_windows", "eval_every", "eval_batch_size", "eval_teacher"), lambda c: c.eval_data is None,
      "there is no eval_data to evaluate on"),
-    (("temperature",), lambda c: c.kd_weight == 0, "it is the distillation temperature, and kd_weight is 0"),
+    (("temperature",), lambda c: c.kd_weight == 0, "kd_weight is 0: there is no distillation term"),
     (("teacher_dtype",), lambda c: not c.needs_teacher,
-     "no teacher is loaded (kd_weight 0, training text given, no teacher evaluation)"),
+     "no teacher is loaded: kd_weight 0, training text given, no teacher evaluation"),
 )
+DEFAULTS = {spec.name: spec.default for spec in dataclasses.fields(FinetuneConfig)}
 
 
 def inert_settings(config: FinetuneConfig, names, as_flags: bool = True) -> list[str]:
@@ -219,7 +220,8 @@ def inert_settings(config: FinetuneConfig, names, as_flags: bool = True) -> list
     given = set(names)
     found = []
     for settings, cannot_act, why in INERT_WHEN:
-        idle = [name for name in settings if name in given and getattr(config, name) is not False]  # (off is off)
+        # a value that asks for nothing different (the default, or off) is harmless wherever it is given
+        idle = [name for name in settings if name in given and getattr(config, name) not in (False, DEFAULTS[name])]
         if idle and cannot_act(config):
             found.append(f"{', '.join(map(spelled, idle))}: not used by this run ({why})")
     if config.data is not None:  # a column or a split of a plain local text

@@ -75,10 +75,26 @@ def _rebase_report_paths(out: dict, old_folder: Path, new_folder: Path) -> None:
     for key in ("evaluation", "evaluation_before_finetuning"):
         if isinstance(out.get(key), dict):
             out[key]["data"] = rebased_path(out[key].get("data"), old_folder, new_folder)
-    # an earlier fine-tuning round (of a fine-tuned input) names its teacher from that folder too
+    # an earlier fine-tuning round (of a fine-tuned input) names its teacher and texts from that folder too
     for entry in [out.get("finetuning"), *(out.get("finetuning_earlier") or [])]:
-        if isinstance(entry, dict) and entry.get("teacher"):
-            entry["teacher"] = rebased_path(entry["teacher"], old_folder, new_folder)
+        if isinstance(entry, dict):
+            for key in ("teacher", "data", "eval_data"):
+                entry[key] = _rebased_description(entry.get(key), old_folder, new_folder)
+
+
+def _rebased_description(recorded, old_folder: Path, new_folder: Path):
+    """A path, or a description that starts with one ("../t.txt (12 windows of 256 tokens)", "../t.txt: context 256,
+    ..."), with the path made relative to `new_folder` (anything else as it was)."""
+    if not isinstance(recorded, str):
+        return recorded
+    for separator in ("", " (", ": "):
+        head, found, tail = recorded.partition(separator) if separator else (recorded, "", "")
+        if separator and not found:
+            continue
+        moved = rebased_path(head, old_folder, new_folder)
+        if moved != head:
+            return moved + found + tail
+    return recorded
 
 
 def updated_report(report: dict, sites: list[LatentSite], scales: list[float], finetuning: dict, dtype: torch.dtype,

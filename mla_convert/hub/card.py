@@ -560,8 +560,9 @@ def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str
     if target:
         lines.append(f"This export was made with `--target {_text(target)}`. "
                      "The table lists what was measured: an engine is \"yes\" only where somebody ran this target at this "
-                     "shape (runs named with their engine version and date), \"no\" where the export breaks a constraint "
-                     "of the engine's code, and \"not measured\" otherwise.")
+                     "shape (runs named with their engine version and date), \"only patched\" where those runs needed "
+                     "the test harness's patches to the engine (named in the notes), \"no\" where the export breaks a "
+                     "constraint of the engine's code, and \"not measured\" otherwise.")
     else:
         lines.append("The table below is what the conversion report recorded."
                      if isinstance(engines, Mapping) and engines
