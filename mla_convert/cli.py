@@ -311,8 +311,9 @@ def generate(
     from .units import human_bytes, parse_dtype
 
     settings = GenerationSettings.from_folder(facts.path)  # (read once already by the pre-flight: it is valid)
-    if sample and settings.sampling_problems(temperature, top_p):  # the config's values this sampled run would use
-        raise PreflightError(settings.sampling_problems(temperature, top_p))
+    sampling_problems = settings.sampling_problems(temperature, top_p) if sample else []
+    if sampling_problems:  # the config's values this sampled run would use
+        raise PreflightError(sampling_problems)
     for note in settings.notes(sample):  # what transformers' generate() would do differently
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
 

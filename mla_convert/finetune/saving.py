@@ -87,13 +87,10 @@ def _rebased_description(recorded, old_folder: Path, new_folder: Path):
     ..."), with the path made relative to `new_folder` (anything else as it was)."""
     if not isinstance(recorded, str):
         return recorded
-    for separator in ("", " (", ": "):
-        head, found, tail = recorded.partition(separator) if separator else (recorded, "", "")
-        if separator and not found:
-            continue
+    for head, separator, tail in [(recorded, "", ""), recorded.partition(" ("), recorded.partition(": ")]:
         moved = rebased_path(head, old_folder, new_folder)
         if moved != head:
-            return moved + found + tail
+            return moved + separator + tail
     return recorded
 
 

@@ -346,10 +346,7 @@ class Finetuner:
         # --- data
         if config.data and config.eval_data and _same_source(config.data, config.eval_data):
             self.log(f"warning: the training text {config.data} is also the evaluation text: the perplexity is not held out")
-        self.windows, self.data_description = self._training_windows()
-        # the report names a local text relative to the output folder; the console, as the user gave it
-        self.data_on_console = (self.data_description.replace(self._label(config.data), str(config.data), 1)
-                                if config.data else self.data_description)
+        self.windows, self.data_description, self.data_on_console = self._training_windows()
         self.global_micro = config.micro_batch_size * accelerator.num_processes
         self.cursor = WindowCursor(self.windows.shape[0], config.seed)
         self.eval_data = None
@@ -382,13 +379,16 @@ class Finetuner:
         (as `convert` records its source), anything else as given."""
         return source_label(str(name), self.output)[0]
 
-    def _training_windows(self) -> tuple[torch.Tensor, str]:
+    def _training_windows(self) -> tuple[torch.Tensor, str, str]:
+        """The windows and what they are, twice: for the report (a local text named relative to the output folder)
+        and for the console (the text as the user gave it)."""
         config, accelerator = self.config, self.accelerator
         if config.data:
             if self.tokenizer is None:
                 raise FinetuneError("training on text needs a tokenizer; none found in the converted folder or the teacher")
             windows = text_windows(self.tokenizer, config.data, config.seq_len, config.text_column, config.split, config.max_chars)
-            return windows, f"{self._label(config.data)} ({windows.shape[0]} windows of {config.seq_len} tokens)"
+            what = f"({windows.shape[0]} windows of {config.seq_len} tokens)"
+            return windows, f"{self._label(config.data)} {what}", f"{config.data} {what}"
         path = self.checkpoint_root / SAMPLES_FILE
         description = {"teacher": self.teacher_name, "num": config.teacher_samples, "seq_len": config.seq_len,
                        "seed": config.seed, "temperature": config.sample_temperature, "top_p": config.sample_top_p,
@@ -409,7 +409,7 @@ class Finetuner:
             windows = cached_teacher_samples(path, make, description)
         text = (f"{config.teacher_samples} x {config.seq_len} tokens sampled from the teacher "
                 f"(temperature {config.sample_temperature}, top-p {config.sample_top_p}, seed {config.seed})")
-        return windows, text
+        return windows, text, text
 
     # ----------------------------------------------------------------- pieces
     def evaluate(self, model=None) -> float:

@@ -198,7 +198,7 @@ def _card_data(report: Mapping[str, Any]) -> ModelCardData:
     if base_model is not None:
         # after the fine-tuning recipe the weights were trained further: the Hub's own word for that
         extra["base_model_relation"] = "finetune" if isinstance(_get(report, "finetuning"), Mapping) else BASE_MODEL_RELATION
-    rounds = [*_finetuning_rounds(report, earlier_only=True), _get(report, "finetuning")]
+    rounds = [*_earlier_rounds(report), _get(report, "finetuning")]
     datasets = [d for d in (_get(report, "calibration", "datasets", default=[]) or [])
                 + [name for entry in rounds if isinstance(entry, Mapping) for name in (entry.get("datasets") or [])]
                 if _valid_repo_id(d)]
@@ -315,7 +315,7 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
             )
     finetuning = _get(report, "finetuning")
     trained_all = isinstance(finetuning, Mapping) and any(
-        entry.get("trained") == "all" for entry in [*_finetuning_rounds(report, earlier_only=True), finetuning])
+        entry.get("trained") == "all" for entry in [*_earlier_rounds(report), finetuning])
     copied = _get(report, "copied_from_source")
     tokenizer = not isinstance(copied, list) or any(str(name).startswith("tokenizer") or name in ("vocab.json", "merges.txt")
                                                     for name in copied)
@@ -323,7 +323,7 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
         f"- Everything outside attention (embeddings, MLP, layer norms{', tokenizer' if tokenizer else ''}) is taken from "
         "the source model"
         + (" and was then fine-tuned with the rest (see below)." if trained_all else
-           f" (fine-tuning, below, trained the attention only{' in every round' if _finetuning_rounds(report, True) else ''})."
+           f" (fine-tuning, below, trained the attention only{' in every round' if _earlier_rounds(report) else ''})."
            if isinstance(finetuning, Mapping) else ".")
     )
     if not tokenizer:
@@ -393,7 +393,7 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         lines.append("")
     if isinstance(finetuning, Mapping):
         lines += ["### Fine-tuning after conversion", ""]
-        earlier_rounds = _finetuning_rounds(report, earlier_only=True)
+        earlier_rounds = _earlier_rounds(report)
         if earlier_rounds:
             lines += [f"The model was fine-tuned in {len(earlier_rounds) + 1} rounds, each starting from the one before; "
                       "the table below is the last round. Earlier rounds:", ""]
@@ -424,7 +424,7 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _finetuning_rounds(report: Mapping[str, Any], earlier_only: bool) -> list[Mapping[str, Any]]:
+def _earlier_rounds(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The fine-tuning rounds before the last one, oldest first (recorded when a fine-tuned folder is fine-tuned)."""
     rounds = _get(report, "finetuning_earlier", default=[]) or []
     return [entry for entry in rounds if isinstance(entry, Mapping)] if isinstance(rounds, list) else []

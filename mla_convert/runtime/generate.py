@@ -67,8 +67,9 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     None: the folder's generation config's (else 1.0); `generation_config=False` ignores that file entirely.
     """
     settings = model.generation_settings if generation_config else GenerationSettings()
-    if do_sample and settings.sampling_problems(temperature, top_p):
-        raise GenerationSettingsError("; ".join(settings.sampling_problems(temperature, top_p)))
+    problems = settings.sampling_problems(temperature, top_p) if do_sample else []
+    if problems:
+        raise GenerationSettingsError("; ".join(problems))
     temperature = settings.temperature if temperature is None else temperature
     top_p = settings.top_p if top_p is None else top_p
     chain = settings.processors(do_sample)

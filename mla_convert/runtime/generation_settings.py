@@ -113,10 +113,7 @@ class GenerationSettings:
             chain.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
         if self.no_repeat_ngram_size > 0:
             chain.append(NoRepeatNGramLogitsProcessor(self.no_repeat_ngram_size))
-        if sampling and self.top_k:
-            problems = self.sampling_problems(temperature=1.0, top_p=1.0)  # (top-k only: the others are given here)
-            if problems:
-                raise GenerationSettingsError("; ".join(problems))
+        if sampling and self.top_k:  # (a bad top-k is refused before: `sampling_problems`)
             chain.append(TopKLogitsWarper(self.top_k))
         return chain
 
