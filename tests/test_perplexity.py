@@ -3,6 +3,7 @@ reproduces the project's protocol numbers on real weights."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -143,29 +144,53 @@ def test_bits_per_byte_and_word_perplexity_by_hand():
     assert unknown.bits_per_byte is None and unknown.word_perplexity is None
 
 
+def scored_text_by_hand(tokenized, scored_positions: set[int]) -> tuple[int, int]:
+    """(bytes, words) of the text owned by the scored tokens: a character belongs to the first token ending after it."""
+    ends = list(tokenized.char_ends)
+    ends[-1] = len(tokenized.text)
+    owner = [bisect.bisect_right(ends, c) for c in range(len(tokenized.text))]  # token index per character
+    num_bytes = sum(len(ch.encode("utf-8")) for c, ch in enumerate(tokenized.text) if owner[c] in scored_positions)
+    num_words = sum(1 for word in re.finditer(r"\S+", tokenized.text) if owner[word.start()] in scored_positions)
+    return num_bytes, num_words
+
+
 @pytest.mark.real_model
-def test_bytes_and_words_are_those_of_the_evaluated_span(stories260k):
-    """Multi-byte characters make bytes != characters; a truncated run counts only its own span."""
+def test_bytes_and_words_are_those_of_the_scored_tokens(stories260k):
+    """Multi-byte characters make bytes != characters; the unscored first token of a window adds no bytes."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(stories260k)
     text = "Lily saw a café near the park — it was big. " * 30 + "The end."
-    model = tiny_model(vocab_size=512, seed=0)
-    full = evaluate_perplexity(model, tokenizer, text, context_length=64, progress=False)
-    assert full.num_bytes == len(text.encode("utf-8")) > len(text)
-    assert full.num_words == len(text.split())
-    assert full.bits_per_byte == pytest.approx(full.nll_sum / math.log(2) / len(text.encode("utf-8")))
-    assert full.word_perplexity == pytest.approx(math.exp(full.nll_sum / len(text.split())))
-
-    part = evaluate_perplexity(model, tokenizer, text, context_length=64, max_windows=2, progress=False)
     tokenized = tokenize_with_offsets(tokenizer, text)
-    span = text[: tokenized.char_ends[part.num_tokens - 1]]
+    model = tiny_model(vocab_size=512, seed=0)
+
+    # Overlapping windows score every token but the BOS, which covers no text: all bytes and words count.
+    overlapping = evaluate_perplexity(model, tokenizer, text, context_length=64, stride=32, progress=False)
+    assert overlapping.num_scored_tokens == len(tokenized) - 1
+    assert overlapping.num_bytes == len(text.encode("utf-8")) > len(text)
+    assert overlapping.num_words == len(text.split())
+    assert overlapping.bits_per_byte == pytest.approx(overlapping.nll_sum / math.log(2) / len(text.encode("utf-8")))
+    assert overlapping.word_perplexity == pytest.approx(math.exp(overlapping.nll_sum / len(text.split())))
+
+    # Non-overlapping windows leave each window's first token unscored: its text is not counted.
+    full = evaluate_perplexity(model, tokenizer, text, context_length=64, progress=False)
+    unscored = {0} | set(range(64, len(tokenized), 64))
+    assert full.num_scored_tokens == len(tokenized) - len(unscored)
+    expected_bytes, expected_words = scored_text_by_hand(tokenized, set(range(len(tokenized))) - unscored)
+    assert (full.num_bytes, full.num_words) == (expected_bytes, expected_words)
+    assert full.num_bytes < overlapping.num_bytes and full.num_words < overlapping.num_words
+    assert full.bits_per_byte == pytest.approx(full.nll_sum / math.log(2) / expected_bytes)
+
+    # A run cut short counts only what its own windows scored.
+    part = evaluate_perplexity(model, tokenizer, text, context_length=64, max_windows=2, progress=False)
     assert part.num_tokens == 128
-    assert part.num_bytes == len(span.encode("utf-8")) < full.num_bytes
-    assert part.num_words == len(span.split())
-    # ids without a tokenizer: only a full evaluation can name its text
-    ids_only = evaluate_perplexity(model, tokenized.ids, text, context_length=64, max_windows=2, progress=False)
-    assert ids_only.nll_sum == part.nll_sum and ids_only.num_bytes is None
+    assert (part.num_bytes, part.num_words) == scored_text_by_hand(tokenized, set(range(1, 64)) | set(range(65, 128)))
+
+    # Token ids carry no offsets: no bytes or words, and a text given beside them is refused.
+    ids_only = evaluate_perplexity(model, tokenized.ids, context_length=64, max_windows=2, progress=False)
+    assert ids_only.nll_sum == part.nll_sum and ids_only.num_bytes is None and ids_only.bits_per_byte is None
+    with pytest.raises(MLAConvertError, match="offsets"):
+        evaluate_perplexity(model, tokenized.ids, text, context_length=64, progress=False)
 
 
 # ---------------------------------------------------------------------------------------- any causal LM

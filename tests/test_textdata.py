@@ -192,12 +192,15 @@ def test_long_text_tokenized_whole_one_bos_no_warning(stories_tokenizer, tinysto
 def test_offsets_locate_the_text_span(stories_tokenizer):
     text = "Once upon a time, a café owner saw a 🐱. The end."
     tokenized = tokenize_with_offsets(stories_tokenizer, text)
-    assert tokenized.span_text(len(tokenized)) == text
+    assert tokenized.covered_text(0, len(tokenized)) == (0, text)
     ends = tokenized.char_ends
     assert ends[0] == 0  # the BOS covers no text
     assert ends == sorted(ends) and ends[-1] == len(text)
-    # the first real token ends where the word "Once" ends
-    assert tokenized.span_text(2) == "Once"
+    # the first real token ends where the word "Once" ends; the next owns the space before "upon"
+    assert tokenized.covered_text(0, 2) == (0, "Once")
+    assert tokenized.covered_text(2, 3)[1].startswith(" ")
+    # consecutive stretches partition the text
+    assert "".join(tokenized.covered_text(i, i + 1)[1] for i in range(len(tokenized))) == text
 
 
 @pytest.mark.real_model

@@ -14,9 +14,12 @@ method is fixed and checked: the sliding-window procedure of the Hugging Face pe
 * NLL is summed over scored tokens and divided by their number (token-weighted), never averaged per
   window.
 
-Besides perplexity we report bits per byte and word perplexity over the evaluated text span, with the
-formulas lm-evaluation-harness uses for its wikitext task, so numbers are comparable across
-tokenizers and with published tables.
+Besides perplexity we report bits per byte and word perplexity, with the formulas lm-evaluation-harness
+uses for its wikitext task (total NLL over bytes, over words), so numbers are comparable across
+tokenizers.  The bytes and words are those of the text the *scored* tokens cover (token i covers the text
+from the end of token i - 1 to its own end): lm-evaluation-harness scores every token, while the first
+token of each non-overlapping window here is not scored, and counting its bytes too would put bits per
+byte about 1/context too low.
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ class PerplexityResult:
     num_scored_tokens: int
     num_windows: int
     num_tokens: int  # tokens in the evaluated span (ids[0:last window end])
-    num_bytes: int | None  # UTF-8 bytes of the evaluated text span (None: span unknown)
-    num_words: int | None  # whitespace-separated words of the evaluated text span
+    num_bytes: int | None  # UTF-8 bytes of the text the scored tokens cover (None: unknown without offsets)
+    num_words: int | None  # whitespace-separated words starting in that text
     context_length: int
     stride: int
 
@@ -121,12 +124,12 @@ class PerplexityResult:
 
     @property
     def bits_per_byte(self) -> float | None:
-        """Total NLL in bits over UTF-8 bytes (lm-evaluation-harness `bits_per_byte`)."""
+        """Total NLL in bits over the scored text's UTF-8 bytes (lm-evaluation-harness `bits_per_byte`)."""
         return None if not self.num_bytes else self.nll_sum / LN2 / self.num_bytes
 
     @property
     def word_perplexity(self) -> float | None:
-        """exp(total NLL / words) (lm-evaluation-harness `word_perplexity`)."""
+        """exp(total NLL / the scored text's words) (lm-evaluation-harness `word_perplexity`)."""
         return None if not self.num_words else math.exp(self.nll_sum / self.num_words)
 
     def to_dict(self) -> dict:
@@ -140,26 +143,23 @@ class PerplexityResult:
         return data
 
 
-def span_statistics(text: str | None) -> tuple[int | None, int | None]:
-    """(UTF-8 bytes, whitespace-separated words) of an evaluated text span."""
-    if text is None:
-        return None, None
-    return len(text.encode("utf-8")), len(text.split())
-
-
 # --------------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------------
 
 
 def _as_tokenized(tokenizer_or_ids, text: str | None) -> TokenizedText:
-    """Accept a tokenizer (+ text), ready token ids (+ optional text) or a `TokenizedText`."""
+    """Accept a tokenizer (+ text), ready token ids or a `TokenizedText`."""
     if isinstance(tokenizer_or_ids, TokenizedText):
         return tokenizer_or_ids
     if isinstance(tokenizer_or_ids, torch.Tensor) or isinstance(tokenizer_or_ids, (list, tuple)):
+        if text is not None:
+            raise EvaluationError(
+                "evaluate_perplexity takes token ids without their text: bytes and words need each token's "
+                "offsets; pass the text with its tokenizer, or a TokenizedText (tokenize_with_offsets)"
+            )
         ids = torch.as_tensor(tokenizer_or_ids, dtype=torch.long).reshape(-1)  # (num_tokens,)
-        # Without offsets only a full evaluation can name its text span (then: all of `text`).
-        return TokenizedText(ids, None, text if text is not None else "")
+        return TokenizedText(ids, None, "")  # no offsets: no bytes or words are reported
     if text is None:
         raise EvaluationError("evaluate_perplexity needs the text when given a tokenizer")
     return tokenize_with_offsets(tokenizer_or_ids, text)
@@ -222,9 +222,9 @@ def evaluate_perplexity(
 ) -> PerplexityResult:
     """Sliding-window perplexity of `model` on `text` (see the module docstring for the method).
 
-    `tokenizer_or_ids`: a tokenizer (then `text` is required), a 1-D tensor of token ids (then `text`,
-    if given, must be what they encode; bytes/words are only reported when all ids are evaluated), or
-    a `TokenizedText`.  `max_tokens` evaluates only the first that many tokens; `max_windows` stops
+    `tokenizer_or_ids`: a tokenizer (then `text` is required), a 1-D tensor of token ids (then bytes and
+    words are not reported: without offsets the text of the scored tokens is unknown), or a
+    `TokenizedText`.  `max_tokens` evaluates only the first that many tokens; `max_windows` stops
     after that many windows.  Inputs go to `device` (default: where the model's embeddings are).
     """
     if batch_size < 1:
@@ -238,7 +238,8 @@ def evaluate_perplexity(
     stride = context_length if stride is None else stride
     windows = plan_windows(int(ids.numel()), context_length, stride, max_windows)
     span_tokens = windows[-1].end
-    num_bytes, num_words = span_statistics(tokenized.span_text(span_tokens) if tokenized.text else None)
+    scored_ranges = [(w.score_from, w.end) for w in windows]
+    num_bytes, num_words = tokenized.covered_statistics(scored_ranges)
 
     device = torch.device(device) if device is not None else _model_device(model)
     keep_logits = _accepts_logits_to_keep(model)

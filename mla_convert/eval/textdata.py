@@ -206,8 +206,8 @@ def _iter_column(dataset, column: str, batch: int = 1024):
 class TokenizedText:
     """Token ids of a text plus, per token, the character offset where it ends in that text.
 
-    The offsets let an evaluation that stops early say exactly which stretch of text it covered (for
-    bits per byte and word perplexity); they are None when the tokenizer cannot report offsets.
+    The offsets let an evaluation say exactly which text its scored tokens cover (for bits per byte and
+    word perplexity); they are None when the tokenizer cannot report offsets.
     """
 
     ids: torch.Tensor  # (num_tokens,) int64
@@ -217,13 +217,41 @@ class TokenizedText:
     def __len__(self) -> int:
         return int(self.ids.numel())
 
-    def span_text(self, num_tokens: int) -> str | None:
-        """The text covered by the first `num_tokens` tokens (None if that cannot be known)."""
-        if num_tokens >= len(self):
-            return self.text
-        if self.char_ends is None or num_tokens <= 0:
+    def _char_end(self, token: int) -> int:
+        """Where token `token` ends in the text; the last token ends where the text does."""
+        return len(self.text) if token >= len(self) - 1 else self.char_ends[token]
+
+    def covered_text(self, first: int, stop: int) -> tuple[int, str] | None:
+        """(start offset, text) of what tokens [first, stop) cover; None if the offsets are unknown.
+
+        Token i covers the text from the end of token i - 1 (the start, for i = 0) to its own end, so
+        consecutive tokens partition the text: whitespace a tokenizer leaves between tokens belongs to
+        the token after it, and the text's tail to its last token.
+        """
+        if self.char_ends is None:
             return None
-        return self.text[: self.char_ends[num_tokens - 1]]
+        if stop <= first:
+            return 0, ""
+        start = 0 if first == 0 else self._char_end(first - 1)
+        return start, self.text[start : self._char_end(stop - 1)]
+
+    def covered_statistics(self, token_ranges: list[tuple[int, int]]) -> tuple[int | None, int | None]:
+        """(UTF-8 bytes, words) of the text that the tokens in `token_ranges` cover (None, None if unknown).
+
+        A word counts where its first character lies, so a word split between a counted and an uncounted
+        token is counted once or not at all, never twice.
+        """
+        num_bytes = num_words = 0
+        for first, stop in token_ranges:
+            covered = self.covered_text(first, stop)
+            if covered is None:
+                return None, None
+            start, stretch = covered
+            num_bytes += len(stretch.encode("utf-8"))
+            num_words += len(stretch.split())
+            if start > 0 and stretch and not stretch[0].isspace() and not self.text[start - 1].isspace():
+                num_words -= 1  # the stretch starts inside a word: it counts where it began
+        return num_bytes, num_words
 
 
 def tokenizer_adds_bos(tokenizer) -> bool:
