@@ -66,9 +66,9 @@ class ConvertOptions:
     target: str = option("transformers", "Where the export will run: transformers (any shape, as the source: tied "
                          "embeddings and biases kept), vllm (kv_lora_rank + rope_dim in 320/512/576: vLLM 0.32.0's allow-list; "
                          "untied lm_head, no biases), llama.cpp (q_lora_rank set, weights that survive f16/q8_0 GGUF, no biases) or all (every "
-                         "constraint at once).  With a serving target --compression picks, of the shapes the target "
-                         "allows, the one with the smallest ratio at or above it (else the largest); see `mla-convert "
-                         "inspect --target`.", flag="--target", choices=TARGETS)
+                         "constraint at once).  With a serving target a requested KV-cache ratio picks, of the shapes the "
+                         "target allows, the one with the smallest ratio at or above it (else the largest); see "
+                         "`mla-convert inspect --target`.", flag="--target", choices=TARGETS)
     q_lora_rank: Optional[int] = option(None, "Also factor the queries through a latent of this rank (at most hidden_size; "
                                         "+1 for a query bias when the heads are wider than the input).",
                                         flag="--q-lora-rank")

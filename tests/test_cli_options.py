@@ -204,3 +204,15 @@ def test_the_help_shows_each_choice_list():
     result = CliRunner().invoke(cli.app, ["convert", "--help"], env={"COLUMNS": "250"}, terminal_width=250)
     text = " ".join(result.output.replace("│", " ").split())  # (the help is wrapped inside a box)
     assert "[choices: activation-aware, input, svd]" in text and "[choices: fast, default, thorough]" in text
+
+
+@pytest.mark.parametrize("name", sorted(typer.main.get_command(cli.app).commands))
+def test_each_help_names_only_flags_its_command_has(name):
+    """sweep's --target help told users '--compression picks...', a flag sweep does not have."""
+    import re
+
+    flags = {opt for param in command(name).params for opt in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])}
+    named = {(param.name, flag) for param in command(name).params for flag in re.findall(r"--[a-z][a-z0-9-]*", getattr(param, "help", None) or "")}
+    if name in {"convert", "sweep"}:
+        assert named, "no help names a flag: the check reads nothing"
+    assert {(param, flag) for param, flag in named if flag not in flags} == set()
