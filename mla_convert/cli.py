@@ -235,8 +235,6 @@ def evaluate(
     problems += positive_problems({"--kv-context": kv_context}, minimum={"--kv-context": 0})
     if kv_context > 0:
         context_for(known, kv_context, allow_long_context, problems, flag="--kv-context", consequence="")
-    if not data.strip():
-        problems.append("--data: must not be empty")
     if update_card:
         from .hub.card import card_update_problems
 

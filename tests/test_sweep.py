@@ -124,6 +124,15 @@ def test_evaluation_settings_are_refused_before_any_work(tiny_source, tiny_text,
     assert not (tmp_path / "out").exists()
 
 
+def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):
+    """`--data ""` was the current folder: sweep scored every .txt/.md in it."""
+    (tmp_path / "notes.md").write_text("not evaluation text " * 200, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PreflightError, match="^--data: must not be empty"):
+        run_sweep(tiny_source, [2], "", tmp_path / "out", context_length=64, max_windows=2, calibration=TINY_CALIBRATION)
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_calibration_text_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
     with pytest.raises(MLAConvertError, match="no-such-calibration.txt"):
         run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,

@@ -73,6 +73,27 @@ def test_empty_inputs_are_errors(tmp_path):
         load_text(str(empty_folder))
 
 
+def test_an_empty_spec_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch):
+    """`load_text("")` read every .txt/.md of the working folder (the repository's README, BENCHMARKS ...)."""
+    from mla_convert.eval.checks import text_option_problems
+
+    (tmp_path / "notes.md").write_text("these are not evaluation text", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("", "  "):
+        with pytest.raises(MLAConvertError, match="empty"):
+            load_text(spec)
+        assert text_option_problems(spec) == ["--data: must not be empty (a text file, a folder or a datasets spec)"]
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A BOM was scored as text: four byte-fallback tokens in front of the first word (perplexity 3224 vs 3.14)."""
+    for name, content in (("bom.txt", "Once upon a time."), ("bom.jsonl", json.dumps({"text": "Once upon a time."}) + "\n")):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + content.encode("utf-8"))
+        assert load_text(str(path)) == "Once upon a time."
+        assert load_text(str(path), max_chars=4) == "Once"
+
+
 def test_non_utf8_file_is_a_clear_error(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes("caf\xe9".encode("latin-1"))

@@ -136,12 +136,15 @@ def _is_eval_result(path: Path) -> bool:
 
 
 def text_option_problems(data: str | os.PathLike | None, text_column: str = "text", split: str | None = None,
-                         max_chars: int | None = None) -> list[str]:
+                         max_chars: int | None = None, flag: str = "--data") -> list[str]:
     """Options of the text that cannot act on it: a text column names a field of .jsonl or dataset rows (a plain
-    text file has none), a split picks from a dataset (a local file or folder has none)."""
+    text file has none), a split picks from a dataset (a local file or folder has none).  An empty spec is refused:
+    as a path it is the current folder, whose text files would be read."""
     problems = positive_problems({"--max-chars": max_chars})
     if data is None:
         return problems
+    if not os.fspath(data).strip():
+        return problems + [f"{flag}: must not be empty (a text file, a folder or a datasets spec)"]
     path = Path(os.fspath(data)).expanduser()
     plain_folder = path.is_dir() and not any(p.suffix.lower() == ".jsonl" for p in path.rglob("*") if p.is_file())
     if text_column != "text" and ((path.is_file() and path.suffix.lower() != ".jsonl") or plain_folder):

@@ -44,7 +44,7 @@ from ..io.paths import absolute_path
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
-from .checks import DEFAULT_CONTEXT, dtype_problems
+from .checks import DEFAULT_CONTEXT, dtype_problems, text_option_problems
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
@@ -609,6 +609,7 @@ def run_sweep(
     # every point is a converted model (fp16 underflows its latent); the device must exist before the slow calibration
     problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=True)
     problems += device_problems(eval_device)
+    problems += text_option_problems(data, text_column)
     out = None if out_dir is None else absolute_path(out_dir)  # a quoted `~/sweep` means the home folder
     if out is not None:
         if out.is_symlink():

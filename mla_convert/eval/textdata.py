@@ -54,6 +54,8 @@ def load_text(spec: str | os.PathLike, text_column: str = "text", split: str | N
     if max_chars is not None and max_chars <= 0:
         raise TextDataError(f"max_chars must be positive, got {max_chars}")
     text_spec = os.fspath(spec)
+    if not text_spec.strip():  # as a path, "" is the current folder: its text files would be read
+        raise TextDataError("the text spec is empty: give a text file, a folder or a datasets spec")
     path = Path(text_spec).expanduser()
     if path.is_file():
         text = _read_file(path, text_column, max_chars)
@@ -80,9 +82,10 @@ def _read_file(path: Path, text_column: str, max_chars: int | None) -> str:
     if path.suffix.lower() in JSONL_SUFFIXES:
         return _read_jsonl(path, text_column, max_chars)
     try:
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not text; scored, it became 4 byte tokens
         if max_chars is None:
-            return path.read_text(encoding="utf-8")
-        with path.open(encoding="utf-8") as handle:
+            return path.read_text(encoding="utf-8-sig")
+        with path.open(encoding="utf-8-sig") as handle:
             return handle.read(max_chars)
     except UnicodeDecodeError as error:
         raise TextDataError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from error
@@ -94,7 +97,7 @@ def _read_jsonl(path: Path, text_column: str, max_chars: int | None) -> str:
     rows: list[str] = []
     total = 0
     try:
-        with path.open(encoding="utf-8") as handle:
+        with path.open(encoding="utf-8-sig") as handle:
             for line_number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
