@@ -138,6 +138,24 @@ def test_eval_refuses_before_loading_anything(converted, tinystories_text, tmp_p
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("baseline_vocab, own_tokenizer, message", [
+    (256, False, "embeds 256 token ids, but the tokenizer of"),  # was an IndexError traceback after both models loaded
+    (512, True, "its tokenizer differs from that of"),  # was scored on ids that meant other characters to it
+])
+def test_eval_refuses_a_baseline_that_cannot_share_the_models_tokens(converted, tinystories_text, tmp_path, baseline_vocab,
+                                                                   own_tokenizer, message):
+    from tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    baseline = save_tiny_model(tmp_path / "baseline", vocab_size=baseline_vocab)
+    if own_tokenizer:
+        save_tiny_tokenizer(baseline, vocab_size=baseline_vocab)
+    result = run("eval", converted, "--baseline", baseline, "--data", tinystories_text, check=False)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert f"--baseline {baseline}" in " ".join(result.output.split())
+
+
+@pytest.mark.real_model
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "5", "--seed", "3"], "--temperature, --seed: only change sampling; greedy decoding ignores them"),
     (["--sample", "--temperature", "inf"], "--temperature inf: must be a finite number > 0"),

@@ -33,6 +33,7 @@ class ModelFacts:
     architecture: str | None = None  # config.architectures[0]
     hidden_size: int | None = None
     num_layers: int | None = None
+    vocab_size: int | None = None  # rows of the input embedding
 
 
 def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: bool, problems: list[str],
@@ -56,8 +57,45 @@ def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: boo
     problems += found
     positions = getattr(config, "max_position_embeddings", None)
     architectures = getattr(config, "architectures", None) or [None]
+    vocab_size = getattr(config, "vocab_size", None)
     return ModelFacts(path, positions if isinstance(positions, int) else None, getattr(config, "model_type", None) == T.MODEL_TYPE,
-                      architectures[0], getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None))
+                      architectures[0], getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None),
+                      vocab_size if isinstance(vocab_size, int) else None)
+
+
+def tokenizer_problems(facts: list[ModelFacts | None]) -> list[str]:
+    """Every model is scored on the ids of one tokenizer (the model's, else the baseline's), so each must embed all
+    of its ids and a baseline with its own tokenizer must have the same one.
+
+    A baseline with a smaller vocabulary crashed in the embedding after both models had loaded; one with another
+    tokenizer of the same size was scored on ids that meant other words to it, and compared as if comparable.
+    """
+    from ..io.hf_loading import ModelLoadError, load_tokenizer
+
+    tokenizers = {}
+    for fact in facts:
+        if fact is not None:
+            try:
+                tokenizers[fact.path] = load_tokenizer(fact.path)
+            except ModelLoadError:
+                continue
+    known = [fact for fact in facts if fact is not None]
+    if not known or not tokenizers:
+        return [f"no tokenizer loads from {' or '.join(str(fact.path) for fact in known)}"] if known else []
+    used_from = next(fact.path for fact in known if fact.path in tokenizers)
+    vocabulary = tokenizers[used_from].get_vocab()
+    largest_id = max(vocabulary.values())
+    problems = []
+    for flag, fact in zip(("model", "--baseline"), facts):
+        if fact is None:
+            continue
+        if fact.vocab_size is not None and largest_id >= fact.vocab_size:
+            problems.append(f"{flag} {fact.path}: embeds {fact.vocab_size} token ids, but the tokenizer of {used_from} "
+                            f"has ids up to {largest_id}; both models are scored on that tokenizer's ids")
+        elif fact.path != used_from and fact.path in tokenizers and tokenizers[fact.path].get_vocab() != vocabulary:
+            problems.append(f"{flag} {fact.path}: its tokenizer differs from that of {used_from}; both models are scored "
+                            "on the ids of one tokenizer, so the perplexities would not be comparable")
+    return problems
 
 
 def context_for(facts: list[ModelFacts], context: int | None, allow_long_context: bool, problems: list[str],
@@ -192,6 +230,8 @@ def eval_preflight(model: str | os.PathLike, baseline: str | os.PathLike | None,
                      "be scored")
     found += device_problems(device) + output_file_problems(json_path, "--json")
     found += results_file_problems(json_path, data, known) + text_option_problems(data, text_column, split, max_chars)
+    if data is not None:  # an evaluation (not the model half of another command)
+        found += tokenizer_problems(facts)
     if problems is not None:
         problems += found
     elif found:
