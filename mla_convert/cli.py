@@ -395,7 +395,7 @@ def sweep(
     try:
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
-            keep_models=keep_models, eval_device=None if options.device == "cpu" else options.device,
+            keep_models=keep_models, eval_device=options.device,
             batch_size=batch_size, progress=progress, calibration=options.calibration, options=options,
         )
     finally:

@@ -79,7 +79,8 @@ class ConvertOptions:
     dtype: str = option("auto", "Export dtype: auto (the source's; fp16 becomes bf16), bf16 or fp32 (fp16 is refused: "
                         "it cannot hold the tiny-scale latent).", flag="--dtype",
                         choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
-    device: str = option("cpu", "Where calibration, statistics, factorization and refinement run: cpu, cuda or cuda:N. "
+    device: str = option("cpu", "Where calibration, statistics, factorization and refinement run (and, in sweep, evaluation): "
+                         "cpu, cuda or cuda:N. "
                          "Weights stream from disk one layer at a time; on a GPU those read once stay on it while they "
                          "fit in half its free memory.", flag="--device")
     sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "

@@ -216,3 +216,25 @@ def test_each_help_names_only_flags_its_command_has(name):
     if name in {"convert", "sweep"}:
         assert named, "no help names a flag: the check reads nothing"
     assert {(param, flag) for param, flag in named if flag not in flags} == set()
+
+
+def test_sweep_evaluates_where_device_says(monkeypatch, tmp_path):
+    """`sweep --device cpu` passed no evaluation device, so on a GPU machine the models were scored on cuda while
+    sweep.json recorded cpu."""
+    from typer.testing import CliRunner
+
+    import mla_convert.eval.sweep as sweep
+
+    seen = {}
+
+    def stand_in(*args, **kwargs):
+        seen.update(kwargs)
+        raise Received()
+
+    monkeypatch.setattr(sweep, "run_sweep", stand_in)
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time. " * 50)
+    result = CliRunner().invoke(cli.app, ["sweep", str(tmp_path / "source"), "--data", str(text), "--out-dir",
+                                          str(tmp_path / "out"), "--device", "cpu"])
+    assert isinstance(result.exception, Received), result.output
+    assert seen["eval_device"] == "cpu"

@@ -38,7 +38,7 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, Progress
 from ..convert.pipeline import Converter
-from ..devices import device_problems
+from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
 from ..options import CalibrationOptions, ConvertOptions
@@ -589,6 +589,7 @@ def run_sweep(
     """Convert `source` at every ratio with every method (one calibration), score all on `data`, write files.
 
     `context_length` None: 1024 tokens, or the source's max_position_embeddings when shorter (as `eval`).
+    `eval_device`: where every model is scored (None: cuda when there is one); sweep.json records the device used.
     `options` carries everything else a conversion takes (dtype, device, sequential, refine steps, ...);
     its compression, ranks, method and output settings are set per point.  `calibration` replaces
     `options.calibration`.  Converted folders are written under `models_dir` (default: the system temp
@@ -671,7 +672,7 @@ def run_sweep(
                     "methods": [METHOD_LABELS[m] for m in methods],
                     "convert_options": {k: v for k, v in base.to_dict().items() if k not in ("compression", "method", "command")},
                     "eval_dtype": eval_dtype,
-                    "eval_device": eval_device or "cpu",
+                    "eval_device": str(resolve_device(eval_device)),  # where the models were scored (None: cuda if any)
                     "batch_size": batch_size,
                     "text_column": text_column,
                     "total_tokens": len(tokenized),
