@@ -206,7 +206,7 @@ def evaluate(
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
     max_tokens: Optional[int] = typer.Option(None, help="Evaluate at most this many tokens."),
     batch_size: int = typer.Option(1, help="Windows per forward pass."),
-    text_column: str = typer.Option("text", help="Text column of a datasets dataset."),
+    text_column: str = typer.Option("text", help="Text field of .jsonl rows or column of a datasets dataset."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)."),
     dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 is refused for converted models."),
     kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache after this many tokens "

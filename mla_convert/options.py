@@ -44,7 +44,7 @@ class CalibrationOptions:
     seq_len: int = option(256, "Tokens per calibration window (at least 2: attention needs two positions).",
                           flag="--calib-seq-len", minimum=2, maximum=1 << 20, why="attention needs two positions")
     seed: int = option(0, "Seed for sampling calibration text from the model.", flag="--seed", minimum=0, maximum=2**63 - 1)
-    text_column: str = option("text", "Text column of a datasets dataset.", flag="--calib-text-column")
+    text_column: str = option("text", "Text field of .jsonl rows or column of a datasets dataset.", flag="--calib-text-column")
     temperature: float = option(1.0, "Sampling temperature for self-sampled calibration text (0: greedy).",
                                 flag="--calib-temperature", minimum=0.0, maximum=100.0)
     top_p: float = option(0.95, "Nucleus threshold for self-sampled calibration text, in (0, 1].",

@@ -826,7 +826,7 @@ def test_a_second_round_keeps_the_first_in_the_report_and_the_card(straight_and_
     card = (second.output / "README.md").read_text()
     assert "fine-tuned with the rest (see below)" in card and "trained the attention only" not in card
     assert "fine-tuned in 2 rounds" in card and "1. trained every parameter, 2 steps" in card
-    assert "Before fine-tuning round 2, perplexity measured" in card and "| MLA before fine-tuning round 2 | 12.5 |" in card
+    assert "Before fine-tuning round 2, perplexity measured" in card and "| MLA before fine-tuning round 2 | 12.5000 |" in card
 
 
 def test_an_earlier_rounds_texts_are_named_from_the_new_folder(tmp_path):

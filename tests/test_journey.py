@@ -84,7 +84,7 @@ def test_a_fine_tuned_card_shows_the_converted_models_numbers_as_before_fine_tun
     assert report["evaluation"] is None
     assert report["evaluation_before_finetuning"]["converted_perplexity"] == converted_ppl
     card = (tuned / "README.md").read_text()
-    assert f"| MLA before fine-tuning | {converted_ppl:.4g} |" in card
+    assert f"| MLA before fine-tuning | {converted_ppl:,.4f} |" in card
     quality = card.split("\n## Quality\n")[1].split("\n## ")[0]
     assert "MLA (this model)" not in quality and "the perplexity change above" not in card
 
@@ -92,8 +92,8 @@ def test_a_fine_tuned_card_shows_the_converted_models_numbers_as_before_fine_tun
     tuned_ppl = json.loads((tuned / "mla_convert.json").read_text())["evaluation"]["converted_perplexity"]
     assert tuned_ppl != converted_ppl  # two steps of Adam changed the model
     card = (tuned / "README.md").read_text()
-    assert f"| MLA (this model) | {tuned_ppl:.4g} |" in card
-    assert f"| MLA before fine-tuning | {converted_ppl:.4g} |" in card
+    assert f"| MLA (this model) | {tuned_ppl:,.4f} |" in card
+    assert f"| MLA before fine-tuning | {converted_ppl:,.4f} |" in card
     assert f"`{tinystories_text.name}`" in card and "../" not in card
     assert "\n\n## Quality\n" in card and "\n\n## How it was made\n" in card  # a blank line before each section
 

@@ -178,8 +178,8 @@ def test_stories260k_card_validates_offline_and_shows_the_report_numbers():
     assert "| bytes per token, all 5 layers (bf16) | 640 | 160 |" in text
     assert "| compression ratio | 1x | 4x |" in text
     assert "| one sequence of 4,096 tokens | 2.5 MiB | 640.0 KiB |" in text
-    assert "| original | 7.83 |" in text
-    assert "| MLA (this model) | 9.41 |" in text
+    assert "| original | 7.8300 |" in text
+    assert "| MLA (this model) | 9.4100 |" in text
     assert "| change | +20.2% |" in text
     assert "mla-convert convert ../shared/assets/stories260k out/stories260k-mla --compression 4" in text
     assert "| `kv_lora_rank` | 12 |" in text and "| `rope_dim` | 4 |" in text
@@ -199,7 +199,7 @@ def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():
     assert unfinetuned["base_model_relation"] == BASE_MODEL_RELATION
     assert metadata["license"] == "apache-2.0"
     assert "| bytes per token, all 30 layers (bf16) | 23,040 | 5,760 |" in text
-    assert "| original | 24.46 |" in text and "| MLA (this model) | 150 |" in text
+    assert "| original | 24.4600 |" in text and "| MLA (this model) | 150.0000 |" in text  # (:.4g printed 150)
     assert "| steps | 200 |" in text and "| final loss | 2.91 |" in text
     assert "(distillation from the source)" in text
     # a cross-entropy-only run (kd_weight 0) was called a distillation; and the card says what was trained

@@ -314,6 +314,19 @@ def test_failed_point_is_reported_not_plotted(tmp_path):
     assert reloaded.csv_text() == result.csv_text() and reloaded.markdown() == result.markdown()
 
 
+def test_a_reloaded_sweep_names_its_local_text_by_file_name(tmp_path):
+    """The JSON writes paths portably ($TMPDIR/...); reloaded, the protocol sentence showed that path, not the name."""
+    import dataclasses
+
+    result = dataclasses.replace(_fake_result({("output", 2): 11.0}), data=str(tmp_path / "texts" / "wiki.txt"))
+    files = result.save(tmp_path, stem="fake")
+    assert "$TMPDIR" in files.json.read_text() or str(tmp_path) in files.json.read_text()
+    sentence = load_sweep(files.json).describe_protocol()
+    assert sentence.startswith("Perplexity on `wiki.txt`:"), sentence
+    assert dataclasses.replace(result, data="wikitext:wikitext-2-raw-v1:test").describe_protocol().startswith(
+        "Perplexity on `wikitext:wikitext-2-raw-v1:test`:")
+
+
 # --------------------------------------------------------------------------- stories260K
 @pytest.mark.real_model
 def test_stories260k_sweep(stories260k, tinystories_text, tmp_path):

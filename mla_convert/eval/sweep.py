@@ -270,7 +270,9 @@ class SweepResult:
     def describe_protocol(self) -> str:
         """Two or three sentences saying how the numbers were measured (for the markdown files)."""
         source = self.source_point.result
-        data = Path(self.data).name if Path(self.data).exists() else self.data
+        # a local text is named by its file name (its path is this machine's, or written portably as $TMPDIR/...)
+        local = Path(self.data).exists() or self.data.startswith(("$TMPDIR/", "~/", "../", "/", "./"))
+        data = Path(self.data).name if local else self.data
         text = (f"Perplexity on `{data}`: {source.num_windows} non-overlapping windows of {self.context_length} tokens "
                 f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.cache_dtype} "
                 f"over all {self.num_layers} layers.")

@@ -373,9 +373,9 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
     lines = [f"{lead} with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":"]
     lines += ["", "| model | perplexity |", "|---|---:|"]
     if before is not None:
-        lines.append(f"| original | {before:.4g} |")
+        lines.append(f"| original | {before:,.4f} |")  # as `eval` prints it (:.4g printed 5.4 beside 4.851)
     if after is not None:
-        lines.append(f"| {converted_label} | {after:.4g} |")
+        lines.append(f"| {converted_label} | {after:,.4f} |")
     if before and after is not None:
         lines.append(f"| change | {100 * (after - before) / before:+.1f}% |")
     return lines + [""]
