@@ -166,8 +166,31 @@ def test_unknown_dataset_offline_is_one_clear_line():
     lines = [line for line in done.stdout.splitlines() if line.startswith("ERROR:")]
     assert len(lines) == 1, done.stdout + done.stderr
     message = lines[0]
-    assert "no-such-dataset-for-mla-convert" in message and "datasets.load_dataset failed" in message
-    assert "offline" in message and "local text file" in message
+    assert "no-such-dataset-for-mla-convert" in message and "HF_HUB_OFFLINE is set" in message
+    assert "cached dataset" in message and "local text file" in message
+
+
+def test_a_hub_that_cannot_be_reached_is_one_line_without_retries(tmp_path):
+    """Without network, huggingface_hub retried five times (about 25 s, a dozen 'Retrying in 8s' lines) before the
+    error; a connection probe now switches the read to the cache at once."""
+    code = (
+        "from mla_convert.eval.textdata import load_text\n"
+        "from mla_convert.io.resolve import resolve_model_path\n"
+        "from mla_convert.errors import MLAConvertError\n"
+        "for read in (lambda: load_text('mla-convert-test/no-such-dataset:cfg:test'), "
+        "lambda: resolve_model_path('mla-convert-test/no-such-model')):\n"
+        "    try:\n        read()\n"
+        "    except MLAConvertError as e:\n        print('ERROR:' + str(e))\n"
+    )
+    # port 9 (discard) on this machine: nothing listens, the connection is refused at once, as without network
+    env = {key: value for key, value in os.environ.items() if not key.endswith("_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    errors = [line for line in done.stdout.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 2, done.stdout + done.stderr
+    assert "cannot be reached" in errors[0] and "http://127.0.0.1:9" in errors[0]
+    assert "the hub cannot be reached" in errors[1]
+    assert "Retrying" not in done.stderr and "thrown while requesting" not in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------------------------- tokenizing

@@ -160,9 +160,16 @@ def _read_dataset(spec: str, text_column: str, split: str | None, max_chars: int
         import datasets
     except ImportError as error:  # pragma: no cover - datasets is a declared dependency
         raise TextDataError(f"{spec!r}: loading a dataset needs the `datasets` package") from error
+    from ..io.hub_access import hub_reads
+
+    offline = None
     try:
-        loaded = datasets.load_dataset(name, config, split=split)
+        with hub_reads() as offline:  # offline at once (cache only) when the hub cannot be reached
+            loaded = datasets.load_dataset(name, config, split=split)
     except Exception as error:  # noqa: BLE001 - any failure here means "cannot get this dataset"
+        if offline is not None:
+            raise TextDataError(f"{spec!r}: not a local file, folder or cached dataset, and {offline}; pass a local "
+                                "text file or folder instead") from error
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise TextDataError(
             f"{spec!r}: datasets.load_dataset failed ({type(error).__name__}: {reason}); "

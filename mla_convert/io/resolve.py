@@ -53,9 +53,12 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, al
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    from .hub_access import hub_reads
+
     patterns = HUB_PATTERNS + (HUB_PICKLE_PATTERNS if allow_pickle else [])
     try:
-        return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=patterns))
+        with hub_reads():  # offline at once (cache only) when the hub cannot be reached
+            return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=patterns))
     except RepositoryNotFoundError as error:
         raise CheckpointError(f"{text}: no such model on the Hugging Face hub (or it is private: log in with `hf auth login`)") from error
     except LocalEntryNotFoundError as error:
@@ -84,8 +87,11 @@ def resolve_config_path(model: str | os.PathLike, revision: str | None = None) -
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    from .hub_access import hub_reads
+
     try:
-        return Path(hf_hub_download(repo_id=text, filename="config.json", revision=revision)).parent
+        with hub_reads():
+            return Path(hf_hub_download(repo_id=text, filename="config.json", revision=revision)).parent
     except LocalEntryNotFoundError as error:
         raise CheckpointError(_unreachable(text)) from error
     except HfHubHTTPError as error:
