@@ -468,6 +468,22 @@ def test_header_length_larger_than_the_file(checkpoint, tmp_path):
     assert_copy_fails(folder, order, tmp_path, str(shard), "exceeds the file size")
 
 
+def test_a_folder_with_both_a_single_file_and_an_index_is_read_as_transformers_loads_it(tmp_path):
+    """The index was read first; transformers loads model.safetensors first: another model was converted."""
+    folder = tmp_path / "both"
+    make_checkpoint(folder, "40KB", seed=0)
+    assert (folder / INDEX).exists()
+    other = tiny_model(vocab_size=VOCAB, seed=1)
+    other.save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", folder / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    with CheckpointReader(folder) as reader:
+        assert reader.ignored_index == (INDEX, "model.safetensors") and set(reader.files) == {"model.safetensors"}
+        for name in ("model.embed_tokens.weight", "model.layers.1.self_attn.k_proj.weight"):
+            assert torch.equal(reader.get(name), loaded[name])
+            assert torch.equal(reader.get(name), other.state_dict()[name])
+
+
 def test_index_names_a_missing_shard(checkpoint, tmp_path):
     folder, order = checkpoint
     shard = largest_shard(folder)

@@ -513,6 +513,9 @@ def _edit_config(folder, **changes):
     path.write_text(json.dumps(config))
 
 
+WINDOW_CALIBRATION = CalibrationOptions(num_samples=4, seq_len=16, error_samples=2)  # within a 16-token window
+
+
 def test_a_sliding_window_source_exports_the_context_where_both_attentions_agree(tmp_path):
     """Mistral with sliding_window 16 was exported as full attention over 512 positions, and called exact: past 16
     tokens the source reads a window and the export everything (logits 89 % apart).  The export now declares the
@@ -520,7 +523,10 @@ def test_a_sliding_window_source_exports_the_context_where_both_attentions_agree
     source = save_tiny_model(tmp_path / "src", family="mistral", num_heads=4, num_kv_heads=1, head_dim=16,
                              hidden_size=64, num_layers=2, weight_scale=3.0)
     _edit_config(source, sliding_window=16)
-    result = convert(source, tmp_path / "mla", fast_options(kv_lora_rank=32, rope_dim=16))
+    # calibration windows longer than the source's window are refused: the streamed source would attend to every position
+    with pytest.raises(PreflightError, match="--calib-seq-len 32: longer than the 16 tokens the source's sliding window"):
+        convert(source, tmp_path / "mla", fast_options(kv_lora_rank=32, rope_dim=16))
+    result = convert(source, tmp_path / "mla", fast_options(kv_lora_rank=32, rope_dim=16, calibration=WINDOW_CALIBRATION))
     config = json.loads((tmp_path / "mla" / "config.json").read_text())
     assert config["max_position_embeddings"] == 16
     assert (result.report["source"]["sliding_window"], result.report["source"]["max_position_embeddings"]) == (16, 512)
@@ -538,7 +544,7 @@ def test_qwen2_window_settings_that_slide_no_layer_change_nothing(tmp_path):
     convert(source, tmp_path / "none", fast_options(compression=2))
     assert json.loads((tmp_path / "none" / "config.json").read_text())["max_position_embeddings"] == 512
     _edit_config(source, max_window_layers=1)
-    convert(source, tmp_path / "one", fast_options(compression=2))
+    convert(source, tmp_path / "one", fast_options(compression=2, calibration=WINDOW_CALIBRATION))
     assert json.loads((tmp_path / "one" / "config.json").read_text())["max_position_embeddings"] == 16
 
 

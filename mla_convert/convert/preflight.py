@@ -197,6 +197,10 @@ def calibration_length_problems(source: SourceConfig, calibration) -> list[str]:
     if calibration.seq_len > source.max_position_embeddings:
         return [f"--calib-seq-len {calibration.seq_len}: longer than the source's max_position_embeddings "
                 f"{source.max_position_embeddings}"]
+    if calibration.seq_len > source.export_max_positions:  # the streamed source attends to every position, unlike both
+        return [f"--calib-seq-len {calibration.seq_len}: longer than the {source.export_max_positions} tokens the source's "
+                "sliding window attends to (and the export's max_position_embeddings); calibration would fit attention "
+                "that neither model computes"]
     return []
 
 
@@ -451,6 +455,9 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         raise PreflightError(list(dict.fromkeys(problems)))
     if storage_summary:
         message(storage_summary)
+    if reader.ignored_index is not None:
+        message(f"note: {reader.folder} holds both {reader.ignored_index[1]} and {reader.ignored_index[0]}; transformers loads "
+                f"{reader.ignored_index[1]}, so the conversion reads it and ignores the index and its shards")
     if source.sliding_window is not None:
         message(f"note: the source slides its attention over {source.sliding_window} tokens; DeepseekV3 attends to every "
                 f"position, so the export declares max_position_embeddings {source.sliding_window} (the source: "

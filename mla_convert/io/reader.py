@@ -160,6 +160,7 @@ class CheckpointReader:
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: no such model folder")
         self.allow_pickle = allow_pickle
+        self.ignored_index: tuple[str, str] | None = None  # (index, single file) when a folder holds both
         self.format, self.weight_map = self._discover()
         self._open_file: str | None = None
         self._open_handle = None
@@ -171,13 +172,17 @@ class CheckpointReader:
 
     # ----------------------------------------------------------------- discovery
     def _discover(self) -> tuple[str, dict[str, str]]:
+        """The weights transformers' `from_pretrained` loads, in its order: model.safetensors before the shard index
+        (reading the index first converted another model than the one transformers runs, when a folder held both)."""
         folder = self.folder
-        if (folder / SAFE_INDEX).exists():
-            return "safetensors", self._read_index(folder / SAFE_INDEX)
         if (folder / SAFE_SINGLE).exists():
+            if (folder / SAFE_INDEX).exists():
+                self.ignored_index = (SAFE_INDEX, SAFE_SINGLE)
             path = _inside(folder, SAFE_SINGLE)
             header = read_safetensors_header(path)
             return "safetensors", {name: SAFE_SINGLE for name in header if name != "__metadata__"}
+        if (folder / SAFE_INDEX).exists():
+            return "safetensors", self._read_index(folder / SAFE_INDEX)
         pickled = (folder / PICKLE_INDEX).exists() or (folder / PICKLE_SINGLE).exists()
         if pickled:
             if not self.allow_pickle:
@@ -185,10 +190,12 @@ class CheckpointReader:
                     f"{folder}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. "
                     "Convert them to safetensors first, or pass --allow-pickle to load them with torch.load(weights_only=True)"
                 )
-            if (folder / PICKLE_INDEX).exists():
-                return "pickle", self._read_index(folder / PICKLE_INDEX)
-            state = self._load_pickle(PICKLE_SINGLE)
-            return "pickle", {name: PICKLE_SINGLE for name in state}
+            if (folder / PICKLE_SINGLE).exists():  # (transformers' order again)
+                if (folder / PICKLE_INDEX).exists():
+                    self.ignored_index = (PICKLE_INDEX, PICKLE_SINGLE)
+                state = self._load_pickle(PICKLE_SINGLE)
+                return "pickle", {name: PICKLE_SINGLE for name in state}
+            return "pickle", self._read_index(folder / PICKLE_INDEX)
         raise CheckpointError(
             f"{folder}: no weights found (expected {SAFE_SINGLE}, {SAFE_INDEX} or, with --allow-pickle, {PICKLE_SINGLE})"
         )
