@@ -116,6 +116,12 @@ def test_each_supported_family_maps(architecture, spec):
     assert architecture in supported_architecture_names()
 
 
+@pytest.mark.parametrize("architectures", [["LLaMAForCausalLM"], ["LlamaModel", "LlamaForCausalLM"], ["LlamaModel"]])
+def test_a_config_transformers_loads_by_model_type_maps_by_it(architectures):
+    """AutoModelForCausalLM loads these as LlamaForCausalLM (it reads model_type); they were 'unsupported'."""
+    assert architecture_for_config(architectures, "llama") is LLAMA
+
+
 def test_real_configs_map_to_their_family(tmp_path):
     for family in FAMILIES:
         folder = tmp_path / family

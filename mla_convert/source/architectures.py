@@ -106,17 +106,24 @@ def supported_architecture_names() -> list[str]:
     return [name for spec in SUPPORTED_ARCHITECTURES for name in spec.hf_architectures]
 
 
-def architecture_for_config(architecture: str | None, model_type: str | None = None) -> ArchitectureSpec:
-    """The record for a config's first `architectures` entry (or, without one, its `model_type`)."""
-    for spec in SUPPORTED_ARCHITECTURES:
-        if architecture in spec.hf_architectures:
-            return spec
-    if architecture is None:  # configs written without `architectures` still carry `model_type`
+def architecture_for_config(architectures: str | list[str] | None, model_type: str | None = None) -> ArchitectureSpec:
+    """The record for a config: the first `architectures` entry we support, else its `model_type`.
+
+    `AutoModelForCausalLM` picks the class from `model_type` alone, so a config whose `architectures` names
+    `LlamaModel` or a misspelt class loads as a Llama there; it converts as one here too.  A config naming another
+    head (`LlamaForSequenceClassification`) is refused: its weights are not a language model's.
+    """
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        for spec in SUPPORTED_ARCHITECTURES:
+            if name in spec.hf_architectures:
+                return spec
+    if all(name.endswith(("ForCausalLM", "Model")) for name in names):
         for spec in SUPPORTED_ARCHITECTURES:
             if model_type in spec.model_types:
                 return spec
     raise UnsupportedArchitectureError(
-        f"unsupported architecture {architecture or model_type!r}; "
+        f"unsupported architecture {(names[0] if names else None) or model_type!r}; "
         f"mla-convert supports: {', '.join(supported_architecture_names())} "
         "(SmolLM/SmolLM2 and TinyLlama are LlamaForCausalLM)"
     )

@@ -266,7 +266,7 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
     try:
-        return architecture_for_config(architectures[0] if architectures else None, model_type), []
+        return architecture_for_config(architectures, model_type), []
     except MLAConvertError as error:
         return None, [str(error)]
 
