@@ -23,7 +23,7 @@ from fake_hub import FakeHub
 from test_model_card import make_converted_folder
 
 from mla_convert.errors import MLAConvertError
-from mla_convert.hub.card import CardValidationError, validate_card
+from mla_convert.hub.card import CardValidationError, public_report, validate_card
 from mla_convert.hub.push import (
     BACKUP_SUFFIX,
     OWNER_FILE,
@@ -86,15 +86,22 @@ def test_push_uploads_every_file_byte_identical_with_options(layout, templates, 
     )
 
     local = folder_files(folder)
-    assert "README.md" in local  # generated from mla_convert.json before the upload
-    assert hub.files(REPO, "mla-v1") == local  # every file, byte for byte, nothing else
+    assert "README.md" in local  # generated from mla_convert.json, and kept in the folder after the upload
+    # every file, byte for byte, nothing else; the report without the converting machine's paths
+    report = json.loads(local["mla_convert.json"])
+    assert report["source"]["name_or_path"].startswith("..") and "../" in report["command"]
+    local["mla_convert.json"] = (json.dumps(public_report(report), indent=2) + "\n").encode()
+    assert hub.files(REPO, "mla-v1") == local
+    pushed = json.loads(local["mla_convert.json"])
+    assert pushed["source"]["name_or_path"] == "stories260k" and "../" not in pushed["command"]
+    assert "(local paths reduced to their names, as in the card)" in result.summary()
     assert hub.files(REPO, "main") == {}  # the branch, not main
     assert [(f.path, f.size) for f in result.files] == [(name, len(data)) for name, data in local.items()]
 
     repo = hub.repos[REPO]
     assert repo.private
     assert [(c["revision"], c["summary"]) for c in repo.commits] == [("mla-v1", "MLA 4x")]
-    assert hub.endpoints() == ["POST create", "POST branch", "POST validate-yaml", "POST preupload", "POST commit"]
+    assert hub.endpoints() == ["POST create", "GET repo-info", "POST branch", "POST validate-yaml", "POST preupload", "POST commit"]
     assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in hub.requests if "validate" not in r.path)
     # What the client described before uploading matches the files (size and leading bytes).
     described = {entry["path"]: entry for entry in repo.preuploads}
@@ -128,7 +135,7 @@ def test_default_push_targets_main_without_forcing_visibility(single, hub):
     result = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
     create = hub.requests[0].json()
     assert create == {"name": "stories260k-mla", "organization": "alice", "type": "model"}  # no visibility: namespace default
-    assert hub.endpoints() == ["POST create", "POST validate-yaml", "POST preupload", "POST commit"]
+    assert hub.endpoints() == ["POST create", "GET repo-info", "POST validate-yaml", "POST preupload", "POST commit"]
     assert set(hub.files(REPO)) == {f.path for f in result.files}
     assert hub.repos[REPO].commits[0]["summary"] == "Upload MLA conversion of stories260k (mla-convert 0.1.0)"
 
@@ -139,7 +146,7 @@ def test_pushing_again_reuses_the_existing_repo_and_branch(single, hub):
     push_to_hub(single, REPO, revision="mla-v1", commit_message="second", token=TOKEN, endpoint=hub.url)
     assert [c["summary"] for c in hub.repos[REPO].commits][-1] == "second"
     assert hub.files(REPO, "mla-v1")["generation_config.json"] == b'{"max_new_tokens": 7}\n'
-    assert hub.endpoints()[5:7] == ["POST create", "POST branch"]  # both answered 409, accepted
+    assert hub.endpoints()[6:9] == ["POST create", "GET repo-info", "POST branch"]  # create and branch answered 409, accepted
 
 
 def test_existing_readme_is_uploaded_as_is(single, hub):
@@ -201,7 +208,7 @@ def test_dry_run_makes_no_request_writes_nothing_and_lists_exact_files(sharded, 
     assert folder_files(sharded) == before  # README.md not written by a dry run
     expected = sorted([*before, "README.md"])
     assert [f.path for f in plan.files] == expected
-    assert all(f.size == len(before[f.path]) for f in plan.files if f.path != "README.md")
+    assert all(f.size == len(before[f.path]) for f in plan.files if f.path not in ("README.md", "mla_convert.json"))
     summary = plan.summary()
     assert summary.startswith(f"Would upload {len(expected)} files")
     for item in plan.files:
@@ -309,6 +316,40 @@ def test_wrong_token_becomes_one_clear_line(single, hub):
     assert "hf_wrongTOKEN" not in message
     assert hub.endpoints() == ["POST create", "GET repo-info"]  # after a 401, create_repo asks whether the repo exists
     assert hub.repos == {}
+
+
+def test_a_failed_push_leaves_the_folder_as_it_was(single, hub):
+    """The card was written into the folder before the upload: a refused push had already rewritten README.md (and a
+    read-only folder crashed with a traceback).  The card and the public report are now sent from memory."""
+    before = folder_files(single)
+    with pytest.raises(HubPushError, match="HTTP 401"):
+        push_to_hub(single, REPO, token="hf_wrongTOKENabcdefghijklmnopqrstuvwxyz0123", endpoint=hub.url)
+    assert folder_files(single) == before
+
+
+def test_private_on_an_existing_public_repo_is_refused_before_uploading(single, hub):
+    """The summary said "private" while the existing public repository stayed public."""
+    first = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert "alice/stories260k-mla, public:" in first.summary() and not first.private
+    with pytest.raises(HubPushError, match="--private: alice/stories260k-mla already exists and is public"):
+        push_to_hub(single, REPO, private=True, token=TOKEN, endpoint=hub.url)
+    assert len(hub.repos[REPO].commits) == 1 and not hub.repos[REPO].private
+
+
+def test_files_under_folders_the_hub_refuses_are_not_listed_or_sent(single, hub):
+    """A dry run listed .cache/x/y; the real push then failed on it ("cannot update files under a '.cache/' folder")."""
+    (single / ".cache" / "x").mkdir(parents=True)
+    (single / ".cache" / "x" / "y").write_text("d")
+    plan = push_to_hub(single, REPO, dry_run=True)
+    assert not [item for item in plan.files if item.path.startswith(".cache/")]
+    pushed = push_to_hub(single, REPO, token=TOKEN, endpoint=hub.url)
+    assert pushed.files == plan.files and ".cache/x/y" not in hub.files(REPO)
+
+
+def test_an_empty_commit_message_is_refused(single, hub):
+    with pytest.raises(HubPushError, match="--commit-message: must not be empty"):
+        push_to_hub(single, REPO, commit_message=" ", token=TOKEN, endpoint=hub.url)
+    assert hub.requests == []
 
 
 def test_unreachable_hub_becomes_one_clear_line(single):

@@ -121,6 +121,35 @@ def _public_path(value: Any) -> Any:
     return value
 
 
+def _public_command(command: str) -> str:
+    """A recorded command line with each path of the converting machine reduced as `_public_path` does
+    (`--flag=path` included); a line shlex cannot split is kept as it is."""
+    import shlex
+
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return command
+    public = []
+    for word in words:
+        flag, equals, value = word.partition("=") if word.startswith("--") else ("", "", word)
+        public.append(flag + equals + _public_path(value))
+    return shlex.join(public) if public != words else command
+
+
+def public_report(value: Any, key: str | None = None) -> Any:
+    """The report as it is uploaded: every path of the converting machine (absolute, or above the folder) reduced
+    to its last part, as the card shows it (`_public_path`, in the command too); the folder's own copy keeps them
+    for tools run beside it."""
+    if key == "command" and isinstance(value, str):
+        return _public_command(value)
+    if isinstance(value, dict):
+        return {name: public_report(item, name) for name, item in value.items()}
+    if isinstance(value, list):
+        return [public_report(item) for item in value]
+    return _public_path(value)
+
+
 def _cell(value: Any) -> str:
     """A report value for a Markdown table cell: as `_text`, with pipes escaped."""
     return _text(value).replace("|", "\\|")
@@ -495,7 +524,7 @@ def _section_reproduce(report: Mapping[str, Any]) -> list[str]:
         return []
     lines = ["## How it was made", ""]
     if command:
-        lines += ["Command:", "", "```bash", _scrub(str(command)), "```", ""]
+        lines += ["Command:", "", "```bash", _scrub(_public_command(str(command))), "```", ""]
     if options:
         lines += ["| option | value |", "|---|---|"]
         lines += [f"| `{_cell(key)}` | {_cell(_public_path(value))} |" for key, value in options.items()]

@@ -4,8 +4,10 @@ A pushed repo is what other people download, and a broken upload cannot be taken
 has fetched it, so `check_pushable` refuses anything that is not a complete mla-convert output before
 a byte leaves the machine: a folder without its conversion report, a sharded checkpoint with a
 missing or truncated shard, leftovers of an interrupted conversion.  `push_to_hub` then makes sure the repo gets a valid model card, and uploads with the
-stock `huggingface_hub` client (`create_repo`, `create_branch`, `upload_folder`) so that
-authentication, retries, Xet storage and large-folder batching are the client's, not ours.
+stock `huggingface_hub` client (`create_repo`, `create_branch`, `create_commit`) so that
+authentication, retries and Xet storage are the client's, not ours.  The commit holds exactly the files the
+dry run lists: the folder's files, with the card and the report's public copy (no local paths) sent from memory,
+so a read-only folder can be pushed and a failed push leaves the folder as it was.
 
 The token is never handled beyond deciding whether one exists: it is passed to `HfApi` (explicit
 argument) or left for huggingface_hub to find (`HF_TOKEN`, then the login cache written by
@@ -15,7 +17,6 @@ folder contains it (for example a command line recorded with a token in it).
 
 from __future__ import annotations
 
-import glob
 import importlib
 import json
 import re
@@ -24,7 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
-from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, HFValidationError, filter_repo_objects, validate_repo_id
+from huggingface_hub.utils import (
+    DEFAULT_IGNORE_PATTERNS,
+    FORBIDDEN_FOLDERS,
+    HFValidationError,
+    filter_repo_objects,
+    validate_repo_id,
+)
 
 from ..convert.target import export_config_problem, export_report_mismatches
 from ..errors import CheckpointError, MLAConvertError
@@ -41,6 +48,7 @@ from .card import (
     card_is_unedited,
     load_report,
     marked_card_text,
+    public_report,
     validate_card,
 )
 
@@ -82,6 +90,8 @@ class PushResult:
     revision: str | None
     commit_message: str
     card_generated: bool  # README.md was (or would be) generated from mla_convert.json
+    report_public: bool = False  # mla_convert.json is (or would be) sent with its local paths reduced to names
+    local_card_note: str | None = None  # why the folder's README.md could not be updated after the push
     card_has_placeholder: bool = False  # a kept README that still loads the model from "path/to/this/model"
     repo_url: str | None = None
     commit_url: str | None = None
@@ -95,12 +105,15 @@ class PushResult:
         """Human-readable lines for the CLI: the exact file list with sizes, then the target."""
         verb = "Would upload" if self.dry_run else "Uploaded"
         where = f"{self.repo_id}" + (f" (branch {self.revision})" if self.revision else "")
-        visibility = "private" if self.private else "default visibility"
+        # a dry run knows only what was asked; a push reports what the repository is (an existing one keeps its own)
+        visibility = "private" if self.private else ("default visibility" if self.dry_run else "public")
         size = f"{human_bytes(self.total_bytes, digits=1)} ({self.total_bytes:,} bytes)"
         lines = [f"{verb} {len(self.files)} files, {size} to {where}, {visibility}:"]
         width = max((len(f"{f.size:,}") for f in self.files), default=1)
         for item in self.files:
             note = "  (generated from mla_convert.json)" if item.path == CARD_FILE and self.card_generated else ""
+            if item.path == REPORT_FILE and self.report_public:
+                note = "  (local paths reduced to their names, as in the card)"
             if item.path == CARD_FILE and self.card_has_placeholder:
                 note = (f"  (kept as it is: edited or not written by mla-convert; it still loads {CARD_PLACEHOLDER}: "
                         "delete it to have the card generated with the repository id)")
@@ -108,13 +121,17 @@ class PushResult:
         lines.append(f"commit message: {self.commit_message}")
         if self.commit_url:
             lines.append(f"commit: {self.commit_url}")
+        if self.local_card_note:
+            lines.append(f"note: {self.local_card_note}")
         return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- folder checks
 def _folder_files(folder: Path) -> list[str]:
-    """Files `upload_folder` would consider (same walk, same default ignore rules), sorted."""
+    """The folder's files as `upload_folder` would walk them (its default ignore rules), without those under a folder
+    the Hub refuses to hold (`.git`, `.cache`: listing them made the dry run promise a commit the Hub rejects)."""
     names = sorted(p.relative_to(folder).as_posix() for p in folder.glob("**/*") if p.is_file())
+    names = [name for name in names if not set(name.split("/")[:-1]) & set(FORBIDDEN_FOLDERS)]
     return list(filter_repo_objects(names, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
 
 
@@ -357,20 +374,28 @@ def push_to_hub(
     `dry_run=True` makes no network call and writes nothing: it checks the folder and the card and
     returns exactly the files and sizes the real push would upload.  Without `private`, the repo gets
     the namespace's default visibility (nothing is made public against an organisation's default);
-    an existing repo's visibility is left unchanged.  `endpoint` overrides the Hub URL (default: the
+    an existing repo's visibility is left unchanged, so `private` on an existing public repo is refused before
+    anything is uploaded, and the result reports the repository's actual visibility.  `endpoint` overrides the Hub URL (default: the
     `HF_ENDPOINT` huggingface_hub read at import); the token is the explicit argument or, if None,
     whatever huggingface_hub finds (`HF_TOKEN`, then the `hf auth login` cache).
     """
     folder = absolute_path(folder)
     problems = push_setting_problems(repo_id, revision)
+    if commit_message is not None and not commit_message.strip():  # it fell back to the default message unsaid
+        problems.append("--commit-message: must not be empty (leave it out for the default message)")
     if problems:
         raise HubPushError("\n".join(problems))
 
     files = check_pushable(folder)
     card_text, generated = _card_for(folder, repo_id)
-    if generated:
-        others = [item for item in files if item.path != CARD_FILE]
-        files = sorted([*others, UploadFile(CARD_FILE, len(card_text.encode("utf-8")))], key=lambda f: f.path)
+    report_text = (folder / REPORT_FILE).read_text(encoding="utf-8")
+    public_text = json.dumps(public_report(json.loads(report_text)), indent=2) + "\n"
+    in_memory = {CARD_FILE: card_text} if generated else {}
+    if json.loads(public_text) != json.loads(report_text):
+        in_memory[REPORT_FILE] = public_text
+    sizes = {path: len(text.encode("utf-8")) for path, text in in_memory.items()}
+    files = sorted([UploadFile(item.path, sizes.pop(item.path, item.size)) for item in files]
+                   + [UploadFile(path, size) for path, size in sizes.items()], key=lambda f: f.path)
     # The files mla-convert writes from user input are checked for anything shaped like a token, even
     # in a dry run (the card generator redacts them, a hand-edited card or report may not).
     token_like = [CARD_FILE] if _TOKEN_PATTERN.search(card_text.encode("utf-8")) else []
@@ -388,47 +413,53 @@ def push_to_hub(
         commit_message=message,
         card_generated=generated,
         card_has_placeholder=not generated and CARD_PLACEHOLDER in card_text,
+        report_public=REPORT_FILE in in_memory,
     )
     if dry_run:
         return PushResult(dry_run=True, **plan)
 
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
     resolved = token or get_token()
     if not resolved:
         raise HubPushError(NOT_LOGGED_IN)
     secret = resolved.encode("utf-8")
-    on_disk = [item for item in files if not (generated and item.path == CARD_FILE)]  # not written yet
-    leaking = _files_containing(folder, on_disk, lambda data: secret in data)
-    leaking += [CARD_FILE] if generated and secret in card_text.encode("utf-8") else []
+    leaking = _files_containing(folder, [item for item in files if item.path not in in_memory], lambda data: secret in data)
+    leaking += [path for path, text in in_memory.items() if secret in text.encode("utf-8")]
     if leaking:
         raise NotPushableError(f"{folder}: {', '.join(leaking)} contains your Hugging Face token; remove it before pushing")
 
-    if generated:
-        (folder / CARD_FILE).write_text(card_text, encoding="utf-8", newline="")
+    # Exactly the checked list, so the upload can never differ from what dry-run shows.
+    operations = [CommitOperationAdd(path_in_repo=item.path, path_or_fileobj=in_memory[item.path].encode("utf-8")
+                                     if item.path in in_memory else str(folder / item.path)) for item in files]
     api = HfApi(endpoint=endpoint, token=resolved)
     try:
         repo_url = api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
+        is_private = bool(api.repo_info(repo_id, repo_type="model").private)  # what the repository is, not what was asked
+        if private and not is_private:
+            raise HubPushError(f"--private: {repo_id} already exists and is public; push does not change a repository's "
+                               "visibility (change it in the repository's settings on the Hub, or push without --private)")
         if revision and revision != "main" and not revision.startswith("refs/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            repo_type="model",
-            revision=revision,
-            commit_message=message,
-            # Exactly the checked list, so the upload can never differ from what dry-run shows.
-            allow_patterns=[glob.escape(item.path) for item in files],
-        )
+        info = api.create_commit(repo_id=repo_id, operations=operations, commit_message=message, revision=revision,
+                                 repo_type="model")
     except HfHubHTTPError as error:
         raise HubPushError(_describe_http_error(error, repo_id)) from error
     except ValueError as error:  # the Hub's validate-yaml rejected the card, or a malformed server answer
         raise HubPushError(f"push to {repo_id} failed: {' '.join(str(error).split())}") from error
     except _transport_errors() as error:
         raise HubPushError(f"cannot reach the Hub at {api.endpoint}: {' '.join(str(error).split())}") from error
+    plan["private"] = is_private
+    local_card_note = None
+    if generated:  # the folder's card names the repository now, as the pushed one does
+        try:
+            (folder / CARD_FILE).write_text(card_text, encoding="utf-8", newline="")
+        except OSError as error:
+            local_card_note = f"the folder's {CARD_FILE} was not updated with the repository id ({error.strerror or error})"
     return PushResult(
         dry_run=False,
+        local_card_note=local_card_note,
         repo_url=str(repo_url),
         commit_url=getattr(info, "commit_url", None),
         commit_oid=getattr(info, "oid", None),
