@@ -452,3 +452,14 @@ def test_the_card_gives_an_overlapping_evaluations_stride_and_scored_tokens():
     assert "(`tinystories-valid-excerpt.txt`, context 256 tokens, stride 128, 3 windows, 511 scored tokens)" in text
     plain = {**report["evaluation"], "stride": 256, "scored_tokens": 5100}
     assert "context 256 tokens, 20 windows, 5,100 scored tokens)" in str(build_model_card({**report, "evaluation": plain}))
+
+
+def test_card_datasets_name_canonical_and_namespaced_datasets():
+    """`--data wikitext:...` (a canonical dataset, no namespace) was dropped from the card's `datasets:`."""
+    report = smollm2_report()
+    report["calibration"] = {"description": "16 x 256 tokens", "datasets": ["wikitext"]}
+    report["finetuning"]["datasets"] = ["Salesforce/wikitext"]
+    metadata = validate_card(build_model_card(report, repo_id="alice/smollm2-mla"))
+    assert metadata["datasets"] == ["Salesforce/wikitext", "wikitext"]
+    report["finetuning"]["datasets"] = ["../local/text.txt", "a/b/c"]
+    assert validate_card(build_model_card(report, repo_id="alice/smollm2-mla"))["datasets"] == ["wikitext"]

@@ -655,7 +655,8 @@ class Finetuner:
             "command": self.command or None,
             "teacher": self._label(self.teacher_name) if self.teacher_name else None,
             "data": self.data_description,
-            "datasets": [name for name in (hub_dataset(config.data), hub_dataset(config.eval_data)) if name],
+            # the card's `datasets:` lists what a model was trained on: the evaluation text is not one of them
+            "datasets": [name for name in (hub_dataset(config.data),) if name],
             "trained": config.train,
             "trained_tensors": len(self.trained),
             "steps": state.step,

@@ -161,6 +161,17 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _valid_dataset_id(value: Any) -> bool:
+    """True for a Hub dataset id: `namespace/name`, or a canonical dataset's bare name (`wikitext`)."""
+    if not isinstance(value, str) or value.count("/") > 1:
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _valid_repo_id(value: Any) -> bool:
     """True for a Hub model id `namespace/name` (a local path or bare name cannot be a base_model)."""
     if not isinstance(value, str) or value.count("/") != 1:
@@ -230,7 +241,7 @@ def _card_data(report: Mapping[str, Any]) -> ModelCardData:
     rounds = [*_earlier_rounds(report), _get(report, "finetuning")]
     datasets = [d for d in (_get(report, "calibration", "datasets", default=[]) or [])
                 + [name for entry in rounds if isinstance(entry, Mapping) for name in (entry.get("datasets") or [])]
-                if _valid_repo_id(d)]
+                if _valid_dataset_id(d)]
     if datasets:
         extra["datasets"] = sorted(set(datasets))
     return ModelCardData(
