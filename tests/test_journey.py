@@ -62,8 +62,8 @@ def test_eval_update_card_writes_the_measured_numbers(converted, stories260k, ti
     assert evaluation["protocol"].startswith("non-overlapping windows")  # the stride is the context here
     assert not os.path.isabs(evaluation["data"])
     card = (folder / "README.md").read_text()
-    assert "## Quality" in card and f"{evaluation['converted_perplexity']:.4g}" in card
-    assert f"{evaluation['source_perplexity']:.4g}" in card
+    assert "## Quality" in card and f"{evaluation['converted_perplexity']:,.4f}" in card
+    assert f"{evaluation['source_perplexity']:,.4f}" in card
     assert "wrote the evaluation" in result.output
 
 

@@ -786,16 +786,20 @@ def build_model_card(report: dict, repo_id: str | None = None) -> ModelCard:
 
 
 # -------------------------------------------------------------------------------------------- validate
-def validate_card(card: ModelCard | str) -> dict:
+def validate_card(card: ModelCard | str, ours: bool = True) -> dict:
     """Check a card offline; return its metadata dict or raise `CardValidationError` (one line).
 
     Reproduces what the client does when it parses a card (the Hub's own YAML-block regex,
     `yaml.safe_load`, strict `ModelCardData`, which rejects a malformed `model-index`), then checks
-    the fields the Hub validates by value and that this project promises: `library_name`,
-    `pipeline_tag`, `tags`, a `base_model` that is a Hub id, a `base_model_relation` the Hub knows and
-    that only appears together with `base_model`, and a license id.
+    the fields the Hub validates by value (a `base_model` that is a Hub id, a `base_model_relation` the Hub
+    knows and that only appears together with `base_model`, a license id) and, for a card mla-convert
+    writes (`ours`), what this project promises: a metadata block, `library_name`, `pipeline_tag`, `tags`
+    with 'mla'.  A card the user wrote or edited (`ours=False`) is theirs: only what the Hub would refuse
+    is refused (a README without metadata included).
     """
     content = str(card)
+    if not ours and not content.startswith("---"):  # no metadata block: the Hub takes it (the client would warn)
+        return {}
     try:
         parsed = ModelCard(content, ignore_metadata_errors=False)  # the client's own parser (yaml + strict ModelCardData)
     except yaml.YAMLError as error:
@@ -806,16 +810,7 @@ def validate_card(card: ModelCard | str) -> dict:
         raise CardValidationError("model card has no YAML metadata block (--- ... ---) at the top")
     metadata = parsed.data.to_dict()
 
-    problems = []
-    if metadata.get("library_name") != "transformers":
-        problems.append(f"library_name must be 'transformers', got {metadata.get('library_name')!r}")
-    if metadata.get("pipeline_tag") != "text-generation":
-        problems.append(f"pipeline_tag must be 'text-generation', got {metadata.get('pipeline_tag')!r}")
-    tags = metadata.get("tags")
-    if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):
-        problems.append("tags must be a list of non-empty strings")
-    elif "mla" not in tags:
-        problems.append("tags must include 'mla'")
+    problems = _promised_metadata_problems(metadata) if ours else []
     base_model = metadata.get("base_model")
     if base_model is not None:
         ids = base_model if isinstance(base_model, list) else [base_model]
@@ -835,11 +830,26 @@ def validate_card(card: ModelCard | str) -> dict:
             problems.append(f"license must be a Hub license id such as 'apache-2.0', got {license_id!r}")
         elif license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
             problems.append("license 'other' needs license_name and license_link")
-    if not parsed.text.strip():
+    if not parsed.text.strip() and ours:
         problems.append("model card has metadata but no text")
     if problems:
         raise CardValidationError("invalid model card: " + "; ".join(problems))
     return metadata
+
+
+def _promised_metadata_problems(metadata: Mapping[str, Any]) -> list[str]:
+    """What every card mla-convert writes carries, so that the Hub lists it as a transformers text-generation MLA model."""
+    problems = []
+    if metadata.get("library_name") != "transformers":
+        problems.append(f"library_name must be 'transformers', got {metadata.get('library_name')!r}")
+    if metadata.get("pipeline_tag") != "text-generation":
+        problems.append(f"pipeline_tag must be 'text-generation', got {metadata.get('pipeline_tag')!r}")
+    tags = metadata.get("tags")
+    if not isinstance(tags, list) or not all(isinstance(tag, str) and tag for tag in tags):
+        problems.append("tags must be a list of non-empty strings")
+    elif "mla" not in tags:
+        problems.append("tags must include 'mla'")
+    return problems
 
 
 def card_update_problems(folder: Path | None, baseline: str | None, baseline_facts=None) -> list[str]:

@@ -276,7 +276,7 @@ def _card_for(folder: Path, repo_id: str) -> tuple[str, bool]:
     if readme.is_file():
         text = readme.read_text(encoding="utf-8")
         if not card_is_unedited(text) and text != str(build_model_card(report)):
-            validate_card(text)
+            validate_card(text, ours=False)  # the user's card: only what the Hub would refuse is refused
             return text, False
     card = build_model_card(report, repo_id=repo_id)
     validate_card(card)
