@@ -375,6 +375,12 @@ def test_a_run_that_needed_the_harness_patches_is_not_a_plain_yes(capsys, storie
     assert "| vLLM | only patched |" in card and "vllm serve" not in card
     assert '"only patched" where those runs needed the test harness\'s patches' in card  # the legend defines it
     assert "sglang.launch_server" not in card and "convert_hf_to_gguf.py" in card  # SmolLM2 256+64 ran unpatched
+    assert "python convert_hf_to_gguf.py path/to/this/model --outfile" in card and "hf download" not in card
+    # with the repository known, the snippet downloads it and converts the download (it kept the placeholder)
+    pushed = str(build_model_card({"source": {"name_or_path": "m"}, "options": {"kv_lora_rank": 256, "rope_dim": 64,
+                                   "target": "all"}, "engines": vllm, "serving": {"target": "all"}}, repo_id="me/m-mla"))
+    assert "hf download me/m-mla --local-dir m-mla\npython convert_hf_to_gguf.py m-mla --outfile" in pushed
+    assert "path/to/this/model" not in pushed
     assert vllm["sglang"] == {"ok": None, "notes": ["not measured: no run of SGLang is recorded (it has no CPU build to "
                                                     "run here)"], "runs": []}
 

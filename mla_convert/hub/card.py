@@ -632,8 +632,11 @@ def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str
     if "vllm" in runs_stock:
         commands += ["# vLLM: measured with fp32 weights (runs above)", f"vllm serve {model} --dtype float32"]
     if target and "llama.cpp" in runs_stock:
+        # llama.cpp's converter reads a local folder: a pushed model is downloaded first
+        local = CARD_PLACEHOLDER if model == CARD_PLACEHOLDER else Path(model).name
         commands += ["# llama.cpp: its own converter, then the weight types measured above (f16 is its default)",
-                     "python convert_hf_to_gguf.py path/to/this/model --outfile model-f16.gguf",
+                     *([f"hf download {model} --local-dir {local}"] if model != CARD_PLACEHOLDER else []),
+                     f"python convert_hf_to_gguf.py {local} --outfile model-f16.gguf",
                      "llama-completion -m model-f16.gguf -p \"Once upon a time\" -n 40"]
     if commands:
         lines += ["```bash", *commands, "```", ""]
