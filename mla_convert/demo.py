@@ -125,7 +125,7 @@ def compare_models(source: Path, converted: Path, eval_data: str | None = None,
     otherwise counted into the conversion's last phase ("writing the output (50.4 s)").
     """
     from .eval.perplexity import evaluate_perplexity
-    from .eval.textdata import load_text
+    from .eval.textdata import load_text, tokenize_with_offsets
     from .io.hf_loading import load_causal_lm, load_tokenizer, without_load_progress_bars
 
     progress = progress or Progress()
@@ -139,11 +139,12 @@ def compare_models(source: Path, converted: Path, eval_data: str | None = None,
     perplexity = {"text sampled from the source model (4 x 256 tokens, unseen seed)":
                   self_sampled_perplexity(models, sampler=models["source"])}
     if eval_data:
-        text = load_text(eval_data)
-        perplexity[f"{eval_data} (ctx 1024, first 10 windows)"] = {
-            name: evaluate_perplexity(model, tokenizer, text, context_length=1024, max_windows=10, progress=False).perplexity
-            for name, model in models.items()
-        }
+        tokenized = tokenize_with_offsets(tokenizer, load_text(eval_data))
+        results = {name: evaluate_perplexity(model, tokenized, context_length=1024, max_windows=10, progress=False)
+                   for name, model in models.items()}
+        windows = results["source"].num_windows  # (a short text has fewer than 10)
+        label = f"{eval_data} (ctx 1024, {'first 10 windows' if windows == 10 else f'{windows} window' + 's' * (windows != 1)})"
+        perplexity[label] = {name: result.perplexity for name, result in results.items()}
     progress.phase("greedy continuations from both models", len(prompts))
     generations = []
     for index, prompt in enumerate(prompts):

@@ -61,16 +61,21 @@ class PhaseRecorder(Progress):
 
 
 @pytest.mark.real_model
-def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260k, capfd):
+def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260k, capfd, tmp_path):
     """The demo's comparison after the conversion: announced as two phases (so the console does not count
     its time into the conversion's last phase), and a model compared with itself scores and continues
     identically (the oracle for the side-by-side plumbing)."""
     phases = PhaseRecorder()
-    perplexity, generations = compare_models(stories260k, stories260k, prompts=("Once upon a time", "The cat"),
+    short = tmp_path / "short.txt"
+    short.write_text("Once upon a time there was a little cat. " * 20)  # one window of 1024 tokens at most
+    perplexity, generations = compare_models(stories260k, stories260k, str(short), prompts=("Once upon a time", "The cat"),
                                              max_new_tokens=8, progress=phases)
     assert phases.phases == ["perplexity of the source and the MLA model", "greedy continuations from both models"]
     assert phases.advances == [(1, 2), (2, 2)]
-    [scores] = perplexity.values()
+    sampled, on_the_text = perplexity  # (the label said "first 10 windows" whatever the text held)
+    assert on_the_text == f"{short} (ctx 1024, 1 window)"
+    assert perplexity[on_the_text]["source"] == perplexity[on_the_text]["converted"]
+    scores = perplexity[sampled]
     assert scores["source"] == scores["converted"] and 1 < scores["source"] < 100
     assert [prompt for prompt, _, _ in generations] == ["Once upon a time", "The cat"]
     assert all(source == converted and source.strip() for _, source, converted in generations)
