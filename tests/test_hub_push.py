@@ -598,3 +598,19 @@ def test_convert_refuses_push_settings_before_converting(flags, message, tmp_pat
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
     assert not output.exists()
+
+
+def test_convert_quiet_push_prints_the_output_path_and_the_commit_url(tmp_path, hub):
+    """`-q` promises errors and the output path only; with --push-to-hub it also printed the whole upload summary."""
+    from tiny_models import save_tiny_model
+
+    source = save_tiny_model(tmp_path / "src", num_layers=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
+    done = subprocess.run([sys.executable, "-m", "mla_convert", "convert", str(source), str(tmp_path / "out"), "-c", "2",
+                           "--effort", "fast", "--calib-samples", "2", "--calib-seq-len", "32", "--calib-error-samples", "1",
+                           "-q", "--push-to-hub", "alice/tiny-mla"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [commit] = hub.repos["alice/tiny-mla"].commits
+    assert done.stdout.splitlines() == [str(tmp_path / "out"), f"{hub.url}/alice/tiny-mla/commit/{commit['oid']}"]
