@@ -119,3 +119,11 @@ def test_an_output_the_demo_did_not_make_is_refused_before_the_model_is_fetched(
         (problem,) = demo_problems(2.0, other)
         assert "exists and is not an earlier demo's output" in problem
     assert demo_problems(2.0, earlier) == []  # its own earlier output: replaced when the demo writes it
+
+
+def test_the_demo_cards_base_model_and_license_are_ones_convert_accepts():
+    """The demo converts with --base-model/--license of SmolLM2; a bad constant would fail only after the download."""
+    from mla_convert.hub.card import card_option_problems
+    from mla_convert.io.assets import SMOLLM2_HUB_ID, SMOLLM2_LICENSE
+
+    assert card_option_problems(SMOLLM2_HUB_ID, SMOLLM2_LICENSE) == []
