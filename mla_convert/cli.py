@@ -115,6 +115,8 @@ def inspect(
     )
     print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
+    for note in report.notes():
+        console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     change = (f"[bold]{report.ratio:.2f}x[/] smaller KV cache" if report.ratio >= 1 else
               f"[bold]{report.ratio:.2f}x[/]: the MLA cache is {1 / report.ratio:.2f}x larger than the source's")
     console.print(f"compression ratio: {change}", highlight=False, soft_wrap=True)

@@ -132,6 +132,21 @@ def test_inspect_report_rows_match_the_arithmetic():
     assert report.ratio == 4.0
 
 
+def test_inspect_counts_what_a_sliding_window_caches_and_says_what_the_export_declares():
+    """A Mistral with a 16-token window was shown caching 4096 tokens, with no word on the export's 16 positions."""
+    windowed = SourceConfig.from_dict({**SMOLLM2, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                                       "sliding_window": 16})
+    report = inspect_shapes(windowed, compression=4, dtype=torch.float16, context=4096)
+    rows = {quantity: (source, mla) for quantity, source, mla in report.rows()}
+    assert rows["cache for 4096 tokens x batch 1"] == (f"{human_bytes(768 * 30 * 16)} (16-token window)",
+                                                      human_bytes(192 * 30 * 4096))
+    [note] = report.notes()
+    assert "caches at most that many per sequence" in note and "declares max_position_embeddings 16" in note
+    short = inspect_shapes(SourceConfig.from_dict({**SMOLLM2, "max_position_embeddings": 1024}), compression=4, context=4096)
+    assert short.notes() == ["--context 4096 is longer than the model's max_position_embeddings 1024, which the export keeps"]
+    assert inspect_shapes(SourceConfig.from_dict(SMOLLM2), compression=4, context=2048).notes() == []
+
+
 @pytest.mark.parametrize(
     "config, compression, rank, rope",
     [
@@ -290,3 +305,14 @@ def test_inspect_says_when_the_mla_cache_is_larger(smollm2_config_folder):
     assert "compression ratio: 0.92x: the MLA cache is 1.08x larger than the source's" in result.stdout
     assert "smaller" not in result.stdout
     assert "\n\n**shapes each --target allows for this model**\n\n" in result.stdout
+
+
+def test_the_transformers_target_row_spans_the_ratios_of_the_shapes_it_allows():
+    """It said "1x to 10.7x" for an MQA model whose full-rank shape (allowed) caches more than the source: 0.67x."""
+    from mla_convert.source.inspect import target_rows
+
+    mqa = SourceConfig.from_dict({**SMOLLM2, "num_key_value_heads": 1})
+    [(_, shapes, ratios)] = [row for row in target_rows(mqa) if row[0] == "transformers"]
+    widest = mqa.max_kv_lora_rank + mqa.max_rope_dim
+    assert ratios.startswith(f"{mqa.kv_values_per_token_layer / widest:.2f}x to ") and widest > mqa.kv_values_per_token_layer
+    assert f"kv_lora_rank <= {mqa.max_kv_lora_rank}" in shapes

@@ -25,15 +25,37 @@ class InspectReport:
     def ratio(self) -> float:
         return self.source_cost.values_per_token_layer / self.mla_cost.values_per_token_layer
 
+    @property
+    def source_cached_tokens(self) -> int:
+        """Tokens the source caches per sequence at `context`: a sliding window keeps at most its window."""
+        window = self.source.sliding_window
+        return min(self.context, window) if window else self.context
+
+    def notes(self) -> list[str]:
+        """What the table's "cache for N tokens" row needs said: a window that caps the source's cache, and positions
+        the export does not declare (it attends to every position, so a windowed source's export declares the window)."""
+        notes = []
+        if self.source.sliding_window and self.context > self.source.sliding_window:
+            notes.append(f"the source slides its attention over {self.source.sliding_window} tokens, so it caches at most "
+                         f"that many per sequence (counted so above); the export attends to every position and declares "
+                         f"max_position_embeddings {self.source.export_max_positions}, the context where the two agree")
+        if self.context > self.source.export_max_positions and not self.source.sliding_window:
+            notes.append(f"--context {self.context} is longer than the model's max_position_embeddings "
+                         f"{self.source.export_max_positions}, which the export keeps")
+        return notes
+
     def rows(self) -> list[tuple[str, str, str]]:
         """(quantity, source, MLA) rows for the before/after table."""
         s, m = self.source_cost, self.mla_cost
         tokens = self.context * self.batch
+        windowed = self.source_cached_tokens != self.context
+        source_cache = human_bytes(s.bytes_for(self.source_cached_tokens, self.batch))
         return [
             ("cached values / token / layer", f"{s.values_per_token_layer}", f"{m.values_per_token_layer}"),
             ("bytes / token / layer", f"{s.bytes_per_token_layer}", f"{m.bytes_per_token_layer}"),
             ("bytes / token (all layers)", human_bytes(s.bytes_per_token), human_bytes(m.bytes_per_token)),
-            (f"cache for {self.context} tokens x batch {self.batch}", human_bytes(s.bytes_for(self.context, self.batch)),
+            (f"cache for {self.context} tokens x batch {self.batch}",
+             source_cache + (f" ({self.source_cached_tokens}-token window)" if windowed else ""),
              human_bytes(m.bytes_for(self.context, self.batch))),
             ("tokens cached per GiB", f"{(1 << 30) // s.bytes_per_token:,}", f"{(1 << 30) // m.bytes_per_token:,}"),
         ] if tokens else []
@@ -64,7 +86,9 @@ def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
         allowed = target_shapes(source, target)
         if allowed is None:
             shapes = f"any: kv_lora_rank <= {source.max_kv_lora_rank}, even rope_dim <= {source.max_rope_dim}"
-            ratios = f"1x to {source.kv_values_per_token_layer / 3:.1f}x"
+            # from the widest shape allowed (full rank + the widest RoPE key: below 1x for MQA) to the narrowest (2+... = 3)
+            widest = source.max_kv_lora_rank + source.max_rope_dim
+            ratios = f"{source.kv_values_per_token_layer / widest:.2f}x to {source.kv_values_per_token_layer / 3:.1f}x"
         else:
             shapes = ", ".join(f"{m.kv_lora_rank}+{m.rope_dim}" for m in allowed) or \
                 f"none (kv_lora_rank + rope_dim must be one of {', '.join(map(str, target.widths))})"
