@@ -149,3 +149,11 @@ def test_piped_sweep_reports_each_evaluation_before_its_result(source, tmp_path)
         result = next(i for i, line in enumerate(lines) if line.startswith(f"{label}") and "perplexity" in line
                       and not line.startswith("done:"))
         assert finished < result, lines
+
+
+def test_convert_says_when_the_norm_epsilon_changes(tmp_path):
+    """A source with rms_norm_eps 1e-5 (most real Llamas) is exported with 1e-6; only the card said so."""
+    source = save_tiny_model(tmp_path / "src", vocab_size=128, num_layers=1, rms_norm_eps=1e-5)
+    done = run_piped("convert", source, tmp_path / "out", "-c", "2", *QUICK)
+    assert done.returncode == 0, done.stderr
+    assert "note: every RMSNorm of the export uses eps 1e-06 (the source: 1e-05)" in done.stderr

@@ -40,6 +40,7 @@ def tiny_config(
     rope_theta: float = 10000.0,
     rope_parameters: dict | None = None,
     max_position_embeddings: int = 512,
+    rms_norm_eps: float = 1e-6,
 ):
     config_cls, _ = FAMILIES[family]
     kwargs = dict(
@@ -52,6 +53,7 @@ def tiny_config(
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=rms_norm_eps,
         rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": rope_theta},
         bos_token_id=1,
         eos_token_id=2,

@@ -458,6 +458,10 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     if reader.ignored_index is not None:
         message(f"note: {reader.folder} holds both {reader.ignored_index[1]} and {reader.ignored_index[0]}; transformers loads "
                 f"{reader.ignored_index[1]}, so the conversion reads it and ignores the index and its shards")
+    if not math.isclose(source.rms_norm_eps, T.EXPORT_RMS_NORM_EPS):  # said in the card only, the console was silent
+        message(f"note: every RMSNorm of the export uses eps {T.EXPORT_RMS_NORM_EPS:g} (the source: {source.rms_norm_eps:g}): "
+                "transformers fixes the latent norms at that value and the serving engines use one eps for all norms; "
+                "the layer norms compute slightly differently from the source's, which the attention error does not measure")
     if source.sliding_window is not None:
         message(f"note: the source slides its attention over {source.sliding_window} tokens; DeepseekV3 attends to every "
                 f"position, so the export declares max_position_embeddings {source.sliding_window} (the source: "
