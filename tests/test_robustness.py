@@ -185,6 +185,21 @@ def _(ws):
     return []
 
 
+@case("unprefixed-names", "tensors named as a base model saves them (no `model.` prefix)",
+      "every `model.` prefix dropped from the shard headers and the index", "without the 'model.' prefix",
+      "save_pretrained it again")
+def _(ws):
+    def unprefixed(name: str) -> str:
+        return name.removeprefix("model.")
+
+    for shard in ws.src.glob("*.safetensors"):
+        rewrite_header(shard, lambda header: [header.__setitem__(unprefixed(key), header.pop(key)) for key in list(header)])
+    index = json.loads((ws.src / INDEX).read_text())
+    index["weight_map"] = {unprefixed(name): file for name, file in index["weight_map"].items()}
+    (ws.src / INDEX).write_text(json.dumps(index))
+    return []
+
+
 @case("shard-symlink-out", "shard symlinked from outside the model folder",
       "a shard moved out and replaced by a symlink to it", "symlink pointing outside")
 def _(ws):

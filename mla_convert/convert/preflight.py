@@ -89,6 +89,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                        b.reshape(-1).view(torch.uint8))
 
 
+BASE_PREFIX = "model."  # where a *ForCausalLM checkpoint keeps the base model's tensors
+
+
 def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
     """Every expected tensor is stored, with the expected shape and a floating-point dtype (headers only, except
     that a tensor stored twice is read to compare its copies)."""
@@ -103,7 +106,15 @@ def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
                 "shard the index names, and the copies differ; transformers may load either, so the conversion could describe another "
                 "model: remove the stray copy" for name, files in sorted(reader.stray_copies.items())
                 if name in infos and not _copies_identical(reader, name, files)]
-    for name, wanted in expected_tensor_shapes(shape).items():
+    expected = expected_tensor_shapes(shape)
+    unprefixed = [name for name in expected if name.startswith(BASE_PREFIX) and name not in infos
+                  and name.removeprefix(BASE_PREFIX) in infos]
+    if unprefixed:  # one cause, not a "missing" line per tensor
+        return problems + [f"{reader.folder}: the tensors are stored without the '{BASE_PREFIX}' prefix (e.g. "
+                           f"{unprefixed[0].removeprefix(BASE_PREFIX)!r} for {unprefixed[0]!r}), as a base model saves "
+                           "them; mla-convert reads the names a *ForCausalLM checkpoint has: load the folder with "
+                           "AutoModelForCausalLM.from_pretrained and save_pretrained it again"]
+    for name, wanted in expected.items():
         info = infos.get(name)
         if info is None:
             problems.append(f"{reader.folder}: tensor {name!r} is missing (expected shape {list(wanted)})")
