@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 
-from mla_convert.options import CalibrationOptions  # noqa: E402  (after the repo is importable)
+from mla_convert.convert.decisions import Progress  # noqa: E402  (after the repo is importable)
+from mla_convert.options import CalibrationOptions  # noqa: E402
 
 SECTION_BEGIN = "<!-- bench_sweeps:begin -->"
 SECTION_END = "<!-- bench_sweeps:end -->"
@@ -79,8 +80,9 @@ PROTOCOLS = {
 }
 
 
-class PrintProgress:
-    """Sweep-level messages with elapsed time; the converter's phases only with --verbose."""
+class PrintProgress(Progress):
+    """Sweep-level messages with elapsed time; the converter's phases only with --verbose.  (A subclass of the
+    converter's `Progress`, so a hook it gains later, such as `end`, is there: without it the sweep crashed.)"""
 
     def __init__(self, verbose: bool):
         self.verbose = verbose
