@@ -161,26 +161,24 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _valid_dataset_id(value: Any) -> bool:
-    """True for a Hub dataset id: `namespace/name`, or a canonical dataset's bare name (`wikitext`)."""
-    if not isinstance(value, str) or value.count("/") > 1:
+def _valid_hub_id(value: Any, slashes: tuple[int, ...]) -> bool:
+    if not isinstance(value, str) or value.count("/") not in slashes:
         return False
     try:
         validate_repo_id(value)
     except HFValidationError:
         return False
     return True
+
+
+def _valid_dataset_id(value: Any) -> bool:
+    """True for a Hub dataset id: `namespace/name`, or a canonical dataset's bare name (`wikitext`)."""
+    return _valid_hub_id(value, (0, 1))
 
 
 def _valid_repo_id(value: Any) -> bool:
     """True for a Hub model id `namespace/name` (a local path or bare name cannot be a base_model)."""
-    if not isinstance(value, str) or value.count("/") != 1:
-        return False
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
+    return _valid_hub_id(value, (1,))
 
 
 def card_option_problems(base_model: str | None, license_id: str | None) -> list[str]:
