@@ -49,16 +49,14 @@ def hub_reachable(endpoint: str) -> bool:
 
 @contextlib.contextmanager
 def _offline_flags() -> Iterator[None]:
-    """huggingface_hub and datasets in offline mode for the block (their caches still serve)."""
-    import importlib
+    """huggingface_hub and datasets in offline mode for the block (their caches still serve).  Only modules already
+    imported are switched: the caller imports the library it reads with before entering (no import for nothing)."""
+    import sys
 
     saved = []
     for module_name in ("huggingface_hub.constants", "datasets.config"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if hasattr(module, "HF_HUB_OFFLINE"):
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, "HF_HUB_OFFLINE"):
             saved.append((module, module.HF_HUB_OFFLINE))
             module.HF_HUB_OFFLINE = True
     try:
