@@ -133,6 +133,26 @@ def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
+def test_a_note_every_conversion_repeats_is_shown_once(tmp_path, tiny_text):
+    """The source's norm-epsilon note was printed once per conversion (6 times in a 3-ratio, 2-method sweep)."""
+    from mla_convert.convert.decisions import Progress
+
+    class Recorder(Progress):
+        def __init__(self):
+            self.messages = []
+
+        def message(self, text):
+            self.messages.append(text)
+
+    source = save_tiny_model(tmp_path / "src", seed=3, weight_scale=4.0, rms_norm_eps=1e-5)
+    save_char_tokenizer(source)
+    recorder = Recorder()
+    run_sweep(source, [2, 4], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+              calibration=TINY_CALIBRATION, progress=recorder)
+    notes = [text for text in recorder.messages if text.startswith("note: every RMSNorm")]
+    assert len(notes) == 1, recorder.messages
+
+
 def test_missing_calibration_text_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
     with pytest.raises(MLAConvertError, match="no-such-calibration.txt"):
         run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,

@@ -633,7 +633,7 @@ def run_sweep(
         keep_root = (out / "models") if out is not None else Path(models_dir)
     scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-", dir=models_dir)
     try:
-        with Converter(source, base, progress) as converter:
+        with Converter(source, base, _NotesOnce(progress)) as converter:
             max_positions = converter.config.max_position_embeddings
             if context_length is None:
                 context_length = min(DEFAULT_CONTEXT, max_positions)
@@ -745,6 +745,29 @@ def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[
         converter.progress = shown
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))
+
+
+class _NotesOnce(Progress):
+    """The sweep's progress for its conversions: a `note:` every export repeats (the source's norm epsilon, its sliding
+    window) is shown the first time only; everything else passes through."""
+
+    def __init__(self, inner: Progress):
+        self.inner, self.seen = inner, set()
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        self.inner.phase(name, total)
+
+    def advance(self, done: int, total: int | None = None) -> None:
+        self.inner.advance(done, total)
+
+    def message(self, text: str) -> None:
+        if text.startswith("note:") and text in self.seen:
+            return
+        self.seen.add(text)
+        self.inner.message(text)
+
+    def end(self) -> None:
+        self.inner.end()
 
 
 def _kept_model(folder: Path) -> bool:
