@@ -245,10 +245,10 @@ def tokenizer_code_problems(folder: Path) -> list[str]:
 
 def local_text_problems(spec: str, text_column: str) -> list[str]:
     """Read the start of a local calibration file or folder (a dataset spec is checked when it is loaded)."""
-    from ..eval.textdata import _looks_like_path, load_text
+    from ..eval.textdata import looks_like_path, load_text
 
     path = Path(str(spec)).expanduser()
-    if not (path.exists() or (":" not in str(spec) and _looks_like_path(str(spec)))):
+    if not (path.exists() or (":" not in str(spec) and looks_like_path(str(spec)))):
         return []
     try:
         load_text(spec, text_column=text_column, max_chars=1 << 16)

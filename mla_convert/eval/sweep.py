@@ -46,7 +46,7 @@ from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from .checks import DEFAULT_CONTEXT, dtype_problems, text_option_problems
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
-from .textdata import TokenizedText, load_text, tokenize_with_offsets
+from .textdata import TokenizedText, load_text, looks_like_path, tokenize_with_offsets
 
 DEFAULT_METHODS = ("activation-aware", "svd")
 SOURCE = "source"
@@ -271,7 +271,7 @@ class SweepResult:
         """Two or three sentences saying how the numbers were measured (for the markdown files)."""
         source = self.source_point.result
         # a local text is named by its file name (its path is this machine's, or written portably as $TMPDIR/...)
-        local = Path(self.data).exists() or self.data.startswith(("$TMPDIR/", "~/", "../", "/", "./"))
+        local = Path(self.data).exists() or self.data.startswith("$TMPDIR/") or looks_like_path(self.data)
         data = Path(self.data).name if local else self.data
         text = (f"Perplexity on `{data}`: {source.num_windows} non-overlapping windows of {self.context_length} tokens "
                 f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.cache_dtype} "

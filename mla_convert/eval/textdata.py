@@ -61,7 +61,7 @@ def load_text(spec: str | os.PathLike, text_column: str = "text", split: str | N
         text = _read_file(path, text_column, max_chars)
     elif path.is_dir():
         text = _read_folder(path, text_column, max_chars)
-    elif ":" not in text_spec and _looks_like_path(text_spec):
+    elif ":" not in text_spec and looks_like_path(text_spec):
         raise TextDataError(f"{text_spec}: no such file or folder")
     else:
         text = _read_dataset(text_spec, text_column, split, max_chars)
@@ -72,7 +72,7 @@ def load_text(spec: str | os.PathLike, text_column: str = "text", split: str | N
     return text
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     """A spec meant as a local path (so a typo gives 'no such file', not a hub lookup)."""
     lowered = spec.lower()
     return spec.startswith(_PATH_PREFIXES) or lowered.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES + (".json",))

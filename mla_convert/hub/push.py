@@ -388,11 +388,11 @@ def push_to_hub(
 
     files = check_pushable(folder)
     card_text, generated = _card_for(folder, repo_id)
-    report_text = (folder / REPORT_FILE).read_text(encoding="utf-8")
-    public_text = json.dumps(public_report(json.loads(report_text)), indent=2) + "\n"
+    report = load_report(folder)
+    public = public_report(report)
     in_memory = {CARD_FILE: card_text} if generated else {}
-    if json.loads(public_text) != json.loads(report_text):
-        in_memory[REPORT_FILE] = public_text
+    if public != report:
+        in_memory[REPORT_FILE] = json.dumps(public, indent=2) + "\n"
     sizes = {path: len(text.encode("utf-8")) for path, text in in_memory.items()}
     files = sorted([UploadFile(item.path, sizes.pop(item.path, item.size)) for item in files]
                    + [UploadFile(path, size) for path, size in sizes.items()], key=lambda f: f.path)
