@@ -248,7 +248,7 @@ def evaluate(
     report = run_eval(facts[0].path, data, baseline=None if baseline is None else facts[1].path, context_length=context,
                       stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
                       dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline),
-                      allow_long_context=allow_long_context)
+                      allow_long_context=allow_long_context, plan=plan)
     print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
     results = report.to_dict()
     if update_card:

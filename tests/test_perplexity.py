@@ -400,3 +400,33 @@ def test_eval_perplexity_script_refuses_options_that_cannot_act(tiny_pair, tmp_p
     assert module.main([str(converted), "--data", str(text), "--split", "test", "--max-chars", "0"]) == 2
     error = capsys.readouterr().err
     assert "--split test: acts only with a datasets spec" in error and "--max-chars 0: must be at least 1" in error
+
+
+def test_eval_runs_its_preflight_once_and_loads_each_tokenizer_once(tiny_pair, monkeypatch):
+    """`eval` ran the pre-flight twice (the command's, then `run_eval`'s: two hub lookups per model id) and loaded the
+    tokenizers three times (once in each pre-flight, again to score)."""
+    from typer.testing import CliRunner
+
+    import mla_convert.eval.checks as checks
+    import mla_convert.io.hf_loading as hf_loading
+    from mla_convert import cli
+
+    source, converted, text = tiny_pair
+    calls = {"preflight": 0, "tokenizer": []}
+    real_preflight, real_load_tokenizer = checks.eval_preflight, hf_loading.load_tokenizer
+
+    def counted_preflight(*args, **kwargs):
+        calls["preflight"] += 1
+        return real_preflight(*args, **kwargs)
+
+    def counted_load_tokenizer(folder, *args, **kwargs):
+        calls["tokenizer"].append(folder)
+        return real_load_tokenizer(folder, *args, **kwargs)
+
+    monkeypatch.setattr(checks, "eval_preflight", counted_preflight)
+    monkeypatch.setattr(hf_loading, "load_tokenizer", counted_load_tokenizer)
+    result = CliRunner().invoke(cli.app, ["eval", str(converted), "--baseline", str(source), "--data", str(text),
+                                          "--context", "32", "--max-windows", "1"])
+    assert result.exit_code == 0, result.output
+    assert calls["preflight"] == 1
+    assert sorted(map(str, calls["tokenizer"])) == sorted([str(converted), str(source)])

@@ -63,22 +63,30 @@ def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: boo
                       vocab_size if isinstance(vocab_size, int) else None)
 
 
-def tokenizer_problems(facts: list[ModelFacts | None]) -> list[str]:
+def load_tokenizers(facts: list[ModelFacts | None]) -> dict[Path, object]:
+    """Each model's own tokenizer, by folder, for those that have one that loads (in `facts`' order)."""
+    from ..io.hf_loading import ModelLoadError, load_tokenizer
+
+    tokenizers = {}
+    for fact in facts:
+        if fact is not None and fact.path not in tokenizers:
+            try:
+                tokenizers[fact.path] = load_tokenizer(fact.path)
+            except ModelLoadError:
+                continue
+    return tokenizers
+
+
+def tokenizer_problems(facts: list[ModelFacts | None], tokenizers: dict[Path, object] | None = None) -> list[str]:
     """Every model is scored on the ids of one tokenizer (the model's, else the baseline's), so each must embed all
     of its ids and a baseline with its own tokenizer must have the same one.
 
     A baseline with a smaller vocabulary crashed in the embedding after both models had loaded; one with another
     tokenizer of the same size was scored on ids that meant other words to it, and compared as if comparable.
+    `tokenizers`: what `load_tokenizers(facts)` returned, when the caller already has it.
     """
-    from ..io.hf_loading import ModelLoadError, load_tokenizer
-
-    tokenizers = {}
-    for fact in facts:
-        if fact is not None:
-            try:
-                tokenizers[fact.path] = load_tokenizer(fact.path)
-            except ModelLoadError:
-                continue
+    if tokenizers is None:
+        tokenizers = load_tokenizers(facts)
     known = [fact for fact in facts if fact is not None]
     if not known or not tokenizers:
         return [f"no tokenizer loads from {' or '.join(str(fact.path) for fact in known)}"] if known else []
@@ -196,10 +204,12 @@ def text_option_problems(data: str | os.PathLike | None, text_column: str = "tex
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """What `eval_preflight` found: the models' facts (model first, baseline second when given) and the context."""
+    """What `eval_preflight` found: the models' facts (model first, baseline second when given), the context and,
+    for an evaluation, the tokenizer every model is scored with (loaded once, for the checks and the scoring)."""
 
     facts: list[ModelFacts | None]
     context: int
+    tokenizer: object | None = None
 
 
 def eval_preflight(model: str | os.PathLike, baseline: str | os.PathLike | None, context: int | None, *,
@@ -230,10 +240,13 @@ def eval_preflight(model: str | os.PathLike, baseline: str | os.PathLike | None,
                      "be scored")
     found += device_problems(device) + output_file_problems(json_path, "--json")
     found += results_file_problems(json_path, data, known) + text_option_problems(data, text_column, split, max_chars)
+    tokenizer = None
     if data is not None:  # an evaluation (not the model half of another command)
-        found += tokenizer_problems(facts)
+        tokenizers = load_tokenizers(facts)
+        found += tokenizer_problems(facts, tokenizers)
+        tokenizer = next(iter(tokenizers.values()), None)  # the model's own, else the baseline's
     if problems is not None:
         problems += found
     elif found:
         raise PreflightError(list(dict.fromkeys(found)))
-    return EvalPlan(facts, context)
+    return EvalPlan(facts, context, tokenizer)

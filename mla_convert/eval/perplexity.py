@@ -430,6 +430,7 @@ def run_eval(
     allow_pickle: bool = False,
     labels: tuple[str | None, str | None] | None = None,
     allow_long_context: bool = False,
+    plan=None,
 ) -> EvalReport:
     """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
 
@@ -438,10 +439,12 @@ def run_eval(
     that is not there, an unwritable `json_path`) is refused here too, before any model loads.
     The tokenizer comes from the model folder, else from the baseline's (a converted model carries its
     source's tokenizer, but an older export might not).
+    `plan`: what `eval_preflight` returned for these same arguments, when the caller ran it already (the command
+    adds its own checks to it); the pre-flight, its hub lookups and its tokenizer loads are then not repeated.
     """
     from .checks import eval_preflight
 
-    plan = eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
+    plan = plan or eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
                           device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
                           batch_size=batch_size, json_path=json_path, revision=revision, allow_pickle=allow_pickle,
                           data=data, text_column=text_column, split=split, max_chars=max_chars)
@@ -449,7 +452,7 @@ def run_eval(
     # the text, its tokens and the windows before any model loads: a missing or empty text, or one too short for
     # a window, fails in seconds rather than after the models
     text = load_text(data, text_column=text_column, split=split, max_chars=max_chars)
-    tokenizer = load_tokenizer_for_eval(*(fact.path for fact in plan.facts))
+    tokenizer = plan.tokenizer or load_tokenizer_for_eval(*(fact.path for fact in plan.facts))
     tokenized = tokenize_with_offsets(tokenizer, text)
     plan_windows(len(tokenized), context_length, stride, max_windows)
     model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
