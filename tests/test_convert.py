@@ -623,3 +623,32 @@ def test_an_explicit_q_lora_rank_of_hidden_keeps_the_bias_at_least_as_well_as_a_
         source, tmp_path / f"q{rank}", fast_options(kv_lora_rank=32, rope_dim=16, q_lora_rank=rank)).report["layers"])
         for rank in (32, 64)}
     assert residual[64] <= residual[32] + 1e-9, residual
+
+
+def test_phase_timer_passes_the_end_of_a_phase_on_and_stops_its_clock():
+    """`PhaseTimer` swallowed `end()`: a log under a conversion showed a phase's time only once the next one started,
+    and the timer kept counting the gap as part of the phase that had ended."""
+    import time
+
+    from mla_convert.convert.decisions import PhaseTimer, Progress
+
+    class Recorder(Progress):
+        def __init__(self):
+            self.calls = []
+
+        def phase(self, name, total=None):
+            self.calls.append(("phase", name))
+
+        def end(self):
+            self.calls.append(("end",))
+
+    inner, seconds = Recorder(), {}
+    timer = PhaseTimer(inner, seconds)
+    timer.phase("calibration")
+    timer.end()
+    measured = seconds["calibration"]
+    time.sleep(0.05)  # between phases: not calibration's time
+    timer.phase("factorization")
+    timer.stop()
+    assert inner.calls == [("phase", "calibration"), ("end",), ("phase", "factorization")]
+    assert seconds["calibration"] == measured and measured < 0.05

@@ -87,7 +87,26 @@ class Progress:
         after whatever comes next)."""
 
 
-class PhaseTimer(Progress):
+class ForwardingProgress(Progress):
+    """Passes every callback on to `inner`; a subclass overrides what it adds (timing, filtering)."""
+
+    def __init__(self, inner: Progress):
+        self.inner = inner
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        self.inner.phase(name, total)
+
+    def advance(self, done: int, total: int | None = None) -> None:
+        self.inner.advance(done, total)
+
+    def message(self, text: str) -> None:
+        self.inner.message(text)
+
+    def end(self) -> None:
+        self.inner.end()
+
+
+class PhaseTimer(ForwardingProgress):
     """Passes every callback on to `inner` and adds each phase's wall time to `seconds` (name -> seconds).
 
     A phase lasts until the next one starts or `stop()` is called; the report records the totals, which is
@@ -96,7 +115,8 @@ class PhaseTimer(Progress):
 
     def __init__(self, inner: Progress, seconds: dict[str, float], cpu_seconds: dict[str, float] | None = None,
                  windows: dict[str, list[float]] | None = None):
-        self.inner, self.seconds = inner, seconds
+        super().__init__(inner)
+        self.seconds = seconds
         self.cpu_seconds = {} if cpu_seconds is None else cpu_seconds  # process CPU time (all threads) per phase
         # name -> [first start, last end] in Unix time: lets a memory sampler outside the process tell which phase
         # it saw (durations alone place the phases only up to whatever runs between and after them)
@@ -110,11 +130,9 @@ class PhaseTimer(Progress):
         self.windows.setdefault(name, [now, now])
         self.inner.phase(name, total)
 
-    def advance(self, done: int, total: int | None = None) -> None:
-        self.inner.advance(done, total)
-
-    def message(self, text: str) -> None:
-        self.inner.message(text)
+    def end(self) -> None:
+        self.stop()
+        self.inner.end()
 
     def stop(self) -> None:
         if self._current is not None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, Progress
+from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress, Progress
 from ..convert.pipeline import Converter
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
@@ -747,27 +747,19 @@ def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[
         raise PreflightError(list(dict.fromkeys(problems)))
 
 
-class _NotesOnce(Progress):
+class _NotesOnce(ForwardingProgress):
     """The sweep's progress for its conversions: a `note:` every export repeats (the source's norm epsilon, its sliding
     window) is shown the first time only; everything else passes through."""
 
     def __init__(self, inner: Progress):
-        self.inner, self.seen = inner, set()
-
-    def phase(self, name: str, total: int | None = None) -> None:
-        self.inner.phase(name, total)
-
-    def advance(self, done: int, total: int | None = None) -> None:
-        self.inner.advance(done, total)
+        super().__init__(inner)
+        self.seen = set()
 
     def message(self, text: str) -> None:
         if text.startswith("note:") and text in self.seen:
             return
         self.seen.add(text)
         self.inner.message(text)
-
-    def end(self) -> None:
-        self.inner.end()
 
 
 def _kept_model(folder: Path) -> bool:
