@@ -282,7 +282,8 @@ def evaluate(
 def generate(
     model: str = typer.Argument(..., help="Converted (DeepseekV3) model folder."),
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
-    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per prompt (default: the folder's "
+                                                 "generation_config.json max_new_tokens, else 64)."),
     sample: bool = typer.Option(False, help="Sample instead of greedy decoding (top-k: the folder's "
                                 "generation_config.json, else transformers' 50)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default: the folder's "
@@ -315,8 +316,10 @@ def generate(
     sampling_problems = settings.sampling_problems(temperature, top_p) if sample else []
     if sampling_problems:  # the config's values this sampled run would use
         raise PreflightError(sampling_problems)
-    for note in settings.notes(sample):  # what transformers' generate() would do differently
-        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    given_length = max_new_tokens
+    max_new_tokens = settings.new_tokens(max_new_tokens)
+    for note in settings.notes(sample, None if given_length is not None else max_new_tokens):
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)  # what generate() would do differently
 
     result = generate_text(facts.path, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,
                            top_p=top_p, seed=seed, device=device, page_size=page_size,

@@ -16,6 +16,7 @@ sizes spend ~100x longer in thread barriers than computing (a generate call took
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -232,6 +233,72 @@ def test_stops_at_eos_like_transformers(tiny_folder):
     assert_same_tokens(stopped, transformers_greedy(tiny_folder, prompts, eos_token_id=eos))
 
 
+def test_a_generation_config_decides_the_stop_tokens_alone(tiny_folder, tmp_path):
+    """With a generation_config.json, generate() stops at its eos ids only, even none; config.json's count only
+    where there is no such file.  The runtime fell back to config.json's id when the file named none, and with
+    `generation_config=False` still stopped at the file's ids."""
+    import json
+
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    prompts = prompt_ids(tiny_folder)
+    free_running = run_generation(model, prompts, NEW_TOKENS, generation_config=False).sequences
+    emitted = free_running[1][5]  # a token prompt 1 emits mid-way
+    other = next(token for token in range(model.embed_tokens.shape[0]) if all(token not in f for f in free_running))
+
+    def folder(name: str, generation_config: dict | None):
+        made = Path(shutil.copytree(tiny_folder, tmp_path / name))
+        config = json.loads((made / "config.json").read_text())
+        (made / "config.json").write_text(json.dumps({**config, "eos_token_id": emitted}))
+        (made / "generation_config.json").unlink(missing_ok=True)
+        if generation_config is not None:
+            (made / "generation_config.json").write_text(json.dumps(generation_config))
+        return made
+
+    for name, generation_config, stops in (("no-file", None, True), ("file-without-eos", {"bos_token_id": 1}, False),
+                                           ("file-eos-null", {"eos_token_id": None}, False),
+                                           ("file-other-eos", {"eos_token_id": [other]}, False)):
+        made = folder(name, generation_config)
+        ours = run_generation(AbsorbedMLAModel.from_folder(made, device="cpu"), prompts, NEW_TOKENS).sequences
+        assert (ours[1] == free_running[1][:6]) == stops, name
+        assert_same_tokens(ours, transformers_greedy(made, prompts))
+    # the file ignored entirely: its eos ids too, config.json's apply as when there is no file
+    made = folder("ignored", {"eos_token_id": [free_running[0][3]]})
+    ignoring = run_generation(AbsorbedMLAModel.from_folder(made, device="cpu"), prompts, NEW_TOKENS,
+                              generation_config=False).sequences
+    assert ignoring[0] != free_running[0][:4] and ignoring[1] == free_running[1][:6]
+
+
+def test_generate_takes_the_files_length_when_no_flag_gives_one(tiny_folder, tmp_path):
+    """transformers' generate() without a length generates the file's max_new_tokens; the command generated 64
+    tokens and said nothing.  A max_length it does not apply (prompt and new tokens together) is named."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    made = Path(shutil.copytree(tiny_folder, tmp_path / "length"))
+    path = made / "generation_config.json"
+    path.write_text(json.dumps({"max_new_tokens": 3, "max_length": 40}))
+    result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("3 new tokens in"), result.stderr
+    result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu", "--max-new-tokens", "5"])
+    assert result.exit_code == 0 and result.stderr.startswith("5 new tokens in"), result.output
+    path.write_text(json.dumps({"max_length": 40}))
+    result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu", "--max-new-tokens", "4"])
+    assert result.exit_code == 0 and result.stderr.startswith("4 new tokens in"), result.output
+    result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "note: generation_config.json sets max_length 40 (prompt and new tokens); this run generates up to 64" in \
+        " ".join(result.stderr.split())
+    for bad, message in ((0, "`max_new_tokens` must be greater than 0"),  # transformers' own check
+                         (2.5, "max_new_tokens 2.5: must be a whole number, 1 or more")):
+        path.write_text(json.dumps({"max_new_tokens": bad}))
+        result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_the_folders_generation_config_applies_as_in_transformers(tiny_folder, tmp_path):
     """A converted folder keeps its source's generation_config.json; transformers' generate() applies its repetition
     penalty and no-repeat n-grams even when decoding greedily.  The runtime ignored them and decoded other tokens."""
@@ -270,6 +337,16 @@ def test_generation_config_settings_the_runtime_lacks_are_named(tmp_path):
     settings = GenerationSettings.from_folder(tmp_path)
     assert (settings.do_sample, settings.temperature, settings.top_p, settings.top_k) == (True, 0.7, 0.8, 20)
     assert settings.not_applied == {"min_new_tokens": 4}  # num_beams 1 asks for nothing
+    # generate() applies these to a decoder-only model too (the prompt is their "encoder input"): not silently dropped
+    (tmp_path / "generation_config.json").write_text('{"encoder_repetition_penalty": 3.0, "encoder_no_repeat_ngram_size": 1, '
+                                                     '"token_healing": true, "do_sample": true, '
+                                                     '"num_return_sequences": 2}')
+    assert GenerationSettings.from_folder(tmp_path).not_applied == {
+        "encoder_repetition_penalty": 3.0, "encoder_no_repeat_ngram_size": 1, "token_healing": True,
+        "num_return_sequences": 2}
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_new_tokens": 4, "num_beams": 1}')
+    settings = GenerationSettings.from_folder(tmp_path)
     greedy, sampled = settings.notes(sampling=False), settings.notes(sampling=True)
     assert "this run decodes greedily: add --sample" in greedy[0] and "min_new_tokens 4; mla-convert generate" in greedy[1]
     assert len(sampled) == 1
@@ -380,6 +457,25 @@ def test_cache_rows_are_transformers_latent_and_rotated_key(tiny_folders):
     k_rot = past.layers[1].values[0, 0]  # (T, D) and the rotated shared key as "values"
     torch.testing.assert_close(rows[:, : model.kv_lora_rank], latent, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rows[:, model.kv_lora_rank :], k_rot, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_and_lengths_of_the_wrong_kind_are_one_clear_error(tiny_folder):
+    """A flat list of ids was a TypeError, a text among the prompts a ValueError from int(), and 2.5 new tokens
+    generated 3."""
+    from mla_convert.runtime import GenerationSettingsError, generate_text
+
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    for prompts, message in (([1, 5, 7], "prompt 0: a list of token ids"), (["hello"], "prompt 0: a list of token ids"),
+                             ([[1, 2], [0.5, 3]], "prompt 1: a list of token ids"), ("hello", "prompts: a list of prompts"),
+                             (torch.tensor([[1, 2]]), "prompts: a list of prompts")):
+        with pytest.raises(GenerationSettingsError, match=re.escape(message)):
+            run_generation(model, prompts, 2)
+    with pytest.raises(GenerationSettingsError, match="max_new_tokens must be a whole number of at least 1, got 2.5"):
+        run_generation(model, [[1, 2]], 2.5)
+    with pytest.raises(GenerationSettingsError, match="prompts: a list of strings"):
+        generate_text(tiny_folder, [[1, 2]], 2, device="cpu")
+    tensor_prompt = run_generation(model, [torch.tensor([1, 2, 3])], 3).sequences  # a 1-D id tensor is a prompt
+    assert tensor_prompt == run_generation(model, [(1, 2, 3)], 3).sequences
 
 
 def test_full_cache_and_second_prefill_are_clear_errors(tiny_folder):

@@ -146,8 +146,6 @@ def positive_problems(values: dict[str, float | None], minimum: dict[str, int] |
     return problems
 
 
-
-
 def results_file_problems(json_path: str | os.PathLike | None, data: str | os.PathLike | None,
                           facts: list[ModelFacts]) -> list[str]:
     """`--json` may replace an earlier result, never an input: the text, a model's file, or any other file.

@@ -37,7 +37,7 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int, temperature: float | None,
+def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int | None, temperature: float | None,
                         top_p: float | None, device: str | None, dtype: str, page_size: int,
                         allow_long_context: bool, seed: int = 0) -> tuple[list[str], ModelFacts | None]:
     problems: list[str] = []
@@ -64,9 +64,10 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
     try:
         tokenizer = load_tokenizer(facts.path)
         config = load_config(facts.path)
-        GenerationSettings.from_folder(facts.path)  # its generation_config.json, read as the run will apply it
+        settings = GenerationSettings.from_folder(facts.path)  # its generation_config.json, read as the run applies it
     except MLAConvertError as error:
         return problems + [str(error)], facts
+    max_new_tokens = settings.new_tokens(max_new_tokens)  # None: the file's max_new_tokens, else the default
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]
     # positions the longest sequence takes: its prompt and every new token but the last (that one is never fed back)
     longest = max(lengths) + max_new_tokens - 1

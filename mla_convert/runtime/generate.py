@@ -15,6 +15,8 @@ never depends on how many other prompts share the batch or when they finish.
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,26 @@ class GenerationOutput:
     cache: PagedLatentCache
 
 
+def _whole_number(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(prompts) -> list[list[int]]:
+    """Prompts as lists of ints: each a list / tuple / 1-D integer tensor of token ids (a flat list of ids, a text
+    or float ids are refused in one line rather than by a TypeError deep in the loop)."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
+        raise GenerationSettingsError(f"prompts: a list of prompts, each a list of token ids (got {type(prompts).__name__})")
+    converted = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not all(map(_whole_number, prompt)):
+            raise GenerationSettingsError(f"prompt {index}: a list of token ids (whole numbers), got {prompt!r:.80}; "
+                                          "tokenize text first, or use generate_text")
+        converted.append([int(token) for token in prompt])
+    return converted
+
+
 def _check_settings(prompts: list[list[int]], vocab_size: int, max_new_tokens: int, do_sample: bool,
                     temperature: float, top_p: float, page_size: int = DEFAULT_PAGE_SIZE) -> None:
     if not prompts:
@@ -46,8 +68,8 @@ def _check_settings(prompts: list[list[int]], vocab_size: int, max_new_tokens: i
             raise GenerationSettingsError(f"prompt {index} is empty; every prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             raise GenerationSettingsError(f"prompt {index} holds token ids outside the vocabulary (0..{vocab_size - 1})")
-    if max_new_tokens < 1:
-        raise GenerationSettingsError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not _whole_number(max_new_tokens) or max_new_tokens < 1:
+        raise GenerationSettingsError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise GenerationSettingsError(f"page_size must be a whole number of at least 1, got {page_size!r}")
     if do_sample and not temperature > 0:
@@ -73,7 +95,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     temperature = settings.temperature if temperature is None else temperature
     top_p = settings.top_p if top_p is None else top_p
     chain = settings.processors(do_sample)
-    prompts = [list(map(int, prompt)) for prompt in prompts]
+    prompts = _token_ids(prompts)
     _check_settings(prompts, model.embed_tokens.shape[0], max_new_tokens, do_sample, temperature, top_p, page_size)
     if num_pages is None:
         num_pages = PagedLatentCache.pages_needed([len(p) + max_new_tokens - 1 for p in prompts], page_size)
@@ -83,7 +105,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     seq_ids = [cache.add_sequence() for _ in prompts]
     generators = ([torch.Generator(device=model.device).manual_seed(seed + index) for index in range(len(prompts))]
                   if do_sample else None)
-    eos = set(model.eos_token_ids)
+    eos = set(model.eos_token_ids if generation_config else model.config_eos_token_ids)
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     logits = model.prefill(cache, seq_ids, prompts)  # (B, vocab)
@@ -170,6 +192,8 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
 
     if isinstance(prompts, str):  # a string is a sequence too: each character would become a prompt
         raise GenerationSettingsError("prompts: a list of strings (got one string; wrap it in a list)")
+    if not all(isinstance(prompt, str) for prompt in prompts):
+        raise GenerationSettingsError("prompts: a list of strings (token ids go to generate_ids)")
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
     model = AbsorbedMLAModel.from_folder(model_dir, device=device, dtype=dtype, decode_backend=decode_backend)

@@ -28,7 +28,18 @@ NOT_APPLIED = {"min_length": 0, "min_new_tokens": None, "typical_p": 1.0, "min_p
                "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
                "watermarking_config": None, "num_beams": 1, "penalty_alpha": None, "dola_layers": None,
                "diversity_penalty": None, "num_beam_groups": None, "constraints": None, "force_words_ids": None,
-               "stop_strings": None}
+               "stop_strings": None, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
+               "token_healing": False, "max_time": None, "num_return_sequences": 1}
+# new tokens per prompt when neither the caller nor the folder's generation_config.json (max_new_tokens) says
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def _id_tuple(value, path: Path) -> tuple[int, ...]:
+    """A config's eos_token_id (one id, a list of them, or none) as a tuple."""
+    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise GenerationSettingsError(f"{path}: eos_token_id {value!r}: must be a token id or a list of them")
+    return tuple(values)
 
 
 def _number(value) -> bool:
@@ -62,6 +73,11 @@ class GenerationSettings:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     not_applied: dict = field(default_factory=dict)  # setting -> value the runtime cannot apply
+    # the file's end-of-sequence ids (empty: it names none, and generate() then stops at none); None: there is no
+    # file, and generate() takes config.json's ids
+    eos_token_ids: tuple[int, ...] | None = None
+    max_new_tokens: int | None = None  # the file's, when it sets one
+    max_length: int | None = None  # the file's, when it sets one (prompt and new tokens together)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> GenerationSettings:
@@ -88,7 +104,18 @@ class GenerationSettings:
             raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
         ignored = {name: getattr(config, name, None) for name in NOT_APPLIED}
         ignored = {name: value for name, value in ignored.items() if value is not None and value != NOT_APPLIED[name]}
-        return cls(**values, not_applied=ignored)
+        lengths = {name: getattr(config, name, None) for name in ("max_new_tokens", "max_length")}
+        problems = [f"{name} {value!r}: must be a whole number, 1 or more" for name, value in lengths.items()
+                    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1)]
+        if problems:
+            raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
+        return cls(**values, not_applied=ignored, eos_token_ids=_id_tuple(config.eos_token_id, path), **lengths)
+
+    def new_tokens(self, given: int | None) -> int:
+        """New tokens per prompt: `given`, else the file's max_new_tokens (as generate() takes it), else 64."""
+        if given is not None:
+            return given
+        return self.max_new_tokens if self.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
 
     def sampling_problems(self, temperature: float | None = None, top_p: float | None = None) -> list[str]:
         """The config's sampling values a sampled run would use (those not replaced by `temperature` / `top_p`) that
@@ -124,9 +151,13 @@ class GenerationSettings:
         ids = torch.tensor([sequence], dtype=torch.long, device=logits.device)  # (1, tokens so far)
         return chain(ids, logits.float())
 
-    def notes(self, sampling: bool) -> list[str]:
-        """What a reader of the folder's generation config must know about this run."""
+    def notes(self, sampling: bool, max_new_tokens: int | None = None) -> list[str]:
+        """What a reader of the folder's generation config must know about this run (`max_new_tokens`: what the run
+        generates per prompt, when the caller chose it)."""
         lines = []
+        if max_new_tokens is not None and self.max_new_tokens is None and self.max_length is not None:
+            lines.append(f"generation_config.json sets max_length {self.max_length} (prompt and new tokens); this run "
+                         f"generates up to {max_new_tokens} new tokens per prompt instead (--max-new-tokens)")
         if self.do_sample and not sampling:
             lines.append(f"generation_config.json samples (do_sample true, temperature {self.temperature:g}, top-p "
                          f"{self.top_p:g}, top-k {self.top_k}); this run decodes greedily: add --sample to sample as "

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..convert.target import FP16_REFUSED
-from .errors import GenerationSettingsError, RuntimeModelError
+from .errors import RuntimeModelError
 
 # RoPE types whose inverse frequencies are fixed at load (transformers' `dynamic_rope_update` changes
 # the dynamic/longrope ones with the sequence length, which a per-position cache cannot follow).
@@ -28,7 +28,7 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass
 class ExportedFolder:
-    """Everything read from disk: the transformers config, the tensors and the end-of-sequence ids."""
+    """Everything read from disk: the transformers config, the tensors and config.json's end-of-sequence ids."""
 
     path: Path
     config: object  # transformers DeepseekV3Config
@@ -45,17 +45,9 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     return (int(value),)
 
 
-def eos_ids(path: Path, config) -> tuple[int, ...]:
-    """End-of-sequence ids the way `generate` finds them: generation_config.json first, then config.json."""
-    generation_config = path / "generation_config.json"
-    if generation_config.exists():
-        try:
-            settings = json.loads(generation_config.read_text())
-        except ValueError as error:  # the CLI's pre-flight says the same; the API must not raise a bare JSON error
-            raise GenerationSettingsError(f"{generation_config}: not valid JSON ({error})") from error
-        ids = _as_id_tuple(settings.get("eos_token_id") if isinstance(settings, dict) else None)
-        if ids:
-            return ids
+def config_eos_ids(config) -> tuple[int, ...]:
+    """config.json's end-of-sequence ids: what `generate` stops at when the folder has no generation_config.json
+    (one that exists decides alone: `GenerationSettings.eos_token_ids`)."""
     return _as_id_tuple(getattr(config, "eos_token_id", None))
 
 
@@ -120,4 +112,4 @@ def read_exported_folder(path: str | Path) -> ExportedFolder:
     tensors = read_tensors(path)
     floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
     stored = max(set(floating), key=floating.count) if floating else torch.float32
-    return ExportedFolder(path, config, tensors, eos_ids(path, config), stored)
+    return ExportedFolder(path, config, tensors, config_eos_ids(config), stored)

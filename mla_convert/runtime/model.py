@@ -121,9 +121,12 @@ class AbsorbedMLAModel:
             raise RuntimeModelError("; ".join(problems))
         self.device = torch.device(device)
         self.dtype = compute_dtype(dtype, folder.stored_dtype)
-        self.eos_token_ids = folder.eos_token_ids
         # what the folder's generation_config.json asks generate() for (a repetition penalty, sampling defaults)
         self.generation_settings = GenerationSettings.from_folder(folder.path)
+        # where generate() stops: the generation config's ids when the folder has one (even none), else config.json's
+        self.config_eos_token_ids = folder.eos_token_ids
+        self.eos_token_ids = (folder.eos_token_ids if self.generation_settings.eos_token_ids is None
+                              else self.generation_settings.eos_token_ids)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.nope_dim = config.qk_nope_head_dim
