@@ -682,15 +682,63 @@ def test_stories260k_short_finetune_recovers_and_saves_what_it_trained(stories26
     ({"lr": 0.05}, "lr (0.003, now 0.05)"),  # restored with the optimizer: the new value was ignored, yet reported
     ({"weight_decay": 0.5, "adam_beta1": 0.5}, "adam_beta1 (0.9, now 0.5), weight_decay (0.0, now 0.5)"),
     ({"train": "all"}, "train ('attention', now 'all')"),  # was a raw "parameter group" ValueError from torch
+    # the report compared a step-0 perplexity on one set of windows with a final one on another
+    ({"eval_data": "EVAL", "eval_windows": 2}, "eval_data (None, now "),
+    # steps 1-3 distilled from one teacher and 4-6 from another, and the record kept the first one's perplexity
+    ({"teacher": "OTHER_TEACHER"}, "teacher ("),
+    ({"teacher_dtype": "bf16"}, "teacher_dtype ('torch.float32', now 'torch.bfloat16')"),
 ])
-def test_resume_refuses_changed_training_settings_before_loading_anything(straight_and_resumed, tmp_path, change,
-                                                                          message):
+def test_resume_refuses_changed_training_settings_before_loading_anything(straight_and_resumed, tiny_llama, tmp_path,
+                                                                          monkeypatch, change, message):
+    import mla_convert.io.hf_loading as hf_loading
+
     converted, straight, _, _ = straight_and_resumed
+    source, _ = tiny_llama
     ckpt = straight.output.parent / "straight.ckpt"
+    text = tmp_path / "eval.txt"
+    text.write_text("the cat sat on the mat. " * 50)
+    other_teacher = shutil.copytree(source, tmp_path / "other-teacher")  # the same weights, but another teacher named
+    change = {key: {"EVAL": str(text), "OTHER_TEACHER": str(other_teacher)}.get(value, value)
+              for key, value in change.items()}
     config = _tiny_run_config(converted, tmp_path, "other", checkpoint_dir=str(ckpt), resume="auto", **change)
+    monkeypatch.setattr(hf_loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
     with pytest.raises(FinetuneConfigError, match=re.escape(message)):
         run_finetune(config, log=lambda text: None)
     assert not (tmp_path / "other").exists()
+
+
+def test_a_missing_checkpoint_or_an_earlier_runs_checkpoints_are_refused_before_any_model_loads(
+        straight_and_resumed, tmp_path, monkeypatch):
+    """`--resume` naming no checkpoint was refused after both models had loaded and the teacher had sampled its text
+    (which stayed behind in the checkpoint folder); so was a fresh run over an earlier run's checkpoints."""
+    import mla_convert.io.hf_loading as hf_loading
+
+    converted, straight, _, _ = straight_and_resumed
+    monkeypatch.setattr(hf_loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    config = _tiny_run_config(converted, tmp_path, "missing", resume=str(tmp_path / "nothere"))
+    with pytest.raises(FinetuneConfigError, match="nothere: not a complete checkpoint"):
+        run_finetune(config, log=lambda text: None)
+    assert not (tmp_path / "missing.ckpt").exists()
+    config = _tiny_run_config(converted, tmp_path, "fresh", checkpoint_dir=str(straight.output.parent / "straight.ckpt"))
+    with pytest.raises(FinetuneConfigError, match="holds checkpoints of an earlier run"):
+        run_finetune(config, log=lambda text: None)
+
+
+def test_the_same_teacher_named_explicitly_resumes(tiny_llama, tmp_path):
+    """The teacher is compared as it resolves: the report's source given as --teacher (from another working folder,
+    by a relative path) is the same teacher."""
+    import os
+
+    source, converted = tiny_llama
+    run_finetune(_tiny_run_config(converted, tmp_path, "run", stop_after=2, max_steps=3), log=lambda text: None)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        resumed = run_finetune(_tiny_run_config(converted, tmp_path, "run", resume="auto", max_steps=3,
+                                                teacher=os.path.relpath(source, tmp_path)), log=lambda text: None)
+    finally:
+        os.chdir(cwd)
+    assert resumed.state.step == 3 and resumed.state.resumed_from
 
 
 def test_resume_refuses_a_checkpoint_of_another_converted_model(straight_and_resumed, tiny_qwen2, tmp_path):
@@ -954,3 +1002,16 @@ def test_an_evaluation_text_inside_the_training_folder_is_not_held_out(tmp_path)
     assert _same_source(str(tmp_path / "texts" / "b.md"), str(tmp_path / "texts"))  # the evaluation reads b.md too
     (tmp_path / "c.md").write_text("y")
     assert not _same_source(str(tmp_path / "texts"), str(tmp_path / "c.md"))
+
+
+def test_a_diverging_run_names_the_step_whose_loss_was_not_finite(tiny_llama, tmp_path):
+    """The error named the step before (step 1 was logged with a finite loss, then "step 1: loss is nan")."""
+    from mla_convert.finetune.trainer import FinetuneError
+
+    _, converted = tiny_llama
+    lines = []
+    config = _tiny_run_config(converted, tmp_path, "diverging", lr=1e9, warmup_steps=0, checkpoint_every=0, max_steps=3)
+    with pytest.raises(FinetuneError) as failed:
+        run_finetune(config, log=lines.append)
+    logged = logged_steps(tmp_path / "diverging.ckpt")
+    assert str(failed.value).startswith(f"step {len(logged) + 1}: loss is "), (str(failed.value), logged)

@@ -30,7 +30,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from ..convert.report import hub_dataset, source_label
 from ..errors import MLAConvertError
 from ..eval.sampling import sample_from_model
-from ..io.paths import command_line
+from ..io.paths import absolute_path, command_line
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
@@ -169,6 +169,15 @@ def teacher_path(config: FinetuneConfig, report: dict) -> str:
     return str((Path(config.model) / recorded).resolve())
 
 
+def _teacher_identity(name: str | None) -> str | None:
+    """The teacher as a resume compares it: a local folder by its absolute path (the same teacher given from
+    another working folder), a hub id as given."""
+    if name is None:
+        return None
+    path = absolute_path(name)
+    return str(path.resolve()) if path.exists() else name
+
+
 def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
     from ..io.hf_loading import load_causal_lm
     from ..io.resolve import resolve_model_path
@@ -238,13 +247,18 @@ def downsample(rows: list, count: int = 20) -> list:
 
 
 # Settings that change which batches the run sees: a resume with different values cannot be exact.
-DATA_SETTINGS = ("data", "max_chars", "seq_len", "seed", "teacher_samples", "sample_temperature", "sample_top_p",
-                 "sample_batch_size", "micro_batch_size", "grad_accum", "max_steps", "train")
+DATA_SETTINGS = ("data", "text_column", "split", "max_chars", "seq_len", "seed", "teacher_samples", "sample_temperature",
+                 "sample_top_p", "sample_batch_size", "micro_batch_size", "grad_accum", "max_steps", "train")
 # ... and those that change what a step does with them.  The optimizer and the schedule come back from the
 # checkpoint with the values they were made with, so a new --lr would be ignored while the report recorded it.
+# The teacher is checked as it resolves (`TEACHER_SETTING`: --teacher, else the report's source; its dtype on this
+# device).
 TRAINING_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm",
                      "kd_weight", "ce_weight", "temperature", "mixed_precision")
-RESUME_SETTINGS = DATA_SETTINGS + TRAINING_SETTINGS
+# ... and the windows the perplexities are measured on: the report compares the step-0 number with the last one
+EVAL_SETTINGS = ("eval_data", "eval_context", "eval_windows")
+RESUME_SETTINGS = DATA_SETTINGS + TRAINING_SETTINGS + EVAL_SETTINGS
+TEACHER_SETTING = "teacher"
 STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 
 
@@ -316,6 +330,15 @@ class Finetuner:
                       max_chars=min(config.max_chars or TEXT_CHECK_CHARS, TEXT_CHECK_CHARS))
         if config.eval_data:
             load_text(config.eval_data, max_chars=TEXT_CHECK_CHARS)
+        # what a checkpoint of this run records, and the checkpoint to resume from (or the refusal to start over
+        # earlier checkpoints): decided before any model loads or the teacher samples text
+        self.teacher_name = teacher_path(config, self.report) if config.needs_teacher else None
+        settings = {key: getattr(config, key) for key in RESUME_SETTINGS} | {
+            TEACHER_SETTING: _teacher_identity(self.teacher_name),
+            "teacher_dtype": str(_torch_dtype(config.teacher_dtype, self.device)) if self.teacher_name else None,
+            "num_processes": accelerator.num_processes,
+            STUDENT_SETTING: hashlib.sha256((self.converted / "config.json").read_bytes()).hexdigest()}
+        self.resume_from = self._checkpoint_to_resume(settings)
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
         student = load_causal_lm(self.converted, dtype=torch.float32)
@@ -333,9 +356,7 @@ class Finetuner:
 
         # --- teacher
         self.teacher = None
-        self.teacher_name = None
         if config.needs_teacher:
-            self.teacher_name = teacher_path(config, self.report)
             teacher_dtype = _torch_dtype(config.teacher_dtype, self.device)
             self.teacher, teacher_folder = load_teacher(self.teacher_name, teacher_dtype, self.device)
             if self.teacher.config.vocab_size != student.config.vocab_size:
@@ -369,9 +390,7 @@ class Finetuner:
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             optimizer, config.warmup_steps, config.max_steps, min_lr_rate=config.min_lr_ratio)
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
-        self.state = TrainerState(settings={key: getattr(config, key) for key in RESUME_SETTINGS}
-                                  | {"num_processes": accelerator.num_processes,
-                                     STUDENT_SETTING: hashlib.sha256((self.converted / "config.json").read_bytes()).hexdigest()})
+        self.state = TrainerState(settings=settings)
         accelerator.register_for_checkpointing(self.scheduler, self.cursor, self.state)
 
     def _label(self, name: str) -> str:
@@ -447,28 +466,41 @@ class Finetuner:
         self.log(f"checkpoint {folder}")
         return folder
 
-    def maybe_resume(self) -> None:
+    def _checkpoint_to_resume(self, settings: dict) -> Path | None:
+        """The checkpoint `resume` names (None: start fresh), checked against this run's settings from its marker;
+        a fresh start over an earlier run's checkpoints is refused (they would be mixed with this run's, and
+        `--resume auto` would later pick whichever is newest)."""
         config = self.config
+        found = checkpoint_folders(self.checkpoint_root)
         if not config.resume:
-            self._start_fresh()
-            return
+            if found:
+                raise FinetuneConfigError(f"{self.checkpoint_root}: holds checkpoints of an earlier run (latest "
+                                          f"{found[-1].name}); continue it with --resume auto, or give another "
+                                          "--checkpoint-dir")
+            return None
         if config.resume == "auto":
-            found = checkpoint_folders(self.checkpoint_root)
             if not found:
                 self.log(f"resume=auto: no checkpoint in {self.checkpoint_root}; starting fresh")
-                self._start_fresh()
-                return
+                return None
             folder = found[-1]
         else:
             folder = Path(config.resume)
             if not (folder / COMPLETE_MARKER).is_file():
                 raise FinetuneConfigError(f"{folder}: not a complete checkpoint (no {COMPLETE_MARKER})")
-        expected = dict(self.state.settings)
         try:
             marker = json.loads((folder / COMPLETE_MARKER).read_text())
         except (OSError, ValueError):
             marker = {}
-        self._check_resume_settings(folder, marker.get("settings") or {}, expected)  # before loading: shapes may differ
+        self._check_resume_settings(folder, marker.get("settings") or {}, settings)  # before loading: shapes may differ
+        return folder
+
+    def maybe_resume(self) -> None:
+        folder = self.resume_from
+        if folder is None:
+            if self.accelerator.is_main_process:  # a fresh run's log starts empty
+                (self.checkpoint_root / LOG_FILE).unlink(missing_ok=True)
+            return
+        expected = dict(self.state.settings)
         self.accelerator.load_state(str(folder))
         self._check_resume_settings(folder, self.state.settings, expected)
         self.state.settings = expected
@@ -487,16 +519,6 @@ class Finetuner:
             raise FinetuneConfigError(f"{folder}: the checkpoint was made with a different {', '.join(names)}; "
                                       "a resume continues the same run, so give the same settings (or start a new "
                                       "run in another checkpoint_dir)")
-
-    def _start_fresh(self) -> None:
-        """A run that does not resume: an earlier run's checkpoints in the same folder would be mixed with its own
-        (and `--resume auto` would later pick whichever is newest), so they are refused; its log starts empty."""
-        earlier = checkpoint_folders(self.checkpoint_root)
-        if earlier:
-            raise FinetuneConfigError(f"{self.checkpoint_root}: holds checkpoints of an earlier run (latest {earlier[-1].name}); "
-                                      "continue it with --resume auto, or give another --checkpoint-dir")
-        if self.accelerator.is_main_process:
-            (self.checkpoint_root / LOG_FILE).unlink(missing_ok=True)
 
     def _truncate_log(self, step: int) -> None:
         """Drop the log records of steps after `step`: they are trained again now, and logged again."""
@@ -615,7 +637,7 @@ class Finetuner:
             lr = self.scheduler.get_last_lr()[0]
             loss, kd, ce = self.train_step()
             if not math.isfinite(loss):
-                raise FinetuneError(f"step {state.step}: loss is {loss}; lower the learning rate")
+                raise FinetuneError(f"step {state.step + 1}: loss is {loss}; lower the learning rate")
             state.step += 1
             state.tokens += tokens_per_step
             interval_tokens += tokens_per_step
