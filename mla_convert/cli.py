@@ -101,7 +101,9 @@ def inspect(
     folder = resolve_config_path(model, revision)
     source = SourceConfig.from_folder(folder)
     if estimate:  # what `convert` would refuse for this source is not worth a prediction
-        problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression)
+        local = Path(model).expanduser()
+        problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression,
+                                            local_folder=folder if local.is_dir() else None)
         if problems:
             raise PreflightError(problems)
     report = inspect_shapes(source, kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch, target=options.target)

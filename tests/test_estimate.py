@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_shapes_inspect import SMOLLM2, run_cli
@@ -210,6 +211,12 @@ def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smoll
     (["--estimate", "--device", "cuda", "--cpu-cores", "8"], "--cpu-cores"),
     (["--cpu-cores", "8"], "add --estimate"),
     (["--calib-seq-len", "128"], "add --estimate"),
+    # what convert says about them (inspect said "must be at least 1" for nan, "leaves 0 cached values" for inf)
+    (["--estimate", "--compression", "nan"], "--compression nan: must be a finite number"),
+    (["--estimate", "--compression", "inf"], "--compression inf: must be a finite number"),
+    # convert refuses a calibration text for a folder without a tokenizer; the estimate predicted its cost
+    (["--estimate", "--calib-data", str(Path(__file__).resolve().parents[1] / "README.md")],
+     "--calib-data needs the source model's tokenizer"),
 ])
 def test_inspect_estimate_bad_flags_are_one_error_line(smollm2_config_folder, args, fragment):
     result = run_cli("inspect", smollm2_config_folder, *args)

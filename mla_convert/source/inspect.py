@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -134,15 +135,19 @@ def estimate_problems(estimate: bool, device: str | None, cpu_cores: int | None,
 
 
 def estimate_source_problems(source: SourceConfig, options, kv_lora_rank: int | None = None, rope_dim: int | None = None,
-                             compression: float | None = None) -> list[str]:
-    """What `convert` would refuse in these options for this source (from its config alone): a query rank it cannot
-    take, calibration windows past its positions, a local calibration text that is missing or unreadable."""
-    from ..convert.preflight import calibration_length_problems, local_text_problems
+                             compression: float | None = None, local_folder: Path | None = None) -> list[str]:
+    """What `convert` would refuse in these options for this source (from its config, and its files when it is a
+    local folder): a query rank it cannot take, calibration windows past its positions, a local calibration text
+    that is missing or unreadable, or one the folder has no tokenizer for.  (A hub id is resolved to its config
+    alone, so its tokenizer files are not there to check.)"""
+    from ..convert.preflight import calibration_length_problems, calibration_problems, local_text_problems
     from ..errors import MLAConvertError, PreflightError
     from .shapes import shape_problems
 
     problems = calibration_length_problems(source, options.calibration)
-    if options.calibration.data is not None:
+    if options.calibration.data is not None and local_folder is not None:
+        problems += calibration_problems(local_folder, options.calibration)
+    elif options.calibration.data is not None:
         problems += local_text_problems(options.calibration.data, options.calibration.text_column)
     if options.q_lora_rank is not None:
         try:

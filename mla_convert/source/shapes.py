@@ -6,6 +6,7 @@ checks answer instantly even for a model that is still on the hub.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,17 +80,24 @@ def rope_share(budget: int, head_dim: int) -> float:
     return min(0.5, 0.5 * (budget / head_dim) ** -0.5)
 
 
+def check_compression(compression: float) -> None:
+    """A ratio of at least 1 and finite, worded as `convert`'s option check words it (NaN and inf used to read
+    "must be at least 1" and "leaves 0 cached values" in `inspect`)."""
+    if not math.isfinite(compression):
+        raise InvalidShapeError(f"--compression {compression}: must be a finite number")
+    if not compression >= 1:
+        # Below 1 the MLA cache would be larger than the source's; the rank cap makes it unreachable anyway.
+        raise InvalidShapeError(
+            f"--compression {compression}: must be at least 1 (how many times smaller the MLA cache is than the source's)")
+
+
 def shape_for_compression(source: SourceConfig, compression: float) -> MLAShape:
     """Pick (kv_lora_rank, rope_dim) so the cache is `compression` times smaller than the source's.
 
     rope_dim is `rope_share(...)` of the budget, rounded to a multiple of head_dim / 4 (at least 2),
     capped at the source head_dim, DeepSeek's 64 and half the budget; the rest is the latent.
     """
-    if not compression >= 1:  # also catches NaN
-        # Below 1 the MLA cache would be larger than the source's; the rank cap makes it unreachable anyway.
-        raise InvalidShapeError(
-            f"--compression {compression}: must be at least 1 (how many times smaller the MLA cache is than the source's)"
-        )
+    check_compression(compression)
     budget = int(round(source.kv_values_per_token_layer / compression))
     if budget < 3:
         raise InvalidShapeError(
@@ -217,9 +225,7 @@ def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora
         if fallback is not None and target.width_problem(fallback.kv_lora_rank, fallback.rope_dim) is None:
             return MLAShape(fallback.kv_lora_rank, fallback.rope_dim, q_lora_rank)
         compression = 2.0
-    if not compression >= 1:
-        raise InvalidShapeError(
-            f"--compression {compression}: must be at least 1 (how many times smaller the MLA cache is than the source's)")
+    check_compression(compression)
     reaching = [m for m in allowed if ratio_of(source, m) >= compression * (1 - 1e-9)]
     if reaching:
         mla = min(reaching, key=lambda m: ratio_of(source, m))
