@@ -573,3 +573,14 @@ def test_moe_and_non_deepseek_folders_are_refused(tmp_path, tiny_tokenizer):
 def test_pages_needed_counts_each_sequence_separately():
     assert PagedLatentCache.pages_needed([1, 16, 17], 16) == 1 + 1 + 2
     assert PagedLatentCache.pages_needed([5, 3], 1) == 8
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300])
+def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token(top_p):
+    """The nucleus test ran in float32, where such a top_p is 0: no token was kept and torch.multinomial raised
+    (generate --top-p 1e-46, convert --calib-top-p 1e-300 after calibration sampling had started)."""
+    from mla_convert.eval.sampling import top_p_sample
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))  # (batch, vocab)
+    chosen = top_p_sample(logits, 1.0, top_p, torch.Generator().manual_seed(1))
+    assert torch.equal(chosen, logits.argmax(dim=-1))

@@ -23,7 +23,8 @@ def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generat
     """
     probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
     top_probs, order = probs.topk(min(candidates or probs.shape[-1], probs.shape[-1]), dim=-1)  # sorted, descending
-    keep = top_probs.cumsum(-1) - top_probs < top_p  # always keeps the top token
+    keep = top_probs.cumsum(-1) - top_probs < top_p  # (batch, candidates)
+    keep[..., 0] = True  # the top token always (a top_p below float32's smallest number compared as 0 kept none)
     choice = torch.multinomial(top_probs * keep, 1, generator=generator)  # (batch, 1)
     return order.gather(-1, choice).squeeze(-1)
 
