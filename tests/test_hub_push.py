@@ -346,6 +346,24 @@ def test_files_under_folders_the_hub_refuses_are_not_listed_or_sent(single, hub)
     assert pushed.files == plan.files and ".cache/x/y" not in hub.files(REPO)
 
 
+def test_a_link_to_a_file_outside_the_folder_is_refused(single, tmp_path, hub):
+    """A link to /etc/passwd inside the folder was listed by the dry run and its target's contents would have been
+    uploaded under the link's name.  Links within the folder are files of the model like any other."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the hub")
+    (single / "extra.txt").symlink_to(secret)
+    (single / "notes").mkdir()
+    (single / "notes" / "config-link.json").symlink_to(single / "config.json")
+    for dry_run in (True, False):
+        with pytest.raises(NotPushableError, match=r"links to files outside the folder, whose contents would be uploaded: "
+                                               r"extra\.txt \(copy"):
+            push_to_hub(single, REPO, dry_run=dry_run, token=TOKEN, endpoint=hub.url)
+    assert REPO not in hub.repos
+    (single / "extra.txt").unlink()
+    plan = push_to_hub(single, REPO, dry_run=True)
+    assert "notes/config-link.json" in [item.path for item in plan.files]
+
+
 def test_an_empty_commit_message_is_refused(single, hub):
     with pytest.raises(HubPushError, match="--commit-message: must not be empty"):
         push_to_hub(single, REPO, commit_message=" ", token=TOKEN, endpoint=hub.url)

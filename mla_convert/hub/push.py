@@ -235,6 +235,11 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
         problems.append(f"leftovers of an unfinished conversion inside it: {', '.join(leftovers)}")
 
     files = _folder_files(folder)
+    root = folder.resolve()
+    leaving = [name for name in files if not (folder / name).resolve().is_relative_to(root)]
+    if leaving:  # the upload reads through a link: /etc/passwd or a token file would be published under its name
+        problems.append(f"links to files outside the folder, whose contents would be uploaded: {', '.join(leaving)} "
+                        "(copy the files in, or remove the links)")
     if not (folder / REPORT_FILE).is_file():
         problems.append(f"{REPORT_FILE} is missing: this folder was not produced by mla-convert")
     else:
