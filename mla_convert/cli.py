@@ -117,7 +117,11 @@ def inspect(
     )
     print_table(console, f"KV cache ({dtype}): source vs MLA {report.mla.kv_lora_rank}+{report.mla.rope_dim}",
                 ("quantity", "source", "MLA"), report.rows(), right=(1, 2))
-    for note in report.notes():
+    from .source.shapes import shape_choice_note
+
+    chosen = None if kv_lora_rank is not None or rope_dim is not None else \
+        shape_choice_note(source, options.target, report.mla, compression)  # as convert says it
+    for note in report.notes() + ([chosen] if chosen else []):
         console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     change = (f"[bold]{report.ratio:.2f}x[/] smaller KV cache" if report.ratio >= 1 else
               f"[bold]{report.ratio:.2f}x[/]: the MLA cache is {1 / report.ratio:.2f}x larger than the source's")

@@ -109,6 +109,9 @@ def test_inspect_lists_the_shapes_of_every_target(smollm2_config_folder):
     assert result.returncode == 0, result.stderr
     assert "source vs MLA 256+64" in result.stdout and "compression ratio: 1.20x" in result.stdout
     assert "| vllm | 256+64 | 1.20x |" in result.stdout
+    # the ratio asked for and the one the target allows differ: said, as convert says it (it was silent)
+    assert "note: --target vllm allows 256+64 (1.20x) for this model; asked 2x (the default), got 256+64 = 1.20x" in \
+        " ".join(result.stdout.split())
     refused = run_cli("inspect", smollm2_config_folder, "--target", "vllm", "--kv-lora-rank", "144", "--rope-dim", "48")
     assert refused.returncode == 2 and "this model allows 256+64 (1.20x)" in refused.stderr
 
