@@ -186,6 +186,11 @@ def test_serving_exports_as_the_engines_need_them(tmp_path, tied_llama):
         assert layer["kv_latent"]["max_ms_over_eps"] == pytest.approx(S.SERVING_MARGIN)
         for name in ("kv_a_latent_rows", "kv_a_rope_rows", "q_a_proj", "q_b_proj", "kv_b_proj"):
             assert layer["magnitudes"][name]["max"] < 6e4  # f16's largest finite value is 65504
+    # the per-layer latent scale the report and the card give is the one the exported gain encodes (it was the
+    # default export's, about 190 times smaller on stories260K)
+    for layer in result.report["layers"]:
+        gain = tensors[f"model.layers.{layer['layer']}.self_attn.kv_a_layernorm.weight"]
+        assert layer["latent_scale"] == pytest.approx(T.latent_scale_of(gain), rel=1e-5)
     # the summary says what the target did
     from mla_convert.console import summary_rows
 
@@ -334,6 +339,33 @@ def test_engine_table_says_only_what_was_measured():
     assert with_q["llama.cpp"]["runs"] == [] and not any("load-failed" in note for note in with_q["llama.cpp"]["notes"])
     matching = engine_compatibility(MLAShape(256, 64), False, None, "transformers", tied=True, runs=(without_q,))
     assert len(matching["llama.cpp"]["runs"]) == 1  # the same run does describe an export without one
+
+
+def test_a_run_counts_only_for_an_export_with_the_default_rope():
+    """An export whose RoPE is linear or llama3 was reported as run by llama.cpp on the strength of default-RoPE runs
+    at its shape, although llama.cpp scales attention by the linear factor and its converter drops llama3's table."""
+    shape = MLAShape(256, 64, 576)
+    default = engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN,),
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert default["llama.cpp"]["ok"] is True
+    for rope_type, known in (("linear", "(1 + 0.1 ln factor)^2"), ("llama3", "no llama3 frequency table")):
+        verdict = engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN,),
+                                       rope_parameters={"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0})
+        assert verdict["llama.cpp"]["ok"] is None and verdict["llama.cpp"]["runs"]  # the runs stay listed
+        (note,) = [note for note in verdict["llama.cpp"]["notes"] if note.startswith(f"RoPE {rope_type}")]
+        assert "this one was not run" in note and known in note
+        assert not any(note.startswith("measured at") for note in verdict["llama.cpp"]["notes"])
+    # a constraint the export breaks stays a "no"
+    broken = engine_compatibility(MLAShape(144, 48), False, None, "transformers", tied=True, runs=(RUN,),
+                                  rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
+    assert broken["vllm"]["ok"] is False and broken["llama.cpp"]["ok"] is False
+
+
+def test_a_run_without_weights_or_cache_reads_without_a_stray_space():
+    from mla_convert.convert.engines import describe_run
+
+    failed = {**RUN, "weights": None, "kv_cache": None, "status": "load-failed", "error": "x"}
+    assert "SmolLM2-135M-Instruct 256+64: load-failed (" in describe_run(failed)
 
 
 def test_summary_and_card_render_the_record(capsys):
