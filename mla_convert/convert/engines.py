@@ -38,6 +38,19 @@ PATCHES = {
 # llama.cpp's deepseek2 loader takes a 26- or 27-layer model for DeepSeek-V2-Lite and then ignores q_lora_rank
 # (src/models/deepseek2.cpp, read in b11434; no such model was run)
 LLAMA_CPP_LITE_LAYERS = (26, 27)
+# What is known of each engine's handling of a RoPE other than the default grid.  The records do not name their
+# exports' RoPE (the harness did not write it down), so a run counts only for a default-RoPE export.  Reconverted
+# 2026-12-02, stories260K (24+8) and SmolLM2 (144+48) with --target llama.cpp export default RoPE, and a rope_dim
+# equal to the source's head_dim (the 256+64 SmolLM2 and Qwen2 records) always does; the synthetic 512+64 vLLM
+# record was not reconverted.
+ROPE_NOTES = {
+    ("llama.cpp", "linear"): "llama.cpp b11434 multiplies its attention scale by (1 + 0.1 ln factor)^2 for a linear "
+                             "RoPE factor, where transformers' DeepseekV3 does not (read in src/models/deepseek2.cpp; "
+                             "not run)",
+    ("llama.cpp", "llama3"): "llama.cpp b11434's DeepSeek GGUF converter writes no llama3 frequency table, so the "
+                             "engine would rotate at the unscaled frequencies (seen in a run of its "
+                             "convert_hf_to_gguf.py on such an export, 2026-12-02; the model itself not run)",
+}
 
 
 @lru_cache(maxsize=1)
@@ -70,7 +83,8 @@ def describe_run(run: dict) -> str:
     if run.get("error") and what != "ok":
         facts.append(run["error"])
     details = f" ({'; '.join(facts)})" if facts else ""
-    return f"{run['model']} {run['kv_lora_rank']}+{run['rope_dim']} {setting}: {what}{details} [{run['engine']} {run['version']}, {run['date']}]"
+    shape = f"{run['kv_lora_rank']}+{run['rope_dim']}" + (f" {setting}" if setting else "")
+    return f"{run['model']} {shape}: {what}{details} [{run['engine']} {run['version']}, {run['date']}]"
 
 
 def constraint_problems(engine: str, mla: MLAShape, target: T.Target, attention_bias: bool, q_lora_rank: int | None,
@@ -114,13 +128,14 @@ def sentencepiece_vocabulary(folder: str | Path | None) -> bool:
 def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int | None, target: str | None = None,
                          tied: bool = False, runs: tuple[dict, ...] | None = None,
                          servable: frozenset[str] | None = None, sentencepiece: bool = False,
-                         num_layers: int | None = None) -> dict:
+                         num_layers: int | None = None, rope_parameters: dict | None = None) -> dict:
     """{engine: {"ok": True / False / None (not measured), "notes": [...], "runs": [...], "patches": [...]}} for one
     export; `patches`: the harness's patches the engine needed to run it (empty: the released engine ran it).
 
     `servable`: the targets that have a shape for this source (None: not known, every target assumed to), so
     that the advice to convert with another target is only given where that target would not refuse.
     `sentencepiece`: the tokenizer is SentencePiece-style (llama.cpp's converter then needs the `vocab` patch).
+    `rope_parameters`: the export's; a RoPE other than the default grid is one no recorded run is known to have had.
     """
     chosen = T.target_of(target)
     runs = engine_runs() if runs is None else runs
@@ -152,6 +167,12 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
             others = sorted({f"{r['kv_lora_rank']}+{r['rope_dim']}" for r in mine if r["status"] == "ok"})
             notes.append(f"not measured at {shape[0]}+{shape[1]} with --target {chosen.name}"
                          + (f" (measured at {', '.join(others)})" if others else ""))
+        rope_type = (rope_parameters or {}).get("rope_type", "default")
+        if rope_type != "default" and not problems:
+            ok = None if ok else ok
+            notes = [note for note in notes if not note.startswith("measured at")]
+            notes.append(f"RoPE {rope_type}: the recorded runs are of default-RoPE exports; this one was not run"
+                         + (f"; {ROPE_NOTES[engine, rope_type]}" if (engine, rope_type) in ROPE_NOTES else ""))
         patches = sorted({name for r in here if r["status"] == "ok" for name in r.get("workarounds") or []})
         if engine == "llama.cpp" and sentencepiece and not problems:
             patches = sorted({*patches, "vocab"})

@@ -159,7 +159,8 @@ def build_report(facts: ConversionFacts) -> dict:
         "engines": engine_compatibility(mla, facts.attention_bias, facts.q_lora_rank, facts.options.target,
                                         tied=(facts.serving or {}).get("tie_word_embeddings", source.tied_embeddings),
                                         servable=servable_targets(source), num_layers=source.num_layers,
-                                        sentencepiece=sentencepiece_vocabulary(facts.source_folder)),
+                                        sentencepiece=sentencepiece_vocabulary(facts.source_folder),
+                                        rope_parameters=facts.rope_parameters),
         "versions": {
             "mla_convert": __version__,
             "torch": torch.__version__,
