@@ -31,6 +31,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ import torch.nn.functional as F
 from ..errors import MLAConvertError
 from ..io.paths import absolute_path
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
+
+if TYPE_CHECKING:
+    from .checks import EvalPlan
 
 LN2 = math.log(2.0)
 
@@ -430,7 +434,7 @@ def run_eval(
     allow_pickle: bool = False,
     labels: tuple[str | None, str | None] | None = None,
     allow_long_context: bool = False,
-    plan=None,
+    plan: EvalPlan | None = None,
 ) -> EvalReport:
     """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
 
@@ -445,9 +449,10 @@ def run_eval(
     from .checks import eval_preflight
 
     plan = plan or eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
-                          device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
-                          batch_size=batch_size, json_path=json_path, revision=revision, allow_pickle=allow_pickle,
-                          data=data, text_column=text_column, split=split, max_chars=max_chars)
+                                  device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
+                                  batch_size=batch_size, json_path=json_path, revision=revision,
+                                  allow_pickle=allow_pickle, data=data, text_column=text_column, split=split,
+                                  max_chars=max_chars)
     context_length = plan.context
     # the text, its tokens and the windows before any model loads: a missing or empty text, or one too short for
     # a window, fails in seconds rather than after the models
