@@ -247,6 +247,19 @@ def test_card_without_biases_or_odd_shape_leaves_those_caveats_out():
     assert 'from_pretrained("path/to/this/model"' in text  # no repo yet: a placeholder, not a guess
 
 
+def test_a_serving_exports_card_does_not_say_its_weights_cannot_be_float16():
+    """The card of a --target llama.cpp export said "never float16 (see the caveats below)" above a caveat saying its
+    weights lie in a normal float range."""
+    report = stories260k_report()
+    assert "never float16" in " ".join(str(build_model_card(report)).split())
+    report["serving"] = {"target": "llama.cpp", "magnitudes": {"kv_a_latent_rows": {"median_nonzero": 1.7e-3,
+                                                                                    "frac_below_f16_normal": 0.01}}}
+    text = " ".join(str(build_model_card(report)).split())
+    assert "never float16" not in text and "**Use bfloat16 or float32, not float16.**" not in text
+    assert "its weights fit float16's range (see the caveats below), but mla-convert checked it in bfloat16 and " \
+           "float32 only" in text and "**Weights in a normal float range.**" in text
+
+
 def test_card_tolerates_a_sparse_report():
     sparse = {"source": {"name_or_path": "/data/models/my-llama"}, "evaluation": None, "engines": None, "layers": None}
     card = build_model_card(sparse)

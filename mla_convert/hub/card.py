@@ -552,6 +552,7 @@ def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
     model = _load_id(repo_id)
     fp32 = str(_get(report, "options", "dtype", default="")).lower() in ("fp32", "float32")
     dtype = "torch.float32" if fp32 else "torch.bfloat16"
+    serving = isinstance(_get(report, "serving"), Mapping)  # rewritten for the engines: weights in a normal range
     return [
         "## Use with transformers",
         "",
@@ -569,7 +570,9 @@ def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
         "print(tokenizer.decode(output[0], skip_special_tokens=True))",
         "```",
         "",
-        "Load it in bfloat16 or float32, never float16 (see the caveats below).",
+        "Load it in bfloat16 or float32, never float16 (see the caveats below)." if not serving else
+        "Load it in bfloat16 or float32: its weights fit float16's range (see the caveats below), but mla-convert "
+        "checked it in bfloat16 and float32 only.",
         "",
     ]
 
