@@ -306,7 +306,7 @@ def test_run_eval_checks_what_the_command_checks(stories260k, tinystories_text, 
     convert(stories260k, converted, ConvertOptions(compression=2, effort="fast",
                                                    calibration=CalibrationOptions(num_samples=2, seq_len=32)))
     for kwargs, message in [
-        (dict(dtype="fp16"), "--dtype fp16: fp16 cannot hold a converted MLA model"),
+        (dict(dtype="fp16"), "--dtype fp16: fp16 cannot hold a --target transformers export"),
         (dict(context_length=100_000), "--context 100000: longer than"),
         (dict(json_path=tmp_path / "no-such-folder" / "eval.json"), "--json"),
     ] + ([] if torch.cuda.is_available() else [(dict(device="cuda"), "--device cuda: no CUDA device")]):
