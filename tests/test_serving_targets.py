@@ -434,3 +434,28 @@ def test_the_shipped_record_is_well_formed():
         assert run["engine"] in ("vllm", "llama.cpp") and run["version"] and run["date"] and run["model"]
         assert run["target"] in T.TARGETS and run["status"] in ("ok", "wrong-output", "failed", "load-failed", "convert-failed")
         assert isinstance(run["kv_lora_rank"], int) and isinstance(run["rope_dim"], int)
+
+
+@pytest.mark.real_model
+def test_a_serving_export_is_written_and_scored_in_fp16_and_only_it(stories260k, tinystories_text, tmp_path):
+    """fp16 was refused for every export with the reason of the default one ("its latent is stored at a tiny scale"),
+    which is false for a serving export: its weights fit fp16's range.  The default export stays refused."""
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+    from mla_convert.eval.perplexity import run_eval
+
+    served = convert(stories260k, tmp_path / "llama.cpp-fp16", fast_options(compression=2, target="llama.cpp",
+                                                                            dtype="fp16")).output
+    assert json.loads((served / "config.json").read_text())["dtype"] == "float16"
+    scores = {dtype: next(iter(run_eval(served, tinystories_text, dtype=dtype, context_length=128, max_windows=4,
+                                        progress=False).results.values())).perplexity for dtype in ("fp16", "fp32")}
+    assert scores["fp16"] == pytest.approx(scores["fp32"], rel=1e-2), scores
+    with pytest.raises(PreflightError, match=f"--dtype fp16: {T.FP16_REFUSED[:40]}"):
+        convert(stories260k, tmp_path / "default-fp16", fast_options(compression=2, dtype="fp16"))
+    default = convert(stories260k, tmp_path / "default", fast_options(compression=2)).output
+    with pytest.raises(PreflightError, match="--dtype fp16: fp16 cannot hold a --target transformers export"):
+        run_eval(default, tinystories_text, dtype="fp16", context_length=128, max_windows=1, progress=False)
+    # the runtime has no fp16 path whatever the export: said as that, not as the default export's latent
+    result = CliRunner().invoke(app, ["generate", str(served), "Once upon", "--dtype", "fp16", "--device", "cpu"])
+    assert result.exit_code == 2 and "the runtime computes in bf16 or fp32 only" in result.output

@@ -41,6 +41,7 @@ from .calibration import SAMPLING_CACHE_BYTES
 from .decisions import METHOD_ALIASES, REFINE_BATCH_WINDOWS, RefinePolicy, effort_of, refine_flops
 from .preflight import OUTPUT_OVERHEAD_BYTES, estimated_output_bytes, estimated_statistics_bytes, expected_tensor_shapes, export_dtype
 from .rope import candidate_grids
+from .target import target_of
 
 CONSTANTS_FILE = Path(__file__).with_name("cost_constants.json")
 
@@ -201,7 +202,7 @@ class Sizes:
 
     @property
     def output_dtype(self):
-        return export_dtype(self.options.dtype, self.source)
+        return export_dtype(self.options.dtype, self.source, serving=target_of(self.options.target).serving)
 
 
 def svd_flops(rows: int, cols: int) -> float:

@@ -397,13 +397,14 @@ def output_path_problems(output: Path, overwrite: bool, source: Path | None = No
 # --------------------------------------------------------------------------- the shape and dtype to export
 
 
-def export_dtype(name: str, source: SourceConfig) -> torch.dtype:
-    """`--dtype` -> the export dtype; `auto` is the source's, with fp16 exported as bf16."""
+def export_dtype(name: str, source: SourceConfig, serving: bool = False) -> torch.dtype:
+    """`--dtype` -> the export dtype; `auto` is the source's, with fp16 exported as bf16.  An explicit fp16 is taken
+    for a serving target only (`serving`): its transforms bring every weight into fp16's range."""
     if name == "auto":
         # fp16 cannot hold the tiny-scale latent: bf16 keeps fp32's exponent range
         return torch.bfloat16 if source.torch_dtype == torch.float16 else source.torch_dtype
     dtype = parse_dtype(name)
-    if dtype == torch.float16:
+    if dtype == torch.float16 and not serving:
         raise PreflightError([f"--dtype fp16: {T.FP16_REFUSED}"])
     return dtype
 
@@ -436,7 +437,7 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     mla = None
     dtype = source.torch_dtype
     try:
-        dtype = export_dtype(options.dtype, source)
+        dtype = export_dtype(options.dtype, source, serving=T.target_of(options.target).serving)
     except PreflightError as error:
         problems += error.problems
     except MLAConvertError as error:

@@ -41,10 +41,10 @@ EXPORT_RMS_NORM_EPS = LATENT_NORM_EPS
 LINEARITY_MARGIN = 1e-5
 
 # Why no export, and no computation on an export, may use fp16 (one message wherever it is refused).
-# (A serving export keeps its weights in fp16's range, but nothing in mla-convert computes or exports it in fp16.)
+# (A serving export's weights fit fp16's range: `convert --target ... --dtype fp16` and `eval --dtype fp16` take it.)
 FP16_REFUSED = ("fp16 cannot hold a --target transformers export: its latent is stored at a tiny scale (weights of "
-                "~1e-7 and below) that fp16 flushes to zero; a serving export (--target vllm, llama.cpp, all) fits "
-                "fp16's range, but mla-convert computes and exports in bf16 or fp32 only; use bf16 or fp32")
+                "~1e-7 and below) that fp16 flushes to zero; use bf16 or fp32, or convert with a serving --target "
+                "(vllm, llama.cpp, all), whose weights fit fp16's range")
 
 # `self_attn.*` tensor names, as DeepseekV3Attention names its parameters.
 Q_PROJ = "q_proj.weight"

@@ -34,6 +34,7 @@ class ModelFacts:
     hidden_size: int | None = None
     num_layers: int | None = None
     vocab_size: int | None = None  # rows of the input embedding
+    serving: bool = False  # an export rewritten for the serving engines (weights in fp16's range)
 
 
 def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: bool, problems: list[str],
@@ -58,9 +59,21 @@ def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: boo
     positions = getattr(config, "max_position_embeddings", None)
     architectures = getattr(config, "architectures", None) or [None]
     vocab_size = getattr(config, "vocab_size", None)
-    return ModelFacts(path, positions if isinstance(positions, int) else None, getattr(config, "model_type", None) == T.MODEL_TYPE,
+    converted = getattr(config, "model_type", None) == T.MODEL_TYPE
+    return ModelFacts(path, positions if isinstance(positions, int) else None, converted,
                       architectures[0], getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None),
-                      vocab_size if isinstance(vocab_size, int) else None)
+                      vocab_size if isinstance(vocab_size, int) else None, converted and _serving_export(path))
+
+
+def _serving_export(folder: Path) -> bool:
+    """Whether the folder's report says a serving --target rewrote it (unreadable or absent: not known, so no)."""
+    import json
+
+    try:
+        report = json.loads((folder / "mla_convert.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and isinstance(report.get("serving"), dict)
 
 
 def load_tokenizers(facts: list[ModelFacts | None]) -> dict[Path, object]:
@@ -120,7 +133,8 @@ def context_for(facts: list[ModelFacts], context: int | None, allow_long_context
 
 
 def dtype_problems(dtype: str, facts: list[ModelFacts], flag: str = "--dtype", converted: bool | None = None) -> list[str]:
-    """`converted`: whether a converted model is evaluated (default: any of `facts` is one)."""
+    """`converted`: whether a model fp16 cannot hold is evaluated (default: any of `facts` is a converted model that
+    no serving --target rewrote)."""
     if dtype in (None, "auto"):
         return []
     try:
@@ -129,8 +143,8 @@ def dtype_problems(dtype: str, facts: list[ModelFacts], flag: str = "--dtype", c
         return [f"{flag}: {error}"]
     import torch
 
-    if converted is None:
-        converted = any(f.converted for f in facts)
+    if converted is None:  # (a serving export's weights fit fp16's range)
+        converted = any(f.converted and not f.serving for f in facts)
     if parsed == torch.float16 and converted:
         return [f"{flag} fp16: {T.FP16_REFUSED}"]
     return []

@@ -38,6 +38,7 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress, Progress
 from ..convert.pipeline import Converter
+from ..convert.target import target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
@@ -609,8 +610,9 @@ def run_sweep(
     problems = [f"{flag} {value}: must be at least {low}" for flag, value, low in
                 (("--batch-size", batch_size, 1), ("--context", context_length, 2), ("--max-windows", max_windows, 1))
                 if value is not None and value < low]
-    # every point is a converted model (fp16 underflows its latent); the device must exist before the slow calibration
-    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=True)
+    # every point is a converted model (fp16 underflows its latent unless a serving --target rewrote it); the device
+    # must exist before the slow calibration
+    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=not target_of(base.target).serving)
     problems += device_problems(eval_device)
     problems += text_option_problems(data, text_column)
     out = None if out_dir is None else absolute_path(out_dir)  # a quoted `~/sweep` means the home folder

@@ -40,9 +40,12 @@ def stored_tensor_names(folder: Path) -> list[str]:
 
 
 def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
+    """`save_dtype` -> the saved dtype; auto is the converted folder's, except fp16 (a serving export's): the fine-tuned
+    model is saved with its latent folded back to the tiny scale, which fp16 cannot hold, so it is saved in bf16."""
     if name == "auto":
         dtype = getattr(converted_config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return torch.bfloat16 if dtype == torch.float16 else dtype
     else:
         dtype = parse_dtype(name)
     if dtype == torch.float16:

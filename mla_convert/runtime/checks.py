@@ -18,6 +18,7 @@ from ..errors import MLAConvertError
 from ..eval.checks import ModelFacts, dtype_problems, model_facts, positive_problems
 from ..io.hf_loading import load_config, load_tokenizer
 from .generation_settings import GenerationSettings
+from .loading import RUNTIME_DTYPES
 from .paged_cache import PagedLatentCache
 
 SEED_MAX = 2**63 - 1  # as `convert --seed`; torch generators take 64-bit seeds
@@ -54,7 +55,10 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
     problems += device_problems(device)
     if facts is None:
         return problems, None
-    problems += dtype_problems(dtype, [facts])
+    if dtype in ("fp16", "float16"):  # whatever the export: the runtime has no fp16 path
+        problems.append(f"--dtype {dtype}: {RUNTIME_DTYPES}")
+    else:
+        problems += dtype_problems(dtype, [facts])
     if not facts.converted:
         problems.append(f"{facts.path}: is not a model written by `mla-convert convert` (config.json is not {T.MODEL_TYPE}); "
                         "generate decodes exported MLA models")

@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..convert.target import FP16_REFUSED
 from .errors import RuntimeModelError
+
+# what the runtime computes in (an fp16 export, which only a serving --target writes, is computed in fp32)
+RUNTIME_DTYPES = "the runtime computes in bf16 or fp32 only (dtype auto computes an fp16 export in fp32)"
 
 # RoPE types whose inverse frequencies are fixed at load (transformers' `dynamic_rope_update` changes
 # the dynamic/longrope ones with the sequence length, which a per-position cache cannot follow).
@@ -96,8 +98,7 @@ def compute_dtype(requested: torch.dtype | None, stored: torch.dtype) -> torch.d
     """
     dtype = requested if requested is not None else (torch.float32 if stored == torch.float16 else stored)
     if dtype not in COMPUTE_DTYPES:
-        raise RuntimeModelError(
-            f"compute dtype {dtype} is not supported: {FP16_REFUSED}")
+        raise RuntimeModelError(f"compute dtype {dtype} is not supported: {RUNTIME_DTYPES}")
     return dtype
 
 
