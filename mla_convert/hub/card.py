@@ -571,8 +571,7 @@ def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
         "```",
         "",
         "Load it in bfloat16 or float32, never float16 (see the caveats below)." if not serving else
-        "Load it in bfloat16 or float32: its weights fit float16's range (see the caveats below), but mla-convert "
-        "checked it in bfloat16 and float32 only.",
+        "Load it in bfloat16, float32 or float16: its weights fit float16's range (see the caveats below).",
         "",
     ]
 
