@@ -1015,3 +1015,30 @@ def test_a_diverging_run_names_the_step_whose_loss_was_not_finite(tiny_llama, tm
         run_finetune(config, log=lines.append)
     logged = logged_steps(tmp_path / "diverging.ckpt")
     assert str(failed.value).startswith(f"step {len(logged) + 1}: loss is "), (str(failed.value), logged)
+
+
+@pytest.mark.real_model
+def test_fine_tuning_a_serving_export_says_when_the_save_undid_the_serving_scale(stories260k, tmp_path):
+    """Saving folds the latent back to the worst-case bound (~1e-7), which undoes a serving target's scale; the
+    fine-tuned folder's report and card still said "weights in a normal float range" and llama.cpp "yes"."""
+    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.convert.target import FP16_REFUSED
+    from mla_convert.eval.checks import dtype_problems, model_facts
+
+    served = convert(stories260k, tmp_path / "served", ConvertOptions(
+        compression=2, target="llama.cpp", effort="fast", calibration=CalibrationOptions(num_samples=4, seq_len=64))).output
+    lines = []
+    result = run_finetune(_tiny_run_config(served, tmp_path, "tuned", max_steps=2, checkpoint_every=0, seq_len=64,
+                                           teacher_samples=8), log=lines.append)
+    report = json.loads((result.output / "mla_convert.json").read_text())
+    latent = load_file(str(result.output / "model.safetensors"))["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    assert latent[:24].abs().median() < 6.1e-5, "the premise: the fold brought the latent below fp16's normal range"
+    assert report["serving"] is None and report["serving_before_finetuning"]["undone_in_layers"]
+    assert report["engines"]["llama.cpp"]["ok"] is False and "f16 / q8_0 GGUF" in report["engines"]["llama.cpp"]["notes"][0]
+    assert report["engines"]["transformers"]["ok"] is True
+    card = " ".join((result.output / "README.md").read_text().split())
+    assert "**Use bfloat16 or float32, not float16.**" in card and "Weights in a normal float range" not in card
+    assert any(line.startswith(f"warning: {result.output} is no longer a --target llama.cpp export") for line in lines)
+    problems: list[str] = []
+    facts = model_facts(result.output, None, False, problems)
+    assert dtype_problems("fp16", [facts]) == [f"--dtype fp16: {FP16_REFUSED}"]  # eval refuses fp16 on it again

@@ -23,7 +23,7 @@ from ..hub.card import CARD_FILE
 from ..io.reader import CheckpointReader
 from ..io.writer import CheckpointWriter
 from ..units import parse_dtype
-from .latent import LatentSite, fold_latent_scales
+from .latent import SCALE_TOLERANCE, LatentSite, fold_latent_scales
 
 
 class FinetuneSaveError(MLAConvertError):
@@ -141,7 +141,40 @@ def updated_report(report: dict, sites: list[LatentSite], scales: list[float], f
         out["evaluation_before_finetuning"] = {**earlier, "before_round": len(rounds) + 1}
     elif not isinstance(out.get("evaluation_before_finetuning"), dict):
         out["evaluation_before_finetuning"] = None
+    _unserve_if_folded(out, sites, scales)
     return out
+
+
+def _unserve_if_folded(report: dict, sites: list[LatentSite], scales: list[float]) -> None:
+    """A serving export whose latent the save folded back to the worst-case bound (weights ~1e-7, the scale of a
+    --target transformers export) is no longer one: its report stops saying so.
+
+    The serving transforms chose the latent scale on calibration tokens; the fold keeps the stored norm linear for
+    every input, which is that much smaller scale.  The card then said "weights in a normal float range" and
+    llama.cpp "yes" for a folder whose f16 GGUF loses the latent (stories260K, `--target llama.cpp`: median latent
+    weight 2.0e-3 before, 3.1e-5 after two steps).
+    """
+    serving = report.get("serving")
+    folded = [site.layer for site, scale in zip(sites, scales)
+              if site.kind == "kv" and scale < site.latent_scale * (1 - SCALE_TOLERANCE)]
+    if not isinstance(serving, dict) or not folded:
+        return
+    report["serving"] = None
+    report["serving_before_finetuning"] = {**serving, "undone_in_layers": folded}
+    why = (f"fine-tuning folded the latent of {len(folded)} layer(s) back to the --target transformers scale "
+           "(weights ~1e-7)")
+    engines = report.get("engines")
+    if not isinstance(engines, dict):
+        return
+    for engine in ("vllm", "llama.cpp", "sglang"):
+        entry = engines.get(engine)
+        if not isinstance(entry, dict):
+            continue
+        if engine == "llama.cpp":
+            engines[engine] = {"ok": False, "notes": [f"{why}: f16 / q8_0 GGUF weights lose them"], "runs": [],
+                               "patches": []}
+        elif entry.get("ok"):
+            engines[engine] = {"ok": None, "notes": [f"not measured since {why}"], "runs": [], "patches": []}
 
 
 # entries of a fine-tuning section that belong to its own folder's plot, not to the history of a later round

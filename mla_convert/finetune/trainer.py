@@ -735,6 +735,12 @@ class Finetuner:
             curve = {key: report["finetuning"][key] for key in ("curve_png",) if key in report.get("finetuning", {})}
             report["finetuning"] = self.finetuning_section(scales_before, scales, save_check) | curve
             write_report(path, report)
+            undone = report.get("serving_before_finetuning")
+            if isinstance(self.report.get("serving"), dict) and report.get("serving") is None and isinstance(undone, dict):
+                self.log(f"warning: {path} is no longer a --target {undone.get('target')} export: saving folded the "
+                         f"latent of layer(s) {undone['undone_in_layers']} back to weights of ~1e-7, which f16 and "
+                         "q8_0 GGUF weights lose (its report and card say so); it runs in transformers and "
+                         "mla-convert's runtime in bf16 or fp32")
             self._written_output = None  # finished: an interrupt from here on changes nothing
             self.log(f"saved {path}")
         accelerator.wait_for_everyone()
