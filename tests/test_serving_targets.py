@@ -355,6 +355,13 @@ def test_a_run_counts_only_for_an_export_with_the_default_rope():
         (note,) = [note for note in verdict["llama.cpp"]["notes"] if note.startswith(f"RoPE {rope_type}")]
         assert "this one was not run" in note and known in note
         assert not any(note.startswith("measured at") for note in verdict["llama.cpp"]["notes"])
+    # a record that names its RoPE counts for exports of that RoPE only (the harness writes it from 2026-12-02 on)
+    linear = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+    linear_run = {**RUN, "rope_type": "linear", "status": "wrong-output", "error": "ppl 4.9 % off"}
+    assert engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(linear_run,),
+                                rope_parameters=linear)["llama.cpp"]["ok"] is False
+    assert engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN, linear_run),
+                                rope_parameters={"rope_type": "default"})["llama.cpp"]["ok"] is True
     # a constraint the export breaks stays a "no"
     broken = engine_compatibility(MLAShape(144, 48), False, None, "transformers", tied=True, runs=(RUN,),
                                   rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})

@@ -38,8 +38,9 @@ PATCHES = {
 # llama.cpp's deepseek2 loader takes a 26- or 27-layer model for DeepSeek-V2-Lite and then ignores q_lora_rank
 # (src/models/deepseek2.cpp, read in b11434; no such model was run)
 LLAMA_CPP_LITE_LAYERS = (26, 27)
-# What is known of each engine's handling of a RoPE other than the default grid.  The records do not name their
-# exports' RoPE (the harness did not write it down), so a run counts only for a default-RoPE export.  Reconverted
+# What is known of each engine's handling of a RoPE other than the default grid.  The records made before 2026-12-02
+# do not name their exports' RoPE (the harness did not write it down), so they count only for a default-RoPE export;
+# a record that names its `rope_type` counts for exports of that type.  Reconverted
 # 2026-12-02, stories260K (24+8) and SmolLM2 (144+48) with --target llama.cpp export default RoPE, and a rope_dim
 # equal to the source's head_dim (the 256+64 SmolLM2 and Qwen2 records) always does; the synthetic 512+64 vLLM
 # record was not reconverted.
@@ -143,11 +144,14 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
     report: dict = {
         "transformers": {"ok": True, "notes": ["stock DeepseekV3ForCausalLM, no remote code (every export; tests/test_convert.py)"]},
     }
+    rope_type = (rope_parameters or {}).get("rope_type", "default")
     for engine in ("vllm", "llama.cpp"):
         mine = [r for r in runs if r["engine"] == engine and r.get("target") == chosen.name]
         # a run counts for this export when its shape matches and it had a query latent exactly when this one does
         # (llama.cpp refuses a DeepSeek export without q_lora_rank: another key, another outcome)
         here = [r for r in mine if _shape(r) == shape and (r.get("q_lora_rank") is None) == (q_lora_rank is None)]
+        # ... and it ran the same RoPE (records made before the harness wrote it down are of default-RoPE exports)
+        same_rope = [r for r in here if r.get("rope_type", "default") == rope_type]
         problems = constraint_problems(engine, mla, chosen, attention_bias, q_lora_rank, tied)
         notes: list[str] = []
         if problems:
@@ -159,21 +163,20 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
                 notes.append(f"convert with --target {engine}" + (" (or all)" if servable is None or "all" in servable else ""))
             else:
                 notes.append(f"--target {engine} has no shape that fits this model")
-        elif here:
-            ok = all(r["status"] == "ok" for r in here)
+        elif same_rope:
+            ok = all(r["status"] == "ok" for r in same_rope)
             notes.append(f"measured at {shape[0]}+{shape[1]} with --target {chosen.name}")
+        elif here:  # runs at this shape, but of another RoPE
+            ok = None
+            notes.append(f"RoPE {rope_type}: the runs at {shape[0]}+{shape[1]} with --target {chosen.name} had another "
+                         "RoPE (a record without a RoPE type is of a default-RoPE export); this one was not run"
+                         + (f"; {ROPE_NOTES[engine, rope_type]}" if (engine, rope_type) in ROPE_NOTES else ""))
         else:
             ok = None
             others = sorted({f"{r['kv_lora_rank']}+{r['rope_dim']}" for r in mine if r["status"] == "ok"})
             notes.append(f"not measured at {shape[0]}+{shape[1]} with --target {chosen.name}"
                          + (f" (measured at {', '.join(others)})" if others else ""))
-        rope_type = (rope_parameters or {}).get("rope_type", "default")
-        if rope_type != "default" and not problems:
-            ok = None if ok else ok
-            notes = [note for note in notes if not note.startswith("measured at")]
-            notes.append(f"RoPE {rope_type}: the recorded runs are of default-RoPE exports; this one was not run"
-                         + (f"; {ROPE_NOTES[engine, rope_type]}" if (engine, rope_type) in ROPE_NOTES else ""))
-        patches = sorted({name for r in here if r["status"] == "ok" for name in r.get("workarounds") or []})
+        patches = sorted({name for r in same_rope if r["status"] == "ok" for name in r.get("workarounds") or []})
         if engine == "llama.cpp" and sentencepiece and not problems:
             patches = sorted({*patches, "vocab"})
         if engine == "llama.cpp" and num_layers in LLAMA_CPP_LITE_LAYERS and not problems:

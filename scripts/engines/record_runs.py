@@ -78,6 +78,8 @@ def records_of(result: dict, origin: str) -> list[dict]:
     base = {"model": info["model"], "target": info.get("target"), "kv_lora_rank": info["kv_lora_rank"],
             "rope_dim": info["rope_dim"], "q_lora_rank": info.get("q_lora_rank"), "tied": info.get("tie_word_embeddings"),
             "attention_bias": info.get("attention_bias"), "date": result.get("date"), "origin": origin}
+    if info.get("rope_type"):  # (results from before 2026-12-02 do not name it)
+        base["rope_type"] = info["rope_type"]
     out = []
     lc = result.get("llamacpp")
     if lc and lc.get("export"):

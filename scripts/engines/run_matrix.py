@@ -149,6 +149,8 @@ def export_info(folder: Path, model_name: str | None = None) -> dict:
         "made_by": f"mla-convert {report.get('mla_convert_version')}" if report else "not an mla-convert export",
         "model": model_name or (Path(source).name if source else folder.name),
         "command": report.get("command"),
+        # which RoPE the engine ran: a run counts only for exports with the same type (mla_convert/convert/engines.py)
+        "rope_type": (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default"),
     }
 
 
