@@ -217,7 +217,8 @@ def evaluate(
     batch_size: int = typer.Option(1, help="Windows per forward pass."),
     text_column: str = typer.Option("text", help="Text field of .jsonl rows or column of a datasets dataset."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)."),
-    dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 is refused for converted models."),
+    dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 is refused for a "
+                              "--target transformers export (a serving --target's export takes it)."),
     kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache after this many tokens "
                                   "(0: skip); printed, and under kv_cache in --json."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
@@ -254,7 +255,7 @@ def evaluate(
     report = run_eval(facts[0].path, data, baseline=None if baseline is None else facts[1].path, context_length=context,
                       stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
                       dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline),
-                      allow_long_context=allow_long_context, plan=plan)
+                      allow_long_context=allow_long_context, _plan=plan)
     print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
     results = report.to_dict()
     if update_card:

@@ -76,8 +76,9 @@ class ConvertOptions:
                          "their error costs), input (whitened only) or svd (weight-only baseline).", flag="--method",
                          choices=METHODS)
     calibration: CalibrationOptions = option(help="", default_factory=CalibrationOptions)
-    dtype: str = option("auto", "Export dtype: auto (the source's; fp16 becomes bf16), bf16 or fp32 (fp16 is refused: "
-                        "it cannot hold the tiny-scale latent).", flag="--dtype",
+    dtype: str = option("auto", "Export dtype: auto (the source's; fp16 becomes bf16), bf16 or fp32; fp16 only with a "
+                        "serving --target (a --target transformers export's tiny-scale latent does not fit it).",
+                        flag="--dtype",
                         choices=("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"))
     device: str = option("cpu", "Where calibration, statistics, factorization and refinement run (and, in sweep, evaluation): "
                          "cpu, cuda or cuda:N. "

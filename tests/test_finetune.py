@@ -798,6 +798,8 @@ def test_an_interrupt_during_the_final_evaluation_keeps_a_checkpoint_the_resume_
 
 @pytest.mark.parametrize("change, message", [
     ({"save_dtype": "fp16"}, "save_dtype: 'fp16'"),  # refused only at the save, after training
+    # for a serving export too, so the reason is the fold's, not "convert with a serving --target"
+    ({"save_dtype": "fp16"}, "(fine-tuning saves bf16 or fp32: the saved latent is folded back to a scale"),
     ({"max_shard_size": "abc"}, "max_shard_size 'abc'"),  # a ValueError traceback at the save
     ({"force": True}, "force: acts only with overwrite"),
     ({"teacher": "some/teacher", "kd_weight": 0.0, "ce_weight": 1.0, "data": "text.txt"}, "teacher: not used by this run"),

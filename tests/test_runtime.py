@@ -292,6 +292,11 @@ def test_generate_takes_the_files_length_when_no_flag_gives_one(tiny_folder, tmp
     assert result.exit_code == 0, result.output
     assert "note: generation_config.json sets max_length 40 (prompt and new tokens); this run generates up to 64" in \
         " ".join(result.stderr.split())
+    # a length from the file that does not fit is named as the file's, not as a flag the user never gave
+    path.write_text(json.dumps({"max_new_tokens": 600}))
+    result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
+    assert result.exit_code == 2 and "error: generation_config.json max_new_tokens 600: the longest prompt" in \
+        " ".join(result.output.split()), result.output
     for bad, message in ((0, "`max_new_tokens` must be greater than 0"),  # transformers' own check
                          (2.5, "max_new_tokens 2.5: must be a whole number, 1 or more")):
         path.write_text(json.dumps({"max_new_tokens": bad}))

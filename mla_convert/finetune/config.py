@@ -21,7 +21,6 @@ from typing import Optional
 import yaml
 from transformers import HfArgumentParser
 
-from ..convert.target import FP16_REFUSED
 from ..errors import MLAConvertError
 from ..io.paths import absolute_path
 from ..io.writer import parse_shard_size
@@ -30,6 +29,9 @@ TRAIN_CHOICES = ("attention", "all")
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 SAVE_DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16")  # fp16 cannot hold the tiny-scale latent
+# (any export: saving folds the latent back to the worst-case bound, which a serving export's scale was above)
+FINETUNE_FP16 = ("fine-tuning saves bf16 or fp32: the saved latent is folded back to a scale (weights of ~1e-7) "
+                 "that fp16 flushes to zero")
 
 
 class FinetuneConfigError(MLAConvertError):
@@ -136,7 +138,7 @@ class FinetuneConfig:
             problems.append(f"teacher_dtype: {self.teacher_dtype!r}; choose one of auto, fp32, bf16, fp16")
         if self.save_dtype not in SAVE_DTYPE_CHOICES:
             problems.append(f"save_dtype: {self.save_dtype!r}; choose one of auto, fp32, bf16"
-                            + (f" ({FP16_REFUSED})" if self.save_dtype in ("fp16", "float16") else ""))
+                            + (f" ({FINETUNE_FP16})" if self.save_dtype in ("fp16", "float16") else ""))
         try:
             if parse_shard_size(self.max_shard_size) <= 0:
                 problems.append(f"max_shard_size {self.max_shard_size!r}: must be positive")

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from ..convert.report import REPORT_FILE
-from ..convert.target import FP16_REFUSED
 from ..errors import MLAConvertError
 from ..hub.card import CARD_FILE
 from ..io.reader import CheckpointReader
 from ..io.writer import CheckpointWriter
 from ..units import parse_dtype
+from .config import FINETUNE_FP16
 from .latent import SCALE_TOLERANCE, LatentSite, fold_latent_scales
 
 
@@ -49,7 +49,7 @@ def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
     else:
         dtype = parse_dtype(name)
     if dtype == torch.float16:
-        raise FinetuneSaveError(f"save_dtype fp16: {FP16_REFUSED}")
+        raise FinetuneSaveError(f"save_dtype fp16: {FINETUNE_FP16}")
     return dtype
 
 

@@ -38,6 +38,16 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def _is_fp16(dtype: str | None) -> bool:
+    """Any spelling `--dtype` accepts for float16 (FP16, float16, torch.float16)."""
+    from ..units import parse_dtype
+
+    try:
+        return dtype not in (None, "auto") and parse_dtype(dtype) == torch.float16
+    except MLAConvertError:
+        return False
+
+
 def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int | None, temperature: float | None,
                         top_p: float | None, device: str | None, dtype: str, page_size: int,
                         allow_long_context: bool, seed: int = 0) -> tuple[list[str], ModelFacts | None]:
@@ -55,7 +65,7 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
     problems += device_problems(device)
     if facts is None:
         return problems, None
-    if dtype in ("fp16", "float16"):  # whatever the export: the runtime has no fp16 path
+    if _is_fp16(dtype):  # whatever the export: the runtime has no fp16 path
         problems.append(f"--dtype {dtype}: {RUNTIME_DTYPES}")
     else:
         problems += dtype_problems(dtype, [facts])
@@ -71,7 +81,10 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         settings = GenerationSettings.from_folder(facts.path)  # its generation_config.json, read as the run applies it
     except MLAConvertError as error:
         return problems + [str(error)], facts
-    max_new_tokens = settings.new_tokens(max_new_tokens)  # None: the file's max_new_tokens, else the default
+    # None: the file's max_new_tokens (named as such in a refusal), else the default
+    length_flag = "--max-new-tokens" if max_new_tokens is not None or settings.max_new_tokens is None else \
+        "generation_config.json max_new_tokens"
+    max_new_tokens = settings.new_tokens(max_new_tokens)
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]
     # positions the longest sequence takes: its prompt and every new token but the last (that one is never fed back)
     longest = max(lengths) + max_new_tokens - 1
@@ -79,9 +92,9 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         problems.append(f"the longest prompt ({max(lengths)} tokens) is longer than the model's max_position_embeddings "
                         f"({facts.max_positions}); shorten it or pass --allow-long-context")
     elif facts.max_positions and longest > facts.max_positions and not allow_long_context:
-        problems.append(f"--max-new-tokens {max_new_tokens}: the longest prompt ({max(lengths)} tokens) and the new tokens "
+        problems.append(f"{length_flag} {max_new_tokens}: the longest prompt ({max(lengths)} tokens) and the new tokens "
                         f"fed back after it take {longest} positions, more than the model's max_position_embeddings "
-                        f"({facts.max_positions}); generate fewer tokens or pass --allow-long-context")
+                        f"({facts.max_positions}); generate fewer tokens (--max-new-tokens) or pass --allow-long-context")
     # a page no sequence of this run can fill (with --allow-long-context, the longest sequence is the limit)
     limit = max(facts.max_positions or 0, longest if allow_long_context else 0)
     if limit and page_size > limit:
