@@ -469,3 +469,20 @@ def test_a_serving_export_is_written_and_scored_in_fp16_and_only_it(stories260k,
         result = CliRunner().invoke(app, ["generate", str(served), "Once upon", "--dtype", spelling, "--device", "cpu"])
         assert result.exit_code == 2 and f"error: --dtype {spelling}: the runtime computes in bf16 or fp32 only" in \
             " ".join(result.output.split()), result.output
+
+
+def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tied_llama):
+    """A grid that starts past the source's first frequency exports as a linear RoPE factor, which llama.cpp b11434
+    scales attention for where transformers does not: --target llama.cpp (and all) rank only grids from offset 0, so
+    a default-RoPE source exports default RoPE.  The transformers target keeps every grid."""
+    from mla_convert.convert.rope import candidate_grids
+
+    assert {grid.offset for grid in candidate_grids(32, 16, offsets=False)} == {0.0}
+    assert len(candidate_grids(32, 16)) > len(candidate_grids(32, 16, offsets=False))
+    assert not T.TARGETS["llama.cpp"].rope_offsets and not T.TARGETS["all"].rope_offsets and T.TARGETS["vllm"].rope_offsets
+    for target, offsets in (("transformers", True), ("llama.cpp", False)):
+        result = convert(tied_llama, tmp_path / target, fast_options(kv_lora_rank=128, rope_dim=32, target=target))
+        starts = {row["grid"].split(",")[0] for row in result.report["rope"]["candidates"]}
+        assert (starts != {"offset 0"}) == offsets, starts
+        if not offsets:
+            assert json.loads((tmp_path / target / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"

@@ -206,11 +206,13 @@ def choose_rope_grid(
     mla: MLAShape,
     measured: int,
     progress: Progress,
+    offsets: bool = True,
 ) -> tuple[RopeGrid, list[SlotPlan], list[dict]]:
-    """Pick the model-wide RoPE grid: rank all candidates by estimated error, measure the best few."""
+    """Pick the model-wide RoPE grid: rank all candidates by estimated error, measure the best few (`offsets`: the
+    target's `rope_offsets`)."""
     source = model.shape
     llama3 = source.rope_parameters.get("rope_type") == "llama3"
-    grids = candidate_grids(source.head_dim // 2, mla.rope_dim // 2, llama3=llama3)
+    grids = candidate_grids(source.head_dim // 2, mla.rope_dim // 2, llama3=llama3, offsets=offsets)
     scored = []  # (estimated error, grid, plans); plans kept only while a grid is among the best `keep`
     keep = max(1, measured)
     progress.phase("ranking RoPE grids", len(grids))

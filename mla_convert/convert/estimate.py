@@ -179,7 +179,8 @@ class Sizes:
     @property
     def grids(self) -> int:
         s = self.source
-        return len(candidate_grids(s.head_dim // 2, self.mla.rope_dim // 2, llama3=s.rope_parameters.get("rope_type") == "llama3"))
+        return len(candidate_grids(s.head_dim // 2, self.mla.rope_dim // 2, llama3=s.rope_parameters.get("rope_type") == "llama3",
+                                   offsets=target_of(self.options.target).rope_offsets))
 
     @property
     def finalists(self) -> int:

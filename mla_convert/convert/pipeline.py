@@ -189,7 +189,7 @@ class Converter:
         served: list[dict] = []  # per-layer serving facts (serving targets only)
         grid, plans, grid_table = choose_rope_grid(
             self.rope_stats, model.load_layer, lambda i: LayerInputStats.from_tensors(store.load(i, model.device)), model, mla,
-            effort_of(options).rope_finalists, progress,
+            effort_of(options).rope_finalists, progress, offsets=target.rope_offsets,
         )
         rope_parameters = deepseek_rope_parameters(source.rope_parameters, grid, source.head_dim)
         rope_error = T.verify_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, model.inv_freq))

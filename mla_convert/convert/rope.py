@@ -89,22 +89,23 @@ def deepseek_rope_parameters(source_params: dict, grid: RopeGrid, head_dim: int)
     return {"rope_type": "linear", "rope_theta": new_theta, "factor": factor}
 
 
-def candidate_grids(num_freqs: int, num_slots: int, llama3: bool = False) -> list[RopeGrid]:
+def candidate_grids(num_freqs: int, num_slots: int, llama3: bool = False, offsets: bool = True) -> list[RopeGrid]:
     """Every grid of `num_slots` slots inside the source's frequency range.
 
     Offsets and steps go in half-index units (a half step puts a slot between two source frequencies,
     which FreqFold-style sharing needs).  llama3-scaled sources only admit whole steps from offset 0,
-    because their scaled frequencies are not geometric.
+    because their scaled frequencies are not geometric.  `offsets=False`: grids from offset 0 only (a
+    default-RoPE source then exports default RoPE, with no linear factor: `Target.rope_offsets`).
     """
     unit = 1.0 if llama3 else 0.5
     if num_slots == 1:
-        return [RopeGrid(k * unit, 1.0, 1) for k in range(int((num_freqs - 1) / unit) + 1)]
+        return [RopeGrid(k * unit, 1.0, 1) for k in range(int((num_freqs - 1) / unit) + 1 if offsets else 1)]
     grids = []
     step = 1.0
     while (num_slots - 1) * step <= num_freqs - 1 + 1e-9:
         max_offset = num_freqs - 1 - (num_slots - 1) * step
-        offsets = [0.0] if llama3 else [k * unit for k in range(int(max_offset / unit + 1e-9) + 1)]
-        grids.extend(RopeGrid(offset, step, num_slots) for offset in offsets)
+        starts = [0.0] if llama3 or not offsets else [k * unit for k in range(int(max_offset / unit + 1e-9) + 1)]
+        grids.extend(RopeGrid(offset, step, num_slots) for offset in starts)
         step += unit
     return grids
 

@@ -121,6 +121,9 @@ class Target:
     kv_cache_formats: tuple[str, ...] = ()
     # the engines whose runs (engines.py) describe this target
     engines: tuple[str, ...] = ()
+    # the RoPE grid may start past the source's first frequency (exported as a `linear` factor); False where the
+    # engine was only run on default-RoPE exports and is known to treat a linear factor otherwise than transformers
+    rope_offsets: bool = True
 
     @property
     def serving(self) -> bool:
@@ -161,7 +164,9 @@ TARGETS: dict[str, Target] = {
     "llama.cpp": Target(
         "llama.cpp", "llama.cpp GGUF: any shape, q_lora_rank in the config, no biases, weights that survive "
         "f16/bf16/q8_0/Q4_K_M", ties_embeddings=True, attention_bias=False, needs_q_lora_rank=True, quantized_kv_block=32,
-        weight_formats=("f32", "f16", "bf16", "q8_0", "Q4_K_M"), kv_cache_formats=("f16", "q8_0"), engines=("llama.cpp",)),
+        weight_formats=("f32", "f16", "bf16", "q8_0", "Q4_K_M"), kv_cache_formats=("f16", "q8_0"), engines=("llama.cpp",),
+        # b11434 scales attention by (1 + 0.1 ln factor)^2 for a linear factor (src/models/deepseek2.cpp, read)
+        rope_offsets=False),
 }
 
 
@@ -182,6 +187,7 @@ def _intersection(name: str, targets: list[Target]) -> Target:
         weight_formats=tuple(dict.fromkeys(f for t in targets for f in t.weight_formats)),
         kv_cache_formats=tuple(dict.fromkeys(f for t in targets for f in t.kv_cache_formats)),
         engines=tuple(dict.fromkeys(e for t in targets for e in t.engines)),
+        rope_offsets=all(t.rope_offsets for t in targets),
     )
 
 
