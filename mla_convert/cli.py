@@ -217,8 +217,8 @@ def evaluate(
     batch_size: int = typer.Option(1, help="Windows per forward pass."),
     text_column: str = typer.Option("text", help="Text field of .jsonl rows or column of a datasets dataset."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)."),
-    dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 is refused for a "
-                              "--target transformers export (a serving --target's export takes it)."),
+    dtype: str = typer.Option("auto", help="auto (each model's stored dtype), bf16 or fp32; fp16 only for the source and "
+                              "for exports converted for vllm, llama.cpp or all (their weights fit fp16)."),
     kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache after this many tokens "
                                   "(0: skip); printed, and under kv_cache in --json."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
