@@ -69,8 +69,10 @@ def _serving_export(folder: Path) -> bool:
     """Whether the folder's report says a serving --target rewrote it (unreadable or absent: not known, so no)."""
     import json
 
+    from ..convert.report import REPORT_FILE
+
     try:
-        report = json.loads((folder / "mla_convert.json").read_text(encoding="utf-8"))
+        report = json.loads((folder / REPORT_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(report, dict) and isinstance(report.get("serving"), dict)
@@ -90,16 +92,14 @@ def load_tokenizers(facts: list[ModelFacts | None]) -> dict[Path, object]:
     return tokenizers
 
 
-def tokenizer_problems(facts: list[ModelFacts | None], tokenizers: dict[Path, object] | None = None) -> list[str]:
+def tokenizer_problems(facts: list[ModelFacts | None], tokenizers: dict[Path, object]) -> list[str]:
     """Every model is scored on the ids of one tokenizer (the model's, else the baseline's), so each must embed all
     of its ids and a baseline with its own tokenizer must have the same one.
 
     A baseline with a smaller vocabulary crashed in the embedding after both models had loaded; one with another
     tokenizer of the same size was scored on ids that meant other words to it, and compared as if comparable.
-    `tokenizers`: what `load_tokenizers(facts)` returned, when the caller already has it.
+    `tokenizers`: what `load_tokenizers(facts)` returned.
     """
-    if tokenizers is None:
-        tokenizers = load_tokenizers(facts)
     known = [fact for fact in facts if fact is not None]
     if not known or not tokenizers:
         return [f"no tokenizer loads from {' or '.join(str(fact.path) for fact in known)}"] if known else []
