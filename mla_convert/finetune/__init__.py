@@ -1,7 +1,7 @@
 """Fine-tuning a converted MLA model back towards its source (distillation), used by `recipes/finetune_mla.py`.
 
 Modules, one job each:
-- `latent`: the linearised latents brought to a trainable scale (exact reparametrisation) and back;
+- `latent`: the stored latents brought to a trainable scale (exact reparametrisation) and back;
 - `config`: `FinetuneConfig`, read from YAML and overridden by flags;
 - `data`: packed text windows, text sampled from the teacher, the resumable data cursor;
 - `loss`: KL(teacher || student) with temperature, plus optional next-token cross-entropy;
@@ -11,7 +11,7 @@ Modules, one job each:
 """
 
 from .config import FinetuneConfig, FinetuneConfigError, parse_config
-from .latent import LinearLatentNorm, fold_latent_scales, unfold_latent_scales
+from .latent import UnfoldedLatentNorm, fold_latent_scales, unfold_latent_scales
 from .trainer import Finetuner, FinetuneResult, run_finetune
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "FinetuneConfigError",
     "FinetuneResult",
     "Finetuner",
-    "LinearLatentNorm",
+    "UnfoldedLatentNorm",
     "fold_latent_scales",
     "parse_config",
     "run_finetune",

@@ -28,10 +28,11 @@ from ..io.writer import parse_shard_size
 TRAIN_CHOICES = ("attention", "all")
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
-SAVE_DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16")  # fp16 cannot hold the tiny-scale latent
-# (any export: saving folds the latent back to the worst-case bound, which a serving export's scale was above)
-FINETUNE_FP16 = ("fine-tuning saves bf16 or fp32: the saved latent is folded back to a scale (weights of ~1e-7) "
-                 "that fp16 flushes to zero")
+SAVE_DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16")
+# fp16: a --target transformers export's latent (~1e-7) is below fp16's range; a serving export keeps its scale through
+# fine-tuning, but nothing checks that the trained weights still fit fp16, so the save does not offer it
+FINETUNE_FP16 = ("fine-tuning saves bf16 or fp32: a --target transformers export stores its latent at ~1e-7, which "
+                 "fp16 flushes to zero, and a fine-tuned serving export's weights are not checked against fp16's range")
 
 
 class FinetuneConfigError(MLAConvertError):

@@ -2,9 +2,10 @@
 
 Same tensors (names, shards via `CheckpointWriter`, atomic appearance), `config.json` rebuilt by the
 installed `DeepseekV3Config`, the converted folder's tokenizer / generation config / chat template,
-`mla_convert.json` (the conversion report with the new latent scales and a `finetuning` section) and
-the model card regenerated from that report.  The latent scales are folded back first
-(`latent.fold_latent_scales`), so the stored `kv_a_layernorm` / `q_a_layernorm` stay linear.
+`mla_convert.json` (the conversion report with a `finetuning` section, and a serving export's weight magnitudes
+measured again on the fine-tuned weights) and the model card regenerated from that report.  The latent scales are
+folded back first (`latent.fold_latent_scales`), each with the alpha it was trained under, so the folder computes
+the trained model exactly and keeps its export's weight scale.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..io.reader import CheckpointReader
 from ..io.writer import CheckpointWriter
 from ..units import parse_dtype
 from .config import FINETUNE_FP16
-from .latent import SCALE_TOLERANCE, LatentSite, fold_latent_scales
+from .latent import LatentSite, fold_latent_scales
 
 
 class FinetuneSaveError(MLAConvertError):
@@ -40,8 +41,8 @@ def stored_tensor_names(folder: Path) -> list[str]:
 
 
 def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
-    """`save_dtype` -> the saved dtype; auto is the converted folder's, except fp16 (a serving export's): the fine-tuned
-    model is saved with its latent folded back to the tiny scale, which fp16 cannot hold, so it is saved in bf16."""
+    """`save_dtype` -> the saved dtype; auto is the converted folder's, except fp16 (a serving export's), saved in bf16
+    (`FINETUNE_FP16`)."""
     if name == "auto":
         dtype = getattr(converted_config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -97,9 +98,10 @@ def _rebased_description(recorded, old_folder: Path, new_folder: Path):
     return recorded
 
 
-def updated_report(report: dict, sites: list[LatentSite], scales: list[float], finetuning: dict, dtype: torch.dtype,
-                   converted: Path | None = None, output: Path | None = None) -> dict:
-    """The conversion report with the folded latent scales, the save dtype and the finetuning section.
+def updated_report(report: dict, finetuning: dict, dtype: torch.dtype, converted: Path | None = None,
+                   output: Path | None = None, weights: dict[str, torch.Tensor] | None = None) -> dict:
+    """The conversion report with the save dtype, the finetuning section and, for a serving export, the magnitudes
+    of the fine-tuned `weights` (the stored form).
 
     A perplexity measured on the input folder is kept as `evaluation_before_finetuning`, not as this model's.
     Paths recorded relative to `converted` are made relative to `output`.
@@ -107,12 +109,6 @@ def updated_report(report: dict, sites: list[LatentSite], scales: list[float], f
     out = copy.deepcopy(report) if report else {}
     if converted is not None and output is not None:
         _rebase_report_paths(out, Path(converted), Path(output))
-    layers = out.get("layers") or []
-    by_index = {layer.get("layer", i): layer for i, layer in enumerate(layers) if isinstance(layer, dict)}
-    for site, scale in zip(sites, scales):
-        entry = by_index.get(site.layer)
-        if entry is not None:
-            entry["latent_scale" if site.kind == "kv" else "query_latent_scale"] = scale
     dtype_name = str(dtype).replace("torch.", "")
     cache = out.get("cache")
     if isinstance(cache, dict) and cache.get("dtype") and cache["dtype"] != dtype_name:
@@ -141,40 +137,37 @@ def updated_report(report: dict, sites: list[LatentSite], scales: list[float], f
         out["evaluation_before_finetuning"] = {**earlier, "before_round": len(rounds) + 1}
     elif not isinstance(out.get("evaluation_before_finetuning"), dict):
         out["evaluation_before_finetuning"] = None
-    _unserve_if_folded(out, sites, scales)
+    if weights is not None:
+        remeasure_serving_magnitudes(out, weights)
     return out
 
 
-def _unserve_if_folded(report: dict, sites: list[LatentSite], scales: list[float]) -> None:
-    """A serving export whose latent the save folded back to the worst-case bound (weights ~1e-7, the scale of a
-    --target transformers export) is no longer one: its report stops saying so.
+def remeasure_serving_magnitudes(report: dict, weights: dict[str, torch.Tensor]) -> None:
+    """A serving export's `magnitudes` (what f16 / Q8_0 / Q4_K do to its weights, per layer and worst case) measured
+    again on the fine-tuned stored weights, in place: the card's "weights in a normal float range" must describe this
+    folder, not the one it was trained from."""
+    from ..convert import target as T
+    from ..convert.serving import magnitude, summarize_magnitudes
 
-    The serving transforms chose the latent scale on calibration tokens; the fold keeps the stored norm linear for
-    every input, which is that much smaller scale.  The card then said "weights in a normal float range" and
-    llama.cpp "yes" for a folder whose f16 GGUF loses the latent (stories260K, `--target llama.cpp`: median latent
-    weight 2.0e-3 before, 3.1e-5 after two steps).
-    """
     serving = report.get("serving")
-    folded = [site.layer for site, scale in zip(sites, scales)
-              if site.kind == "kv" and scale < site.latent_scale * (1 - SCALE_TOLERANCE)]
-    if not isinstance(serving, dict) or not folded:
+    if not isinstance(serving, dict) or not isinstance(serving.get("layers"), list):
         return
-    report["serving"] = None
-    report["serving_before_finetuning"] = {**serving, "undone_in_layers": folded}
-    why = (f"fine-tuning folded the latent of {len(folded)} layer(s) back to the --target transformers scale "
-           "(weights ~1e-7)")
-    engines = report.get("engines")
-    if not isinstance(engines, dict):
-        return
-    for engine in ("vllm", "llama.cpp", "sglang"):
-        entry = engines.get(engine)
-        if not isinstance(entry, dict):
+    rank = (report.get("options") or {}).get("kv_lora_rank")
+    for position, info in enumerate(serving["layers"]):
+        if not isinstance(info, dict) or not isinstance(rank, int):
             continue
-        if engine == "llama.cpp":
-            engines[engine] = {"ok": False, "notes": [f"{why}: f16 / q8_0 GGUF weights lose them"], "runs": [],
-                               "patches": []}
-        elif entry.get("ok"):
-            engines[engine] = {"ok": None, "notes": [f"not measured since {why}"], "runs": [], "patches": []}
+        prefix = T.attention_prefix(info.get("layer", position))
+        kv_a = weights.get(prefix + T.KV_A_PROJ)
+        if kv_a is None:
+            continue
+        mags = {"kv_a_latent_rows": magnitude(kv_a[:rank]), "kv_a_rope_rows": magnitude(kv_a[rank:]),
+                "kv_b_proj": magnitude(weights[prefix + T.KV_B_PROJ])}
+        for name in (T.Q_PROJ, T.Q_A_PROJ, T.Q_B_PROJ):
+            if prefix + name in weights:
+                mags[name.split(".")[0]] = magnitude(weights[prefix + name])
+        info["magnitudes"] = mags
+    serving["magnitudes"] = summarize_magnitudes(serving["layers"])
+    serving["magnitudes_measured_on"] = "the fine-tuned weights"
 
 
 # entries of a fine-tuning section that belong to its own folder's plot, not to the history of a later round
@@ -192,19 +185,19 @@ def save_finetuned(
     max_shard_size: str = "5GB",
     overwrite: bool = False,
     force: bool = False,
-) -> tuple[Path, list[float]]:
-    """Fold the latent scales, write the folder atomically; returns (path, alphas used per site)."""
+) -> Path:
+    """Fold the latent scales, write the folder atomically; returns its path."""
     from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
     converted, output = Path(converted), Path(output)
     config = DeepseekV3Config.from_pretrained(str(converted), trust_remote_code=False)
     dtype = resolve_save_dtype(save_dtype, config)
-    folded, scales = fold_latent_scales(state_dict, sites)
+    folded = fold_latent_scales(state_dict, sites)
     names = stored_tensor_names(converted)
     missing = [name for name in names if name not in folded]
     if missing:
         raise FinetuneSaveError(f"trained state dict lacks {len(missing)} tensors of {converted} (first: {missing[0]})")
-    final_report = updated_report(report, sites, scales, finetuning, dtype, converted, output)
+    final_report = updated_report(report, finetuning, dtype, converted, output, folded)
     writer = CheckpointWriter(output, max_shard_size, overwrite, force)
     with writer:
         for name in names:
@@ -216,7 +209,7 @@ def save_finetuned(
             final_report["finetuning"]["curve_png"] = CURVES_FILE
         write_report(writer.partial, final_report)
         path = writer.commit()
-    return path, scales
+    return path
 
 
 CURVES_FILE = "finetune_curves.png"

@@ -665,8 +665,7 @@ class Finetuner:
         return None
 
     # ----------------------------------------------------------------- the end
-    def finetuning_section(self, scales_before: list[float] | None = None, scales_after: list[float] | None = None,
-                           save_check: dict | None = None) -> dict:
+    def finetuning_section(self, save_check: dict | None = None) -> dict:
         config, state = self.config, self.state
         seconds = state.seconds + (time.time() - self.started)
         losses = state.losses
@@ -708,8 +707,6 @@ class Finetuner:
             "seconds": round(seconds, 1),
             "resumed": len(state.resumed_from),
         }
-        if scales_after is not None and scales_before is not None:
-            section["latent_scales_shrunk_at_save"] = sum(a < b for a, b in zip(scales_after, scales_before))
         if save_check is not None:
             section.update(save_check)
         return section
@@ -724,8 +721,7 @@ class Finetuner:
         state_dict = accelerator.get_state_dict(self.student)
         path, report = None, None
         if accelerator.is_main_process:
-            scales_before = [site.latent_scale for site in self.sites]
-            path, scales = save_finetuned(
+            path = save_finetuned(
                 {k: v.detach().cpu() for k, v in state_dict.items()}, self.sites, self.converted, self.output,
                 self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite,
                 config.force)
@@ -733,14 +729,8 @@ class Finetuner:
             save_check = self._verify_saved(path, probe, reference) if config.verify_save else None
             report = json.loads((path / REPORT_FILE).read_text())
             curve = {key: report["finetuning"][key] for key in ("curve_png",) if key in report.get("finetuning", {})}
-            report["finetuning"] = self.finetuning_section(scales_before, scales, save_check) | curve
+            report["finetuning"] = self.finetuning_section(save_check) | curve
             write_report(path, report)
-            undone = report.get("serving_before_finetuning")
-            if isinstance(self.report.get("serving"), dict) and report.get("serving") is None and isinstance(undone, dict):
-                self.log(f"warning: {path} is no longer a --target {undone.get('target')} export: saving folded the "
-                         f"latent of layer(s) {undone['undone_in_layers']} back to weights of ~1e-7, which f16 and "
-                         "q8_0 GGUF weights lose (its report and card say so); it runs in transformers and "
-                         "mla-convert's runtime in bf16 or fp32")
             self._written_output = None  # finished: an interrupt from here on changes nothing
             self.log(f"saved {path}")
         accelerator.wait_for_everyone()
