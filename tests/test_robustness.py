@@ -370,6 +370,14 @@ def _(ws):
     return []
 
 
+@case("rope-linear-llama-cpp", "a linear-RoPE source with `--target llama.cpp`, whose DeepSeek path llama.cpp computes "
+      "wrongly (measured)", "rope_parameters {rope_type: linear, factor 4}; --target llama.cpp",
+      "this source's RoPE linear", "measured 2026-12-03", "--target transformers")
+def _(ws):
+    ws.edit_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+    return ["--target", "llama.cpp"]
+
+
 @case("layers-mismatch", "config promises more layers than the checkpoint holds", "num_hidden_layers 4 (checkpoint: 2)",
       "num_hidden_layers is 4", "more tensor problems")
 def _(ws):

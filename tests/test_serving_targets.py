@@ -9,6 +9,7 @@ test sets the margin tiny to check everything else.  The engine runs themselves 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -341,28 +342,35 @@ def test_engine_table_says_only_what_was_measured():
     assert len(matching["llama.cpp"]["runs"]) == 1  # the same run does describe an export without one
 
 
-def test_a_run_counts_only_for_an_export_with_the_default_rope():
+def test_llama_cpp_is_a_measured_no_for_a_linear_or_llama3_rope_export():
     """An export whose RoPE is linear or llama3 was reported as run by llama.cpp on the strength of default-RoPE runs
-    at its shape, although llama.cpp scales attention by the linear factor and its converter drops llama3's table."""
+    at its shape; then as "not measured".  llama.cpp b11434 was run on such exports (2026-12-03): it scales attention
+    by the linear factor and rotates at llama3's unscaled frequencies, at any shape, so the verdict is a no."""
     shape = MLAShape(256, 64, 576)
     default = engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN,),
                                    rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     assert default["llama.cpp"]["ok"] is True
-    for rope_type, known in (("linear", "(1 + 0.1 ln factor)^2"), ("llama3", "no llama3 frequency table")):
+    for rope_type, known in (("linear", "20.5 % off transformers'"), ("llama3", "70.8 % off transformers'")):
         verdict = engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN,),
                                        rope_parameters={"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0})
         # runs of another RoPE are not listed as this export's (they said "ok" beside a "not measured")
-        assert verdict["llama.cpp"]["ok"] is None and verdict["llama.cpp"]["runs"] == []
+        assert verdict["llama.cpp"]["ok"] is False and verdict["llama.cpp"]["runs"] == []
         (note,) = [note for note in verdict["llama.cpp"]["notes"] if note.startswith(f"RoPE {rope_type}")]
-        assert "this one was not run" in note and known in note
+        assert "measured 2026-12-03" in note and known in note
         assert not any(note.startswith("measured at") for note in verdict["llama.cpp"]["notes"])
+    # the shipped record holds those runs, each naming its RoPE
+    kinds = {(r["model"], r.get("rope_type"), r["status"]) for r in engine_runs() if r["engine"] == "llama.cpp"
+             and r.get("target") == "llama.cpp" and r["date"] == "2026-12-03"}
+    assert {("stories-linear4", "linear", "wrong-output"), ("stories-llama3", "llama3", "wrong-output"),
+            ("stories260k", "default", "ok")} <= kinds
     # a record that names its RoPE counts for exports of that RoPE only (the harness writes it from 2026-12-02 on)
     linear = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
-    linear_run = {**RUN, "rope_type": "linear", "status": "wrong-output", "error": "ppl 4.9 % off"}
-    assert engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(linear_run,),
-                                rope_parameters=linear)["llama.cpp"]["ok"] is False
-    assert engine_compatibility(shape, False, 576, "llama.cpp", tied=True, runs=(RUN, linear_run),
-                                rope_parameters={"rope_type": "default"})["llama.cpp"]["ok"] is True
+    vllm_run = {**RUN, "engine": "vllm", "target": "vllm", "kv_lora_rank": 512, "rope_dim": 64, "q_lora_rank": None}
+    linear_run = {**vllm_run, "rope_type": "linear", "status": "wrong-output", "error": "ppl 4.9 % off"}
+    assert engine_compatibility(MLAShape(512, 64), False, None, "vllm", runs=(vllm_run, linear_run),
+                                rope_parameters=linear)["vllm"]["ok"] is False
+    assert engine_compatibility(MLAShape(512, 64), False, None, "vllm", runs=(vllm_run, linear_run),
+                                rope_parameters={"rope_type": "default"})["vllm"]["ok"] is True
     # a constraint the export breaks stays a "no"
     broken = engine_compatibility(MLAShape(144, 48), False, None, "transformers", tied=True, runs=(RUN,),
                                   rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
@@ -486,3 +494,33 @@ def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tie
         assert (starts != {"offset 0"}) == offsets, starts
         if not offsets:
             assert json.loads((tmp_path / target / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0}, {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64}])
+def test_llama_cpp_targets_refuse_a_source_whose_rope_llama_cpp_computes_wrongly(tmp_path, rope):
+    """--target llama.cpp exported a linear or llama3 source as it was, and llama.cpp b11434 ran the export 20-70 %
+    off transformers' perplexity (measured): the targets that promise llama.cpp now refuse before converting.  The
+    transformers target converts it, and a linear factor of 1 is the default RoPE."""
+    source = save_source(tmp_path / "src", rope_parameters={"rope_theta": 1e4, **rope}, max_position_embeddings=256)
+    for target in ("llama.cpp", "all"):
+        with pytest.raises(PreflightError, match=re.escape(f"--target {target}: this source's RoPE {rope['rope_type']}: "
+                                                            "llama.cpp b11434")) as refused:
+            convert(source, tmp_path / target, fast_options(compression=2, target=target))
+        assert "measured 2026-12-03" in str(refused.value) and not (tmp_path / target).exists()
+    # inspect says so: its table of targets, and --estimate refuses what convert refuses
+    from mla_convert.convert.engines import rope_problem
+    from mla_convert.options import ConvertOptions
+    from mla_convert.source.config import SourceConfig
+    from mla_convert.source.inspect import estimate_source_problems, target_rows
+
+    config = SourceConfig.from_folder(source)
+    rows = {name: shapes for name, shapes, _ in target_rows(config)}
+    assert rows["llama.cpp"].startswith(f"none: convert refuses this source's RoPE {rope['rope_type']}")
+    assert rows["transformers"].startswith("any")
+    (problem,) = estimate_source_problems(config, ConvertOptions(target="llama.cpp", compression=2.0))
+    assert problem.startswith("--target llama.cpp: this source's RoPE")
+    assert estimate_source_problems(config, ConvertOptions(compression=2.0)) == []
+    assert rope_problem(T.target_of("llama.cpp"), {"rope_type": "linear", "factor": 1.0}) is None
+    assert rope_problem(T.target_of("vllm"), rope) is None and rope_problem(T.target_of("transformers"), rope) is None

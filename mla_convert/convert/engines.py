@@ -44,14 +44,30 @@ LLAMA_CPP_LITE_LAYERS = (26, 27)
 # 2026-12-02, stories260K (24+8) and SmolLM2 (144+48) with --target llama.cpp export default RoPE, and a rope_dim
 # equal to the source's head_dim (the 256+64 SmolLM2 and Qwen2 records) always does; the synthetic 512+64 vLLM
 # record was not reconverted.
-ROPE_NOTES = {
+# ROPE_FAILURES: RoPE types an engine computes wrongly in a DeepSeek export, whatever the shape (the cause is in the
+# engine, and a transformers model changed to do what the engine does reproduces its perplexity to 2e-4).  Runs:
+# docs/engines-results-2026-12-03-rope/ (stories260K with its RoPE edited, 24+8, f32 weights; docs/engines.md).
+ROPE_FAILURES = {
     ("llama.cpp", "linear"): "llama.cpp b11434 multiplies its attention scale by (1 + 0.1 ln factor)^2 for a linear "
-                             "RoPE factor, where transformers' DeepseekV3 does not (read in src/models/deepseek2.cpp; "
-                             "not run)",
-    ("llama.cpp", "llama3"): "llama.cpp b11434's DeepSeek GGUF converter writes no llama3 frequency table, so the "
-                             "engine would rotate at the unscaled frequencies (seen in a run of its "
-                             "convert_hf_to_gguf.py on such an export, 2026-12-02; the model itself not run)",
+                             "RoPE factor, where transformers' DeepseekV3 does not (measured 2026-12-03: perplexity "
+                             "20.5 % off transformers' on the same ids at factor 4, 14.8 % at factor 10; greedy 0/4)",
+    ("llama.cpp", "llama3"): "llama.cpp b11434's DeepSeek GGUF converter writes no llama3 frequency table and its "
+                             "DeepSeek graph passes none, so it rotates at the unscaled frequencies (measured "
+                             "2026-12-03: perplexity 70.8 % off transformers' on the same ids; greedy 0/4)",
 }
+
+
+def rope_problem(target: T.Target, rope_parameters: dict | None) -> str | None:
+    """Why `target` cannot export a model with these (export) RoPE parameters: one of its engines is measured to
+    compute that RoPE wrongly (None: no such failure is known).  A linear factor of 1 is the default RoPE."""
+    params = rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear" and float(params.get("factor", 1.0)) == 1.0:
+        return None
+    for engine in target.engines:
+        if (engine, rope_type) in ROPE_FAILURES:
+            return f"RoPE {rope_type}: {ROPE_FAILURES[engine, rope_type]}"
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -163,14 +179,16 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
                 notes.append(f"convert with --target {engine}" + (" (or all)" if servable is None or "all" in servable else ""))
             else:
                 notes.append(f"--target {engine} has no shape that fits this model")
+        elif (engine, rope_type) in ROPE_FAILURES:
+            ok = False
+            notes.append(f"RoPE {rope_type}: {ROPE_FAILURES[engine, rope_type]}")
         elif same_rope:
             ok = all(r["status"] == "ok" for r in same_rope)
             notes.append(f"measured at {shape[0]}+{shape[1]} with --target {chosen.name}")
         elif here:  # runs at this shape, but of another RoPE
             ok = None
             notes.append(f"RoPE {rope_type}: the runs at {shape[0]}+{shape[1]} with --target {chosen.name} had another "
-                         "RoPE (a record without a RoPE type is of a default-RoPE export); this one was not run"
-                         + (f"; {ROPE_NOTES[engine, rope_type]}" if (engine, rope_type) in ROPE_NOTES else ""))
+                         "RoPE (a record without a RoPE type is of a default-RoPE export); this one was not run")
         else:
             ok = None
             others = sorted({f"{r['kv_lora_rank']}+{r['rope_dim']}" for r in mine if r["status"] == "ok"})

@@ -33,6 +33,7 @@ from ..source.config import SourceConfig
 from ..source.shapes import MLAShape, pick_target_shape, shape_problems
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from . import target as T
+from .engines import rope_problem
 
 # Tokenizer files `AutoTokenizer` can build a tokenizer from (needed only to tokenise --calib-data).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -290,6 +291,16 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
     return []
 
 
+def target_rope_problems(source: SourceConfig, target: str | None) -> list[str]:
+    """A target whose engine computes this source's RoPE wrongly (`engines.ROPE_FAILURES`): the export keeps the
+    source's RoPE type (llama.cpp's grids start at the first frequency), so the refusal comes before converting."""
+    rope = rope_problem(T.target_of(target), source.rope_parameters) if target in T.TARGETS else None
+    if not rope:
+        return []
+    return [f"--target {target}: this source's {rope}; convert with --target transformers (vLLM has not been run on "
+            "this RoPE)"]
+
+
 def estimated_output_bytes(shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, target: str | None = None) -> int:
     d, H, h, D, R, inter = shape.hidden_size, shape.num_heads, shape.head_dim, mla.rope_dim, mla.kv_lora_rank, shape.intermediate_size
     layout = T.export_layout(shape, mla, T.target_of(target))
@@ -452,6 +463,7 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         problems += error.problems
     except MLAConvertError as error:
         problems.append(str(error))
+    problems += target_rope_problems(source, target)
     problems += special_file_problems(reader.folder) + sidecar_problems(reader.folder)
     problems += tensor_problems(reader, source)
     problems += calibration_problems(reader.folder, options.calibration)

@@ -122,7 +122,7 @@ class Target:
     # the engines whose runs (engines.py) describe this target
     engines: tuple[str, ...] = ()
     # the RoPE grid may start past the source's first frequency (exported as a `linear` factor); False where the
-    # engine was only run on default-RoPE exports and is known to treat a linear factor otherwise than transformers
+    # engine computes a linear factor otherwise than transformers (engines.ROPE_FAILURES)
     rope_offsets: bool = True
 
     @property
@@ -165,7 +165,7 @@ TARGETS: dict[str, Target] = {
         "llama.cpp", "llama.cpp GGUF: any shape, q_lora_rank in the config, no biases, weights that survive "
         "f16/bf16/q8_0/Q4_K_M", ties_embeddings=True, attention_bias=False, needs_q_lora_rank=True, quantized_kv_block=32,
         weight_formats=("f32", "f16", "bf16", "q8_0", "Q4_K_M"), kv_cache_formats=("f16", "q8_0"), engines=("llama.cpp",),
-        # b11434 scales attention by (1 + 0.1 ln factor)^2 for a linear factor (src/models/deepseek2.cpp, read)
+        # b11434 scales attention by (1 + 0.1 ln factor)^2 for a linear factor (measured: engines.ROPE_FAILURES)
         rope_offsets=False),
 }
 

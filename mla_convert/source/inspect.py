@@ -80,11 +80,17 @@ def inspect_shapes(
 
 def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
     """(target, the shapes it allows for this source, their KV ratios and the llama.cpp q8_0 KV-cache rule) per target."""
+    from ..convert.engines import rope_problem
     from ..convert.target import TARGETS
 
     rows = []
     for target in TARGETS.values():
         allowed = target_shapes(source, target)
+        refused = rope_problem(target, source.rope_parameters)
+        if refused:  # convert refuses this source for the target whatever the shape
+            rows.append((target.name, f"none: convert refuses this source's {refused.split(':')[0]} (its engine computes "
+                                      "it wrongly, measured)", "-"))
+            continue
         if allowed is None:
             shapes = f"any: kv_lora_rank <= {source.max_kv_lora_rank}, even rope_dim <= {source.max_rope_dim}"
             # from the widest shape allowed (full rank + the widest RoPE key: below 1x for MQA) to the narrowest (2+... = 3)
@@ -137,14 +143,19 @@ def estimate_problems(estimate: bool, device: str | None, cpu_cores: int | None,
 def estimate_source_problems(source: SourceConfig, options, kv_lora_rank: int | None = None, rope_dim: int | None = None,
                              compression: float | None = None, local_folder: Path | None = None) -> list[str]:
     """What `convert` would refuse in these options for this source (from its config, and its files when it is a
-    local folder): a query rank it cannot take, calibration windows past its positions, a local calibration text
-    that is missing or unreadable, or one the folder has no tokenizer for.  (A hub id is resolved to its config
+    local folder): a query rank it cannot take, a RoPE the target's engine computes wrongly, calibration windows past
+    its positions, a local calibration text that is missing or unreadable, or one the folder has no tokenizer for.  (A hub id is resolved to its config
     alone, so its tokenizer files are not there to check.)"""
-    from ..convert.preflight import calibration_length_problems, calibration_problems, local_text_problems
+    from ..convert.preflight import (
+        calibration_length_problems,
+        calibration_problems,
+        local_text_problems,
+        target_rope_problems,
+    )
     from ..errors import MLAConvertError, PreflightError
     from .shapes import shape_problems
 
-    problems = calibration_length_problems(source, options.calibration)
+    problems = calibration_length_problems(source, options.calibration) + target_rope_problems(source, options.target)
     if options.calibration.data is not None and local_folder is not None:
         problems += calibration_problems(local_folder, options.calibration)
     elif options.calibration.data is not None:

@@ -124,7 +124,8 @@ def records_of(result: dict, origin: str) -> list[dict]:
 
 
 def merge(records: list[dict]) -> list[dict]:
-    key = lambda r: (r["engine"], r["model"], r.get("target"), r["kv_lora_rank"], r["rope_dim"], r.get("weights"), r.get("kv_cache"))  # noqa: E731
+    key = lambda r: (r["engine"], r["model"], r.get("target"), r["kv_lora_rank"], r["rope_dim"], r.get("weights"),  # noqa: E731
+                     r.get("kv_cache"), r.get("rope_type", "default"))
     latest: dict = {}
     for record in records:
         k = key(record)
@@ -177,7 +178,11 @@ def readme_section(runs: list[dict]) -> str:
     """Per (engine, target, model, shape): how many weight/cache settings ran, and the worst deviations."""
     groups: dict = {}
     for r in runs:
-        groups.setdefault((r["engine"], r.get("target"), r["model"], f"{r['kv_lora_rank']}+{r['rope_dim']}"), []).append(r)
+        rope = r.get("rope_type", "default")
+        shape = f"{r['kv_lora_rank']}+{r['rope_dim']}" + ("" if rope == "default" else f", RoPE {rope}")
+        if r.get("target") == "transformers" and r.get("q_lora_rank"):  # (the target sets none: given by flag)
+            shape += f", q_lora_rank {r['q_lora_rank']}"
+        groups.setdefault((r["engine"], r.get("target"), r["model"], shape), []).append(r)
     lines = [README_BEGIN, "| engine | version | target | model | shape | settings run | result |", "|---|---|---|---|---|---|---|"]
     for (engine, target, model, shape), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         ok = [r for r in rs if r["status"] == "ok"]
@@ -193,7 +198,10 @@ def readme_section(runs: list[dict]) -> str:
             result += f"; harness workarounds: {', '.join(workarounds)}" if workarounds else ""
         else:
             bad = [r for r in rs if r["status"] != "ok"]
-            result = f"{bad[0]['status']}: {bad[0].get('error', '')[:120]}"
+            why = bad[0].get("error") or (f"perplexity {bad[0]['ppl_rel_diff_vs_transformers']:.1%} (relative) from "
+                                          "transformers' on the same ids"
+                                          if bad[0].get("ppl_rel_diff_vs_transformers") is not None else "")
+            result = f"{bad[0]['status']}: {why[:120]}"
         lines.append(f"| {engine} | {rs[0]['version']} | {target} | {model} | {shape} | {settings} | {result} ({rs[0]['date']}) |")
     lines.append(README_END)
     return "\n".join(lines)
