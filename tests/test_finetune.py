@@ -722,7 +722,7 @@ def test_a_missing_checkpoint_or_an_earlier_runs_checkpoints_are_refused_before_
     converted, straight, _, _ = straight_and_resumed
     monkeypatch.setattr(hf_loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
     config = _tiny_run_config(converted, tmp_path, "missing", resume=str(tmp_path / "nothere"))
-    with pytest.raises(FinetuneConfigError, match="nothere: not a complete checkpoint"):
+    with pytest.raises(FinetuneConfigError, match="nothere: no such checkpoint folder"):
         run_finetune(config, log=lambda text: None)
     assert not (tmp_path / "missing.ckpt").exists()
     config = _tiny_run_config(converted, tmp_path, "fresh", checkpoint_dir=str(straight.output.parent / "straight.ckpt"))
@@ -1065,3 +1065,72 @@ def test_fine_tuning_a_serving_export_keeps_it_a_serving_export(stories260k, tmp
     problems: list[str] = []
     facts = model_facts(result.output, None, False, problems)
     assert dtype_problems("fp16", [facts]) == []  # eval scores it in fp16, as it does the export it came from
+
+
+# --------------------------------------------------------------------------- inputs the run must not destroy or misread
+def test_an_output_that_is_an_input_is_refused_before_anything_loads(tiny_llama, tmp_path):
+    """`finetune cv cv --overwrite` replaced its own converted input, and `--teacher src --overwrite --force` with the
+    output at src deleted the teacher's files; `convert` refuses the same for its source."""
+    source, converted = tiny_llama
+    model, teacher = tmp_path / "model", tmp_path / "teacher"
+    shutil.copytree(converted, model)
+    shutil.copytree(source, teacher)
+    before = {path.name: path.read_bytes() for folder in (model, teacher) for path in folder.iterdir() if path.is_file()}
+    cases = [(dict(output=str(model), overwrite=True), "is the converted model"),
+             (dict(output=str(teacher), overwrite=True, force=True, teacher=str(teacher)), "is the teacher"),
+             (dict(output=str(tmp_path), overwrite=True, force=True), "is the converted model")]  # contains it
+    for overrides, message in cases:
+        config = _tiny_run_config(model, tmp_path, "unused", checkpoint_dir=str(tmp_path.parent / f"{tmp_path.name}.ck"),
+                                  **overrides)
+        with pytest.raises(FinetuneConfigError, match=re.escape(message)):
+            run_finetune(config, log=lambda text: None)
+    after = {path.name: path.read_bytes() for folder in (model, teacher) for path in folder.iterdir() if path.is_file()}
+    assert after == before
+
+
+def test_a_model_that_is_not_converted_is_named_as_such_first(tiny_llama, tmp_path):
+    """A Llama folder was refused as "mla_convert.json names no source model; pass --teacher", and with --teacher only
+    after both models had loaded."""
+    source, _ = tiny_llama
+    for overrides in ({}, {"teacher": str(source)}):
+        with pytest.raises(FinetuneConfigError, match=re.escape(f"{source}: a llama model; fine-tuning expects")):
+            run_finetune(_tiny_run_config(source, tmp_path, "out", **overrides), log=lambda text: None)
+        assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_resume_refuses_a_stop_after_it_is_already_past_and_a_missing_folder(straight_and_resumed, tmp_path):
+    """Resuming a step-3 checkpoint with stop_after 2 trained step 4, checkpointed it and stopped; a missing resume
+    folder read "not a complete checkpoint"."""
+    converted, _, stopped, _ = straight_and_resumed
+    checkpoint = stopped.checkpoint
+    with pytest.raises(FinetuneConfigError, match=re.escape(f"stop_after 2: {checkpoint} is at step 3 already")):
+        run_finetune(_tiny_run_config(converted, tmp_path, "again", resume=str(checkpoint), stop_after=2),
+                     log=lambda text: None)
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FinetuneConfigError, match=re.escape(f"resume {missing}: no such checkpoint folder")):
+        run_finetune(_tiny_run_config(converted, tmp_path, "again", resume=str(missing)), log=lambda text: None)
+
+
+@pytest.mark.real_model
+def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stories260k, tmp_path):
+    """lr 1e4 on stories260K: loss 0.24 -> 9.4 and a saved model of perplexity 9057, with exit 0 and no word."""
+    from mla_convert.finetune.trainer import loss_rise
+
+    assert loss_rise([[1, 0, 1.0], [2, 0, 1.4]]) is None and loss_rise([[1, 0, 1.0]]) is None
+    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 2.0]]).startswith("the training loss rose from 1 (step 1) to 2")
+    converted = convert(stories260k, tmp_path / "converted", ConvertOptions(
+        compression=2, effort="fast", calibration=CalibrationOptions(num_samples=4, seq_len=64))).output
+    lines = []
+    result = run_finetune(_tiny_run_config(converted, tmp_path, "hot", lr=1e4, warmup_steps=0, max_steps=3,
+                                           checkpoint_every=0, seq_len=64, teacher_samples=8, micro_batch_size=4),
+                          log=lines.append)
+    warning = result.finetuning.get("warning")
+    assert warning and warning.startswith("the training loss rose"), result.finetuning["loss_curve"]
+    assert f"warning: {warning}" in lines
+    assert f"**Warning:** {warning}." in (result.output / "README.md").read_text()
+    # 4 windows x 2 accumulation steps per optimizer step, from 8 samples: no note; 16 would repeat
+    assert not any(line.startswith("note: each optimizer step takes") for line in lines)
+    lines.clear()
+    run_finetune(_tiny_run_config(converted, tmp_path, "repeat", max_steps=1, warmup_steps=0, checkpoint_every=0, seq_len=64,
+                                  teacher_samples=8, micro_batch_size=8), log=lines.append)
+    assert "note: each optimizer step takes 16 windows and the data holds 8: windows repeat within a step" in lines

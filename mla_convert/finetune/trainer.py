@@ -239,6 +239,25 @@ def checkpoint_folders(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
+# the last steps' mean loss this many times the first step's: the run made the model worse, not better
+LOSS_RISE_FACTOR = 1.5
+
+
+def loss_rise(losses: list) -> str | None:
+    """What to tell the user when training made the loss worse (a learning rate far too high: the loss stays finite
+    and the model is saved ruined, e.g. lr 1e4 on stories260K: loss 0.24 -> 9.4, perplexity 9057), else None.
+    `losses`: rows [step, tokens, loss, ...]; the last tenth of the steps (at least one) against step 1."""
+    if len(losses) < 2:
+        return None
+    first = losses[0][2]
+    tail = losses[-max(1, len(losses) // 10):]
+    last = sum(row[2] for row in tail) / len(tail)
+    if not last > LOSS_RISE_FACTOR * first:
+        return None
+    return (f"the training loss rose from {first:.4g} (step 1) to {last:.4g} (the last {len(tail)} step(s)): the "
+            "run made the model worse; lower the learning rate")
+
+
 def downsample(rows: list, count: int = 20) -> list:
     if len(rows) <= count:
         return list(rows)
@@ -316,7 +335,11 @@ class Finetuner:
             self.checkpoint_root.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
         self.report = load_converted_report(self.converted)
-        positions = load_config(self.converted).max_position_embeddings
+        converted_config = load_config(self.converted)
+        if converted_config.model_type != "deepseek_v3":  # before the teacher is looked for (it said "pass --teacher")
+            raise FinetuneConfigError(f"{self.converted}: a {converted_config.model_type} model; fine-tuning expects a "
+                                      "folder written by mla-convert convert (DeepseekV3)")
+        positions = converted_config.max_position_embeddings
         windows = ("seq_len", "eval_context") if config.eval_data else ("seq_len",)
         too_long = [f"{name} {getattr(config, name)}" for name in windows if getattr(config, name) > positions]
         if too_long:  # positions the model never trained on; sampling that much teacher text also takes hours
@@ -333,6 +356,7 @@ class Finetuner:
         # what a checkpoint of this run records, and the checkpoint to resume from (or the refusal to start over
         # earlier checkpoints): decided before any model loads or the teacher samples text
         self.teacher_name = teacher_path(config, self.report) if config.needs_teacher else None
+        self._refuse_output_over_inputs()
         settings = {key: getattr(config, key) for key in RESUME_SETTINGS} | {
             TEACHER_SETTING: _teacher_identity(self.teacher_name),
             "teacher_dtype": str(_torch_dtype(config.teacher_dtype, self.device)) if self.teacher_name else None,
@@ -342,8 +366,6 @@ class Finetuner:
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
         student = load_causal_lm(self.converted, dtype=torch.float32)
-        if student.config.model_type != "deepseek_v3":
-            raise FinetuneConfigError(f"{self.converted}: a {student.config.model_type} model; fine-tuning expects a converted DeepseekV3 folder")
         self.sites: list[LatentSite] = unfold_latent_scales(student)
         self.trained = trainable_names(student, config.train)
         trained = set(self.trained)
@@ -392,6 +414,23 @@ class Finetuner:
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
         self.state = TrainerState(settings=settings)
         accelerator.register_for_checkpointing(self.scheduler, self.cursor, self.state)
+
+    def _refuse_output_over_inputs(self) -> None:
+        """With overwrite, the output is deleted at the save: it must not be (or contain) the model, the teacher or a
+        text the run reads (`convert` refuses the same for its source; finetune replaced its own input)."""
+        config = self.config
+        if not (config.overwrite and self.output.exists()):
+            return
+        output = self.output.resolve()
+        inputs = {"the converted model": self.converted, "the teacher": self.teacher_name, "the training text": config.data,
+                  "the evaluation text": config.eval_data}
+        for what, name in inputs.items():
+            if not name or not Path(name).exists():  # (a hub id or dataset spec is not a local path)
+                continue
+            path = Path(name).resolve()
+            if path == output or output in path.parents:
+                raise FinetuneConfigError(f"{self.output}: is {what} ({name}) or contains it; --overwrite would delete it. "
+                                          "Choose another output path")
 
     def _label(self, name: str) -> str:
         """A model, text or dataset as the output's report names it: a local path relative to the output folder
@@ -485,6 +524,8 @@ class Finetuner:
             folder = found[-1]
         else:
             folder = Path(config.resume)
+            if not folder.is_dir():
+                raise FinetuneConfigError(f"resume {folder}: no such checkpoint folder")
             if not (folder / COMPLETE_MARKER).is_file():
                 raise FinetuneConfigError(f"{folder}: not a complete checkpoint (no {COMPLETE_MARKER})")
         try:
@@ -492,6 +533,11 @@ class Finetuner:
         except (OSError, ValueError):
             marker = {}
         self._check_resume_settings(folder, marker.get("settings") or {}, settings)  # before loading: shapes may differ
+        step = marker.get("step")
+        if config.stop_after is not None and isinstance(step, int) and config.stop_after <= step < config.max_steps:
+            # (the loop checks stop_after after each step: it trained one more step, and checkpointed it)
+            raise FinetuneConfigError(f"stop_after {config.stop_after}: {folder} is at step {step} already; give a "
+                                      "later stop_after, or none to train to max_steps")
         return folder
 
     def maybe_resume(self) -> None:
@@ -576,7 +622,11 @@ class Finetuner:
                 state.teacher_perplexity = self.evaluate(self.teacher)
                 self.log(f"teacher perplexity {state.teacher_perplexity:.4f}")
             self._record_eval()
-        tokens_per_step = self.global_micro * config.grad_accum * config.seq_len
+        windows_per_step = self.global_micro * config.grad_accum
+        if windows_per_step > self.windows.shape[0]:
+            self.log(f"note: each optimizer step takes {windows_per_step} windows and the data holds "
+                     f"{self.windows.shape[0]}: windows repeat within a step")
+        tokens_per_step = windows_per_step * config.seq_len
         self.student.train()
         interval_start, interval_tokens = time.time(), 0
         with StopOnSignal() as stop, self._progress_bar() as bar:
@@ -709,10 +759,16 @@ class Finetuner:
         }
         if save_check is not None:
             section.update(save_check)
+        rose = loss_rise(losses)
+        if rose:
+            section["warning"] = rose
         return section
 
     def finish(self) -> FinetuneResult:
         accelerator, config = self.accelerator, self.config
+        rose = loss_rise(self.state.losses)
+        if rose:
+            self.log(f"warning: {rose}")
         probe = self._probe_ids()
         unwrapped = accelerator.unwrap_model(self.student)
         unwrapped.eval()
@@ -752,6 +808,8 @@ class Finetuner:
         difference = (logits - reference).abs().max().item()
         scale = reference.abs().max().item()
         self.log(f"saved model vs trained model: max |logit difference| {difference:.3g} (max |logit| {scale:.3g})")
+        if not scale > 0:  # (the comparison then proves nothing)
+            self.log("warning: every logit of the trained model is zero on the check's input: training destroyed it")
         return {"save_check_max_logit_difference": difference, "save_check_max_logit": scale}
 
 

@@ -449,9 +449,11 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
         if finetuning.get("eval_held_out") is False:
             lines += ["", "**Not held out:** the perplexities below were measured on the text the model was trained on; "
                       "they overstate its quality on other text."]
+        if finetuning.get("warning"):  # e.g. the training loss rose: the run made the model worse
+            lines += ["", f"**Warning:** {_text(finetuning['warning'])}."]
         lines += ["", "| | |", "|---|---|"]
         for key, value in finetuning.items():
-            if value is None or key in FINETUNE_CURVES or isinstance(value, (list, dict)):
+            if value is None or key in FINETUNE_CURVES or key == "warning" or isinstance(value, (list, dict)):
                 continue  # the curves are the plot below; nested values have their own rows elsewhere
             if key in FINETUNE_PATHS:  # relative to the folder in the report; on the Hub only the name means anything
                 value = _public_path(value)
