@@ -392,6 +392,8 @@ def sweep(
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
     keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models, named METHOD-RATIOx (e.g. svd-2x)."),
     batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),
+    text_column: str = typer.Option("text", help="Text field of --data's .jsonl rows or column of its datasets dataset "
+                                    "(the calibration text's: --calib-text-column)."),
     options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
@@ -409,7 +411,8 @@ def sweep(
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
             keep_models=keep_models, eval_device=options.device,
-            batch_size=batch_size, progress=progress, calibration=options.calibration, options=options,
+            batch_size=batch_size, text_column=text_column, progress=progress, calibration=options.calibration,
+            options=options,
         )
     finally:
         progress.finish()

@@ -400,3 +400,27 @@ def test_a_killed_sweep_removes_its_scratch_models(tiny_source, tiny_text, tmp_p
     _, err = process.communicate(timeout=120)
     assert process.returncode != 0 and "Traceback" not in err
     assert not list(scratch_root.glob("mla-convert-sweep-*")), sorted(p.name for p in scratch_root.iterdir())
+
+
+# --------------------------------------------------------------------------- the command line
+def _cli_sweep(*args: str):
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    return CliRunner().invoke(cli.app, ["sweep", *map(str, args)])
+
+
+def test_cli_sweep_reads_the_evaluation_texts_column(tiny_source, tiny_text, tmp_path):
+    """`sweep` had no --text-column (eval has it): a .jsonl whose text field is not `text` could not be swept."""
+    import json
+
+    rows = tmp_path / "stories.jsonl"
+    rows.write_text("".join(json.dumps({"story": line}) + "\n" for line in tiny_text.read_text().split(" mat ")))
+    out = tmp_path / "out"
+    run = _cli_sweep(tiny_source, "--data", rows, "--text-column", "story", "--out-dir", out, "--ratios", "2",
+                     "--methods", "svd", "--context", "64", "--max-windows", "2", "--calib-samples", "2",
+                     "--calib-seq-len", "32", "-q")
+    assert run.exit_code == 0, run.output
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["settings"]["text_column"] == "story" and saved["rows"][0]["scored_tokens"] == 2 * 63
