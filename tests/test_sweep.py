@@ -424,3 +424,26 @@ def test_cli_sweep_reads_the_evaluation_texts_column(tiny_source, tiny_text, tmp
     assert run.exit_code == 0, run.output
     saved = json.loads((out / "sweep.json").read_text())
     assert saved["settings"]["text_column"] == "story" and saved["rows"][0]["scored_tokens"] == 2 * 63
+
+
+def test_a_rounded_ratio_is_said_so_with_the_reason_of_the_default_target(tiny_source, tiny_text, tmp_path):
+    """2 and 2.01 both give 32 of the tiny source's 64 values, 25 gives 3 (21.33x): sweep.md blamed "the serving
+    target's shapes" under --target transformers, said nothing of 25x being 21.33x, and no note was printed."""
+
+    class Messages(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    messages = Messages()
+    result = run_sweep(tiny_source, "2,2.01,25", tiny_text, tmp_path / "out", context_length=64, max_windows=1,
+                       methods=["svd"], calibration=TINY_CALIBRATION, progress=messages)
+    assert [p.values_per_token_layer for p in result.points] == [32, 32, 3]
+    protocol = result.files.markdown.read_text()
+    assert "serving target" not in protocol
+    assert ("1 requested ratio got the shape of a smaller one (the cache holds whole values per token and layer)"
+            in protocol)
+    assert "Ratios met in whole cached values per token and layer: 2.01x got 2.00x, 25x got 21.33x." in protocol
+    assert any(text.startswith("note: asked 25x, got 1+2 = 21.33x") for text in messages.seen), messages.seen

@@ -38,7 +38,7 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress, Progress
 from ..convert.pipeline import Converter
-from ..convert.target import target_of
+from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
@@ -285,10 +285,20 @@ class SweepResult:
                 description = description.replace(str(calib_data), f"`{Path(calib_data).name}`")
             text += (f" Calibration: {description}, {self.calibration.get('seconds', '?')} s, "
                      f"{passes} pass{'es' if passes != 1 else ''} shared by {self.conversions} conversion{'s' if self.conversions != 1 else ''}.")
+        # why a ratio got another cache ratio: a serving target's few shapes, else whole cached values per token and
+        # layer (it said "the serving target's shapes" under --target transformers too)
+        target = self.settings.get("convert_options", {}).get("target", "transformers")
+        serving = target_of(target).serving if target in TARGETS else False
+        why = f"--target {target} serves only a few shapes" if serving else "the cache holds whole values per token and layer"
         repeated = [p for p in self.points if p.same_shape_as is not None]
         if repeated:
             text += (f" {len(repeated)} requested ratio{'s' if len(repeated) != 1 else ''} got the shape of a smaller one "
-                     f"(the serving target's shapes): shown with that model's numbers, not converted again.")
+                     f"({why}): shown with that model's numbers, not converted again.")
+        rounded = {format_ratio(p.requested_ratio): f"{self.actual_ratio(p):.2f}x" for p in self.all_points()[1:]
+                   if f"{self.actual_ratio(p):.2f}" != f"{p.requested_ratio:.2f}"}
+        if rounded:
+            how = f"as closely as --target {target}'s shapes allow" if serving else "in whole cached values per token and layer"
+            text += f" Ratios met {how}: " + ", ".join(f"{asked} got {got}" for asked, got in rounded.items()) + "."
         return text
 
     def csv_text(self) -> str:
