@@ -178,14 +178,12 @@ def convert(
     try:
         result = run_convert(source, output, options, progress, command=command_line())
     except KeyboardInterrupt as interrupt:  # Ctrl-C / kill; the with-blocks already cleaned up
-        progress.finish()
-        signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
         left = "left nothing at" if not output.exists() else "did not change"
-        err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): the conversion {left} {escape(str(output))}",
-                          highlight=False, soft_wrap=True)
-        raise typer.Exit(code=128 + signum) from None
-    finally:
-        progress.finish()
+        _interrupted(progress, interrupt, f"the conversion {left} {output}")
+    except BaseException:
+        progress.finish("failed")  # the error itself is printed by user_errors (or is a traceback)
+        raise
+    progress.finish()
     if not quiet:
         if verbose:
             rows = [(str(row["layer"]), f"{row['kept_energy']:.4f}",
@@ -200,6 +198,15 @@ def convert(
 
         pushed = push(result.output, push_to_hub, private=private)
         print_plain(pushed.commit_url or pushed.repo_url or push_to_hub if quiet else pushed.summary())
+
+
+def _interrupted(progress, interrupt: KeyboardInterrupt, what: str) -> None:
+    """Ctrl-C or a kill during a long command: the phase cut off is logged as interrupted (not "done"), one line says
+    what was left behind, and the exit status is 128 + the signal's number, as a shell reports a signal."""
+    progress.finish("interrupted")
+    signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
+    err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): {escape(what)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=128 + signum) from None
 
 
 @app.command(name="eval")
@@ -414,8 +421,14 @@ def sweep(
             batch_size=batch_size, text_column=text_column, progress=progress, calibration=options.calibration,
             options=options,
         )
-    finally:
-        progress.finish()
+    except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
+        files = [out_dir / f"sweep.{ext}" for ext in ("md", "csv", "json")]
+        _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(map(str, files))}"
+                     if files[-1].exists() else f"nothing was measured; nothing written in {out_dir}")
+    except BaseException:
+        progress.finish("failed")
+        raise
+    progress.finish()
     print_plain(result.markdown())
     print_plain(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.json}, {result.files.png}")
 

@@ -447,3 +447,88 @@ def test_a_rounded_ratio_is_said_so_with_the_reason_of_the_default_target(tiny_s
             in protocol)
     assert "Ratios met in whole cached values per token and layer: 2.01x got 2.00x, 25x got 21.33x." in protocol
     assert any(text.startswith("note: asked 25x, got 1+2 = 21.33x") for text in messages.seen), messages.seen
+
+
+class _CtrlCAt(Progress):
+    """Records the progress calls and raises KeyboardInterrupt (as Ctrl-C does) once `when(call, name)` holds."""
+
+    def __init__(self, when):
+        self.when, self.calls, self.phase_name = when, [], None
+
+    def phase(self, name, total=None):
+        self.calls.append(("phase", name))
+        self.phase_name = name
+        if self.when("phase", name):
+            raise KeyboardInterrupt
+
+    def advance(self, done, total=None):
+        if self.when("advance", self.phase_name):
+            raise KeyboardInterrupt
+
+    def end(self):
+        self.calls.append(("end", self.phase_name))
+
+
+def test_an_evaluation_cut_off_is_not_ended_as_if_it_finished(tiny_source, tiny_text, tmp_path):
+    """_evaluate ended its phase in a `finally`, so Ctrl-C during the source's evaluation was logged `done: perplexity: source`."""
+    progress = _CtrlCAt(lambda call, name: call == "advance" and name == "perplexity: source")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+                  calibration=TINY_CALIBRATION, progress=progress)
+    assert progress.calls[-1] == ("phase", "perplexity: source")  # cut off: begun, never ended
+
+
+def test_a_sweep_interrupted_after_calibration_says_calibration_ran(tiny_source, tiny_text, tmp_path):
+    """sweep.md written after calibration, before any conversion finished, said "0 passes shared by 0 conversions"."""
+    progress = _CtrlCAt(lambda call, name: call == "phase" and name == "converting layers")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+                  calibration=TINY_CALIBRATION, progress=progress)
+    markdown = (tmp_path / "out" / "sweep.md").read_text()
+    assert "1 pass, no conversion finished." in markdown and "0 passes" not in markdown
+    assert load_sweep(tmp_path / "out" / "sweep.json").calibration_passes == 1
+
+
+def test_the_log_says_interrupted_not_done_for_a_phase_cut_off():
+    """RichProgress printed `done: <phase>` for whatever phase was running when Ctrl-C came (convert's log too)."""
+    import io as text_io
+
+    from rich.console import Console
+
+    from mla_convert.console import RichProgress
+
+    log = text_io.StringIO()
+    progress = RichProgress(Console(file=log, force_terminal=False, width=200))
+    progress.phase("calibration statistics")
+    progress.phase("converting layers")
+    progress.finish("interrupted")
+    progress.finish()  # closing again prints nothing more
+    lines = log.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["done: calibration statistics", "interrupted: converting layers"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tiny_text, tmp_path):
+    """Ctrl-C ended `sweep` with status 130 and no word (convert says "interrupted ...")."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch_root), "COLUMNS": "300"}
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "mla_convert", "sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir",
+               str(out), "--ratios", ",".join(f"{2 + r / 10:g}" for r in range(150)), "--methods", "svd",
+               "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert f"interrupted (SIGINT): the points measured before it are in {out / 'sweep.md'}" in err, err[-2000:]

@@ -191,8 +191,10 @@ class SweepResult:
 
     @property
     def calibration_passes(self) -> int:
-        """Distinct calibration statistics the conversions used (1 when the calibration was reused)."""
-        return len({p.calibration_id for p in self.points if p.calibration_id is not None})
+        """Distinct calibration statistics the conversions used (1 when the calibration was reused); 1 when calibration
+        ran but no conversion finished (an interrupted sweep's files said "0 passes")."""
+        used = len({p.calibration_id for p in self.points if p.calibration_id is not None})
+        return max(used, 1 if self.calibration else 0)
 
     @property
     def conversions(self) -> int:
@@ -283,8 +285,10 @@ class SweepResult:
             calib_data = self.settings.get("convert_options", {}).get("calibration", {}).get("data")
             if calib_data and os.sep in str(calib_data):  # a local file: its name says enough, the path is this machine's
                 description = description.replace(str(calib_data), f"`{Path(calib_data).name}`")
+            shared = (f" shared by {self.conversions} conversion{'s' if self.conversions != 1 else ''}" if self.conversions
+                      else ", no conversion finished")
             text += (f" Calibration: {description}, {self.calibration.get('seconds', '?')} s, "
-                     f"{passes} pass{'es' if passes != 1 else ''} shared by {self.conversions} conversion{'s' if self.conversions != 1 else ''}.")
+                     f"{passes} pass{'es' if passes != 1 else ''}{shared}.")
         # why a ratio got another cache ratio: a serving target's few shapes, else whole cached values per token and
         # layer (it said "the serving target's shapes" under --target transformers too)
         target = self.settings.get("convert_options", {}).get("target", "transformers")
@@ -561,7 +565,7 @@ def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, m
         hook.remove()
         del model
         gc.collect()
-        progress.end()
+    progress.end()  # only when scored: a phase cut off by Ctrl-C is not "done" (the CLI logs it as interrupted)
     return result, time.time() - started
 
 
