@@ -30,6 +30,7 @@ from mla_convert.eval.sweep import (
     canonical_methods,
     load_sweep,
     parse_ratios,
+    plot_title,
     run_sweep,
 )
 from mla_convert.options import CalibrationOptions
@@ -532,3 +533,28 @@ def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tin
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert f"interrupted (SIGINT): the points measured before it are in {out / 'sweep.md'}" in err, err[-2000:]
+
+
+def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_source, tmp_path):
+    """A 12-token text with --context 64 was "1 non-overlapping windows of 64 tokens" in sweep.md, the plot's title
+    and sweep.json's context_length, while the only window held 12 tokens."""
+    import json
+
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat.")
+    result = run_sweep(tiny_source, [2], short, tmp_path / "out", context_length=64, methods=["svd"],
+                       calibration=TINY_CALIBRATION)
+    tokens = result.source_point.result.num_tokens
+    assert tokens < 64 and result.source_point.result.num_scored_tokens == tokens - 1
+    assert f"Perplexity on `short.txt`: 1 window of {tokens} tokens ({tokens - 1} scored tokens)" in \
+        result.files.markdown.read_text()
+    assert json.loads(result.files.json.read_text())["context_length"] == tokens
+    assert plot_title(result).endswith(f"short.txt, 1 x {tokens}-token window")
+    # a text that ends inside the last window: that window's real length is said too
+    import dataclasses
+
+    fake = _fake_result({("output", 2): 11.0})  # 102 tokens in windows of 51: exactly two
+    assert "2 non-overlapping windows of 51 tokens (" in fake.describe_protocol()
+    shorter = dataclasses.replace(fake.source_point.result, num_tokens=90)
+    assert "1 non-overlapping window of 51 tokens and 1 of 39 (" in dataclasses.replace(
+        fake, source_point=dataclasses.replace(fake.source_point, result=shorter)).describe_protocol()

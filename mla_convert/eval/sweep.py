@@ -276,7 +276,13 @@ class SweepResult:
         # a local text is named by its file name (its path is this machine's, or written portably as $TMPDIR/...)
         local = Path(self.data).exists() or self.data.startswith("$TMPDIR/") or looks_like_path(self.data)
         data = Path(self.data).name if local else self.data
-        text = (f"Perplexity on `{data}`: {source.num_windows} non-overlapping windows of {self.context_length} tokens "
+        full, rest = divmod(source.num_tokens, self.context_length)  # the last window is shorter when the text ends
+        if full + bool(rest) == 1:
+            windows = f"1 window of {full * self.context_length + rest} tokens"
+        else:
+            windows = (f"{full} non-overlapping window{'s' if full != 1 else ''} of {self.context_length} tokens"
+                       + (f" and 1 of {rest}" if rest else ""))
+        text = (f"Perplexity on `{data}`: {windows} "
                 f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.cache_dtype} "
                 f"over all {self.num_layers} layers.")
         if self.calibration:
@@ -451,6 +457,13 @@ def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]
     return (9, 0)
 
 
+def plot_title(result: SweepResult) -> str:
+    """The plot's default title: model, text and its windows (the context, or the text's length when it is shorter)."""
+    windows = result.num_windows
+    return (f"{result.model_name}: perplexity vs KV-cache size\n"
+            f"{Path(result.data).name}, {windows} x {result.context_length}-token window{'s' if windows != 1 else ''}")
+
+
 def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None = None,
                size_inches: tuple[float, float] = PLOT_SIZE_INCHES, dpi: int = PLOT_DPI) -> Path:
     """Perplexity against KV-cache bytes per token: one curve per method, the source as a dashed line.
@@ -528,11 +541,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", axis="y", alpha=0.15)
 
-    if title is None:
-        windows = result.num_windows
-        title = (f"{result.model_name}: perplexity vs KV-cache size\n"
-                 f"{Path(result.data).name}, {windows} x {result.context_length}-token windows")
-    ax.set_title(title, fontsize=12)
+    ax.set_title(plot_title(result) if title is None else title, fontsize=12)
     # below the axes: inside, it would sooner or later sit on a point (bad SVD points reach any corner)
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9.5, frameon=False)
@@ -663,6 +672,10 @@ def run_sweep(
             progress.phase("reading and tokenizing the evaluation text")
             tokenizer = load_tokenizer_for_eval(converter.source_path)
             tokenized = tokenize_with_offsets(tokenizer, load_text(data, text_column=text_column))
+            if len(tokenized) < context_length:  # every number would say "windows of 256 tokens" about a 12-token one
+                progress.message(f"note: the evaluation text has {len(tokenized)} tokens, fewer than the context "
+                                 f"{context_length}: one window of {len(tokenized)} tokens")
+                context_length = len(tokenized)
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
             for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
                 if folder is not None:
@@ -857,5 +870,6 @@ __all__ = [
     "parse_ratios",
     "load_sweep",
     "plot_sweep",
+    "plot_title",
     "run_sweep",
 ]
