@@ -558,3 +558,18 @@ def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_so
     shorter = dataclasses.replace(fake.source_point.result, num_tokens=90)
     assert "1 non-overlapping window of 51 tokens and 1 of 39 (" in dataclasses.replace(
         fake, source_point=dataclasses.replace(fake.source_point, result=shorter)).describe_protocol()
+
+
+def test_the_source_row_counts_its_cache_in_the_dtype_it_was_scored_in(tiny_source, tiny_text, tmp_path):
+    """Under --dtype bf16 every row, the source's too, was counted in bfloat16, but the float32 source was scored in
+    float32: its cache is twice what its row said."""
+    from mla_convert.options import ConvertOptions
+
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=1, methods=["svd"],
+                       calibration=TINY_CALIBRATION, options=ConvertOptions(dtype="bf16"))
+    source, converted = result.rows()
+    assert (source["cache_dtype"], source["bytes_per_token"]) == ("float32", 64 * 2 * 4)
+    assert (converted["cache_dtype"], converted["bytes_per_token"]) == ("bfloat16", 32 * 2 * 2)
+    assert "KV cache counted in the dtype each model was scored in (source float32, conversions bfloat16)" in \
+        result.files.markdown.read_text()
+    assert load_sweep(result.files.json).rows() == result.rows()

@@ -128,6 +128,9 @@ class SweepPoint:
     # the ratio whose conversion had this very shape (a serving target rounds ratios to its shapes): that
     # conversion's numbers, not converted and evaluated again
     same_shape_as: float | None = None
+    # dtype the model was scored in, which its cache is counted in (None: the sweep's cache_dtype); the source is
+    # scored in its own dtype, so under `--dtype bf16` its row counted a bf16 cache it was never measured with
+    measured_dtype: str | None = None
 
     @property
     def is_source(self) -> bool:
@@ -171,16 +174,19 @@ class SweepResult:
     files: SweepFiles | None = None  # where `save` last wrote the table, CSV, JSON and plot
 
     # ---- cache arithmetic
-    @property
-    def bytes_per_value(self) -> int:
-        return dtype_bytes(parse_dtype(self.cache_dtype))
+    def cache_dtype_of(self, point: SweepPoint) -> str:
+        """The dtype a point's cache is counted in: the one it was scored in."""
+        return point.measured_dtype or self.cache_dtype
+
+    def bytes_per_value(self, point: SweepPoint) -> int:
+        return dtype_bytes(parse_dtype(self.cache_dtype_of(point)))
 
     def values_per_token(self, point: SweepPoint) -> int:
         """Cached numbers per token over all layers."""
         return point.values_per_token_layer * self.num_layers
 
     def bytes_per_token(self, point: SweepPoint) -> int:
-        return self.values_per_token(point) * self.bytes_per_value
+        return self.values_per_token(point) * self.bytes_per_value(point)
 
     def actual_ratio(self, point: SweepPoint) -> float:
         """How many times smaller this point's cache is than the source's (exact, from the shapes)."""
@@ -229,7 +235,7 @@ class SweepResult:
                 "values_per_token_layer": point.values_per_token_layer,
                 "values_per_token": self.values_per_token(point),
                 "bytes_per_token": self.bytes_per_token(point),
-                "cache_dtype": self.cache_dtype,
+                "cache_dtype": self.cache_dtype_of(point),
                 "actual_ratio": self.actual_ratio(point),
                 "perplexity": point.perplexity,
                 "perplexity_ratio": self.perplexity_ratio(point),
@@ -270,6 +276,14 @@ class SweepResult:
             ]) + " |")
         return "\n".join(lines)
 
+    def dtypes_text(self) -> str:
+        """The dtype the caches are counted in, or each model's when the source was scored in another."""
+        source = self.cache_dtype_of(self.source_point)
+        others = list(dict.fromkeys(self.cache_dtype_of(p) for p in self.points)) or [source]
+        if others == [source]:
+            return source
+        return f"the dtype each model was scored in (source {source}, conversions {', '.join(others)})"
+
     def describe_protocol(self) -> str:
         """Two or three sentences saying how the numbers were measured (for the markdown files)."""
         source = self.source_point.result
@@ -283,7 +297,7 @@ class SweepResult:
             windows = (f"{full} non-overlapping window{'s' if full != 1 else ''} of {self.context_length} tokens"
                        + (f" and 1 of {rest}" if rest else ""))
         text = (f"Perplexity on `{data}`: {windows} "
-                f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.cache_dtype} "
+                f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.dtypes_text()} "
                 f"over all {self.num_layers} layers.")
         if self.calibration:
             passes = self.calibration_passes
@@ -519,7 +533,8 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
     ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xlim(sizes[0] / 1.35, sizes[-1] * 1.35)
     ax.margins(y=0.08)
-    ax.set_xlabel(f"KV cache per token, all {result.num_layers} layers ({result.cache_dtype}; log scale)")
+    dtypes = result.dtypes_text().replace("the dtype each model was scored in (", "").rstrip(")")
+    ax.set_xlabel(f"KV cache per token, all {result.num_layers} layers ({dtypes}; log scale)")
     top = ax.secondary_xaxis("top", functions=(lambda x: x, lambda x: x))
     top.set_xticks(sizes)
     top.set_xticklabels([format_ratio(round(source_bytes / s, 2)) for s in sizes])
@@ -554,10 +569,13 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
 
 # --------------------------------------------------------------------------- running a sweep
 def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, max_windows: int | None,
-              device: str | None, dtype: str, batch_size: int, progress: Progress, label: str) -> tuple[PerplexityResult, float]:
-    """Load one model, score it on the shared windows (progress per forward pass), free it."""
+              device: str | None, dtype: str, batch_size: int, progress: Progress,
+              label: str) -> tuple[PerplexityResult, float, str]:
+    """Load one model, score it on the shared windows (progress per forward pass), free it; also the dtype it was
+    scored in (its cache's)."""
     started = time.time()
     model = _load_quietly(model_path, device, dtype)
+    scored_in = str(next(model.parameters()).dtype).replace("torch.", "")
     total = len(plan_windows(len(tokenized), context_length, None, max_windows))
     progress.phase(f"perplexity: {label}", total)
     done = [0]
@@ -575,7 +593,7 @@ def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, m
         del model
         gc.collect()
     progress.end()  # only when scored: a phase cut off by Ctrl-C is not "done" (the CLI logs it as interrupted)
-    return result, time.time() - started
+    return result, time.time() - started, scored_in
 
 
 def _load_quietly(model_path: Path, device: str | None, dtype: str):
@@ -683,7 +701,7 @@ def run_sweep(
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
                              f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
 
-            source_result, source_seconds = _evaluate(converter.source_path, tokenized, context_length, max_windows,
+            source_result, source_seconds, source_dtype = _evaluate(converter.source_path, tokenized, context_length, max_windows,
                                                       eval_device, eval_dtype, batch_size, progress, SOURCE)
             progress.message(f"source: perplexity {source_result.perplexity:.4f}")
             shape = converter.config
@@ -697,7 +715,7 @@ def run_sweep(
                 context_length=context_length,
                 max_windows=max_windows,
                 source_point=SweepPoint(SOURCE, None, None, None, shape.kv_values_per_token_layer, source_result,
-                                        eval_seconds=source_seconds),
+                                        eval_seconds=source_seconds, measured_dtype=source_dtype),
                 settings={
                     "ratios": ratios,
                     "methods": [METHOD_LABELS[m] for m in methods],
@@ -742,7 +760,7 @@ def run_sweep(
                                                keep=keep_root is not None)
                     result.points.append(point)
                     if point.export_dtype and not any(p.export_dtype for p in result.points[:-1]):
-                        result.cache_dtype = point.export_dtype  # count every cache in what the user will run
+                        result.cache_dtype = point.export_dtype  # the conversions' (the source row keeps its own)
                     if point.ok:
                         progress.message(f"{label} ({point.kv_lora_rank}+{point.rope_dim}): perplexity "
                                          f"{point.perplexity:.4f} = {result.perplexity_ratio(point):.3f} x source")
@@ -846,18 +864,19 @@ def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float,
     store = getattr(converter, "store", None)
     calibration_id = None if store is None else str(getattr(store, "path", id(store)))
     try:
-        evaluation, eval_seconds = _evaluate(conversion.output, tokenized, context_length, max_windows, eval_device,
-                                             eval_dtype, batch_size, progress, label)
+        evaluation, eval_seconds, measured = _evaluate(conversion.output, tokenized, context_length, max_windows,
+                                                       eval_device, eval_dtype, batch_size, progress, label)
         error = None
     except MLAConvertError as failure:
         evaluation, eval_seconds, error = None, None, str(failure).splitlines()[0]
+        measured = report.get("cache", {}).get("dtype")
     finally:
         if not keep:
             shutil.rmtree(conversion.output, ignore_errors=True)
     return SweepPoint(result=evaluation, error=error, convert_seconds=convert_seconds, eval_seconds=eval_seconds,
                       mean_attention_error=report.get("summary", {}).get("mean_attention_error"),
                       calibration_id=calibration_id, model_path=str(conversion.output) if keep else None,
-                      export_dtype=report.get("cache", {}).get("dtype"), **common)
+                      export_dtype=report.get("cache", {}).get("dtype"), measured_dtype=measured, **common)
 
 
 __all__ = [
