@@ -366,7 +366,8 @@ def push(
 
 
 # Each sweep point picks its own shape (from --ratios) and method (from --methods) and writes its own folder;
-# it replaces only models an earlier sweep kept there, so --overwrite/--force have nothing to do.
+# it replaces only models an earlier sweep kept there, so convert's --overwrite/--force have nothing to do (sweep's
+# own --overwrite replaces an earlier sweep's result files in --out-dir).
 SWEEP_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "method", "overwrite", "force", "max_shard_size"}
 
 
@@ -401,6 +402,8 @@ def sweep(
     batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),
     text_column: str = typer.Option("text", help="Text field of --data's .jsonl rows or column of its datasets dataset "
                                     "(the calibration text's: --calib-text-column)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results (sweep.md, .csv, .json, .png) of an "
+                                   "earlier sweep in OUT_DIR (refused without it)."),
     options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
@@ -419,7 +422,7 @@ def sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
             keep_models=keep_models, eval_device=options.device,
             batch_size=batch_size, text_column=text_column, progress=progress, calibration=options.calibration,
-            options=options,
+            options=options, overwrite=overwrite,
         )
     except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
         files = [out_dir / f"sweep.{ext}" for ext in ("md", "csv", "json")]

@@ -257,7 +257,7 @@ def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_p
     marker = kept / "left-by-the-first-sweep"
     marker.write_text("")
     (again,) = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
-                         methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True).points
+                         methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True, overwrite=True).points
     assert again.ok and not marker.exists() and (kept / "config.json").exists()
 
 
@@ -573,3 +573,38 @@ def test_the_source_row_counts_its_cache_in_the_dtype_it_was_scored_in(tiny_sour
     assert "KV cache counted in the dtype each model was scored in (source float32, conversions bfloat16)" in \
         result.files.markdown.read_text()
     assert load_sweep(result.files.json).rows() == result.rows()
+
+
+def test_an_earlier_sweeps_results_are_replaced_only_when_asked(tiny_source, tiny_text, tmp_path):
+    """A second sweep into the same --out-dir rewrote sweep.md/csv/json/png without a word: with fewer ratios the
+    earlier rows were gone, while the models it had kept stayed under models/ unlisted."""
+    class Messages(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    out = tmp_path / "out"
+    settings = dict(context_length=64, max_windows=1, methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    run_sweep(tiny_source, [2, 4], tiny_text, out, **settings)
+    first = (out / "sweep.json").read_text()
+    with pytest.raises(PreflightError, match=r"holds an earlier sweep's results \(sweep.md, sweep.csv, sweep.json, "
+                                             r"sweep.png\); give --overwrite"):
+        run_sweep(tiny_source, [2], tiny_text, out, **settings)
+    assert (out / "sweep.json").read_text() == first  # refused before any work
+    messages = Messages()
+    result = run_sweep(tiny_source, [2], tiny_text, out, **settings, overwrite=True, progress=messages)
+    assert [p.requested_ratio for p in load_sweep(result.files.json).points] == [2]
+    assert f"note: {out / 'models'} holds models an earlier sweep kept that this one does not list (svd-4x); " \
+           "left as they are" in messages.seen
+    assert (out / "models" / "svd-4x" / "config.json").exists()
+
+
+def test_cli_sweep_refuses_an_earlier_sweeps_results_without_overwrite(tiny_source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.md").write_text("an earlier sweep")
+    run = _cli_sweep(tiny_source, "--data", tmp_path / "none.txt", "--out-dir", out)
+    assert run.exit_code == 2 and "holds an earlier sweep's results (sweep.md); give --overwrite" in run.output
+    assert (out / "sweep.md").read_text() == "an earlier sweep"

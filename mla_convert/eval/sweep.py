@@ -629,6 +629,7 @@ def run_sweep(
     model_name: str | None = None,
     stem: str = "sweep",
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> SweepResult:
     """Convert `source` at every ratio with every method (one calibration), score all on `data`, write files.
 
@@ -641,6 +642,8 @@ def run_sweep(
     (or under `models_dir` when there is no `out_dir`).  With `out_dir`, the table, CSV, JSON and plot
     (`<stem>.md/.csv/.json/.png`) are rewritten after every point.  A point whose conversion or
     evaluation fails (e.g. non-finite weights) is recorded with its error and the sweep goes on.
+    An `out_dir` that holds an earlier sweep's `<stem>.*` files is refused unless `overwrite` (as `convert` refuses an
+    existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.
     """
     progress = progress or Progress()
     ratios = parse_ratios(ratios)
@@ -664,6 +667,10 @@ def run_sweep(
             problems.append(f"--out-dir {out}: exists and is not a folder")
         elif not out.exists() and not out.parent.is_dir():
             problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
+        earlier = [path.name for path in _result_paths(out, stem) if path.exists() or path.is_symlink()]
+        if earlier and not overwrite:
+            problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier)}); give --overwrite "
+                            "to replace them, or choose another --out-dir")
     if models_dir is not None and not Path(models_dir).is_dir():
         problems.append(f"--models-dir {models_dir}: no such folder")
     if keep_models and out is None and models_dir is None:
@@ -695,6 +702,8 @@ def run_sweep(
                                  f"{context_length}: one window of {len(tokenized)} tokens")
                 context_length = len(tokenized)
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
+            if out is not None:
+                _note_unlisted_models(out / "models", methods, ratios, progress)
             for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
                 if folder is not None:
                     folder.mkdir(parents=True, exist_ok=True)
@@ -771,6 +780,22 @@ def run_sweep(
     finally:
         scratch.cleanup()
     return result
+
+
+def _result_paths(out: Path, stem: str) -> list[Path]:
+    """The files a sweep writes into its output folder (`SweepResult.save`)."""
+    return [out / f"{stem}.{ext}" for ext in ("md", "csv", "json", "png")]
+
+
+def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
+    """Kept models of an earlier sweep that this one will not list: said, and left as they are (never deleted)."""
+    if not models.is_dir():
+        return
+    planned = {_folder_name(method, ratio) for method in methods for ratio in ratios}
+    stale = sorted(folder.name for folder in models.iterdir() if folder.name not in planned and _kept_model(folder))
+    if stale:
+        progress.message(f"note: {models} holds models an earlier sweep kept that this one does not list "
+                         f"({', '.join(stale)}); left as they are")
 
 
 def _folder_name(method: str, ratio: float) -> str:
