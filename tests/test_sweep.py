@@ -608,3 +608,15 @@ def test_cli_sweep_refuses_an_earlier_sweeps_results_without_overwrite(tiny_sour
     run = _cli_sweep(tiny_source, "--data", tmp_path / "none.txt", "--out-dir", out)
     assert run.exit_code == 2 and "holds an earlier sweep's results (sweep.md); give --overwrite" in run.output
     assert (out / "sweep.md").read_text() == "an earlier sweep"
+
+
+def test_the_csv_writes_paths_as_the_json_does(tiny_source, tiny_text, tmp_path):
+    """sweep.json wrote a kept model's path as $TMPDIR/... (or ~/..., ../...) while sweep.csv kept the absolute path."""
+    import json
+
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=1,
+                       methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    with open(result.files.csv, newline="") as handle:
+        from_csv = [row["model_path"] for row in csv.DictReader(handle)]
+    from_json = [row["model_path"] or "" for row in json.loads(result.files.json.read_text())["rows"]]
+    assert from_csv == from_json and from_csv[1].endswith("/out/models/svd-2x")

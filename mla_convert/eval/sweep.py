@@ -326,12 +326,13 @@ class SweepResult:
         return text
 
     def csv_text(self) -> str:
+        """The rows as CSV; paths written portably as in the JSON (the CSV kept this machine's absolute model_path)."""
         rows = self.rows()
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+            writer.writerow({k: "" if v is None else _portable_paths(v) if isinstance(v, str) else v for k, v in row.items()})
         return buffer.getvalue()
 
     def to_dict(self) -> dict:
