@@ -178,14 +178,12 @@ def convert(
     try:
         result = run_convert(source, output, options, progress, command=command_line())
     except KeyboardInterrupt as interrupt:  # Ctrl-C / kill; the with-blocks already cleaned up
-        progress.finish()
-        signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
         left = "left nothing at" if not output.exists() else "did not change"
-        err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): the conversion {left} {escape(str(output))}",
-                          highlight=False, soft_wrap=True)
-        raise typer.Exit(code=128 + signum) from None
-    finally:
-        progress.finish()
+        _interrupted(progress, interrupt, f"the conversion {left} {output}")
+    except BaseException:
+        progress.finish("failed")  # the error itself is printed by user_errors (or is a traceback)
+        raise
+    progress.finish()
     if not quiet:
         if verbose:
             rows = [(str(row["layer"]), f"{row['kept_energy']:.4f}",
@@ -200,6 +198,15 @@ def convert(
 
         pushed = push(result.output, push_to_hub, private=private)
         print_plain(pushed.commit_url or pushed.repo_url or push_to_hub if quiet else pushed.summary())
+
+
+def _interrupted(progress, interrupt: KeyboardInterrupt, what: str) -> None:
+    """Ctrl-C or a kill during a long command: the phase cut off is logged as interrupted (not "done"), one line says
+    what was left behind, and the exit status is 128 + the signal's number, as a shell reports a signal."""
+    progress.finish("interrupted")
+    signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
+    err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): {escape(what)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=128 + signum) from None
 
 
 @app.command(name="eval")
@@ -359,7 +366,8 @@ def push(
 
 
 # Each sweep point picks its own shape (from --ratios) and method (from --methods) and writes its own folder;
-# it replaces only models an earlier sweep kept there, so --overwrite/--force have nothing to do.
+# it replaces only models an earlier sweep kept there, so convert's --overwrite/--force have nothing to do (sweep's
+# own --overwrite replaces an earlier sweep's result files in --out-dir).
 SWEEP_EXCLUDES = {"kv_lora_rank", "rope_dim", "compression", "method", "overwrite", "force", "max_shard_size"}
 
 
@@ -392,6 +400,10 @@ def sweep(
     max_windows: Optional[int] = typer.Option(None, help="Evaluate at most this many windows."),
     keep_models: bool = typer.Option(False, help="Keep the converted folders under OUT_DIR/models, named METHOD-RATIOx (e.g. svd-2x)."),
     batch_size: int = typer.Option(1, help="Evaluation windows per forward pass."),
+    text_column: str = typer.Option("text", help="Text field of --data's .jsonl rows or column of its datasets dataset "
+                                    "(the calibration text's: --calib-text-column)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results (sweep.md, .csv, .json, .png) of an "
+                                   "earlier sweep in OUT_DIR (refused without it)."),
     options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ):
@@ -409,10 +421,17 @@ def sweep(
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
             keep_models=keep_models, eval_device=options.device,
-            batch_size=batch_size, progress=progress, calibration=options.calibration, options=options,
+            batch_size=batch_size, text_column=text_column, progress=progress, calibration=options.calibration,
+            options=options, overwrite=overwrite,
         )
-    finally:
-        progress.finish()
+    except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
+        files = [out_dir / f"sweep.{ext}" for ext in ("md", "csv", "json")]
+        _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(map(str, files))}"
+                     if files[-1].exists() else f"nothing was measured; nothing written in {out_dir}")
+    except BaseException:
+        progress.finish("failed")
+        raise
+    progress.finish()
     print_plain(result.markdown())
     print_plain(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.json}, {result.files.png}")
 

@@ -32,13 +32,13 @@ class RichProgress(Progress):
         self._task = None
         self._phase: tuple[str, float] | None = None  # (name, start time) of the running phase, off a terminal
 
-    def _close(self) -> None:
+    def _close(self, outcome: str = "done") -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
         if self._phase is not None:
             name, started = self._phase
-            self.console.print(f"done: {name} ({time.time() - started:.1f} s)", highlight=False, soft_wrap=True)
+            self.console.print(f"{outcome}: {name} ({time.time() - started:.1f} s)", highlight=False, soft_wrap=True)
             self._phase = None
 
     def phase(self, name: str, total: int | None = None) -> None:
@@ -66,8 +66,10 @@ class RichProgress(Progress):
         if not self.quiet:  # plain text: a message quoting a path or an error like `[v2]` keeps its brackets
             self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
-    def finish(self) -> None:
-        self._close()
+    def finish(self, outcome: str = "done") -> None:
+        """Close the running phase; `outcome` is what the log says of it: "interrupted" or "failed" for a phase that
+        was cut off (it used to read "done:" after a Ctrl-C)."""
+        self._close(outcome)
 
 
 def print_table(console: Console, title: str, header: Sequence[str], rows: Sequence[Sequence[str]],

@@ -179,7 +179,8 @@ def run_one(name: str, args: argparse.Namespace, command: str) -> str:
     options = ConvertOptions(dtype=args.dtype, refine_steps=args.refine_steps, sequential=args.sequential)
     result = run_sweep(protocol.source(), used.ratios, used.data, out_dir, context_length=used.context,
                        max_windows=used.max_windows, methods=args.methods, calibration=calibration, options=options,
-                       model_name=protocol.title, progress=progress)
+                       model_name=protocol.title, progress=progress,
+                       overwrite=True)  # it regenerates docs/sweeps/<model>: replacing the committed run is its purpose
     seconds = time.time() - started
     # how this run was made, kept in sweep.json so --replot can rebuild the BENCHMARKS.md part exactly
     result.settings["bench"] = {

@@ -502,6 +502,30 @@ def test_a_shape_that_grows_the_cache_is_said_so_before_converting(tmp_path):
     assert not any("the KV cache grows" in text for text in smaller.seen)
 
 
+def test_a_ratio_met_by_another_says_so_under_the_default_target(tmp_path):
+    """-c 25 on a source caching 64 values converts to 1+2 = 21.33x; under --target transformers nothing said so
+    (a serving target's summary did), and the refusal of 26 named 21.3 as the largest ratio."""
+    from mla_convert.convert.decisions import Progress
+
+    class Messages(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, num_layers=1)
+    rounded, exact = Messages(), Messages()
+    result = convert(source, tmp_path / "rounded", fast_options(compression=25), progress=rounded)
+    convert(source, tmp_path / "exact", fast_options(compression=4), progress=exact)
+    assert result.report["cache"]["ratio"] == pytest.approx(64 / 3)
+    assert ("note: asked 25x, got 1+2 = 21.33x (the cache holds whole values: 3 per token and layer of the source's "
+            "64)") in rounded.seen
+    assert not any(text.startswith("note: asked") for text in exact.seen)
+    with pytest.raises(PreflightError, match=r"must be below 25\.6"):
+        convert(source, tmp_path / "refused", fast_options(compression=26))
+
+
 def _edit_config(folder, **changes):
     path = folder / "config.json"
     config = json.loads(path.read_text())

@@ -215,11 +215,39 @@ def test_rank_limit_needs_no_bias_column():
         check_mla_shape(source, 577, 64)
 
 
-@pytest.mark.parametrize("compression, fragment", [(30, "at most 21.3"), (0, "at least 1"), (-2, "at least 1"), (0.5, "at least 1")])
+@pytest.mark.parametrize("compression, fragment", [(30, "must be below 25.6"), (0, "at least 1"), (-2, "at least 1"), (0.5, "at least 1")])
 def test_impossible_compressions(compression, fragment):
     source = SourceConfig.from_dict(STORIES260K)
     with pytest.raises(InvalidShapeError, match=fragment):
         shape_for_compression(source, compression)
+
+
+def test_the_stated_largest_ratio_is_the_largest_accepted_and_a_rounded_ratio_says_so():
+    """stories260K caches 64 values: 26 was refused with "the ratio can be at most 21.3" while 22 and 25 were accepted
+    and silently gave 1+2 = 21.33x."""
+    import re
+
+    from mla_convert.source.shapes import shape_choice_note
+
+    source = SourceConfig.from_dict(STORIES260K)
+    with pytest.raises(InvalidShapeError) as refused:
+        shape_for_compression(source, 26)
+    limit = float(re.search(r"must be below ([0-9.]+)", str(refused.value)).group(1))
+    assert "21.33x" in str(refused.value)  # the smallest cache it can reach
+    for ratio in (21.3, 22, 25, 25.59, limit, limit + 0.01, 26):
+        accepted = True
+        try:
+            mla = shape_for_compression(source, ratio)
+        except InvalidShapeError:
+            accepted = False
+        assert accepted == (ratio < limit), ratio
+        if accepted:
+            note = shape_choice_note(source, "transformers", mla, ratio)
+            assert note == f"asked {ratio:g}x, got 1+2 = 21.33x (the cache holds whole values: 3 per token and layer " \
+                           "of the source's 64)"
+    assert shape_choice_note(source, "transformers", shape_for_compression(source, 4), 4) is None  # exact: no note
+    assert shape_choice_note(source, "transformers", shape_for_compression(source, 4.001), 4.001) is None  # prints 4.00x
+    assert shape_choice_note(source, "transformers", MLAShape(16, 16), None) is None  # no ratio asked
 
 
 def test_config_errors_are_user_errors():

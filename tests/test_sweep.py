@@ -30,6 +30,7 @@ from mla_convert.eval.sweep import (
     canonical_methods,
     load_sweep,
     parse_ratios,
+    plot_title,
     run_sweep,
 )
 from mla_convert.options import CalibrationOptions
@@ -256,7 +257,7 @@ def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_p
     marker = kept / "left-by-the-first-sweep"
     marker.write_text("")
     (again,) = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
-                         methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True).points
+                         methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True, overwrite=True).points
     assert again.ok and not marker.exists() and (kept / "config.json").exists()
 
 
@@ -400,3 +401,222 @@ def test_a_killed_sweep_removes_its_scratch_models(tiny_source, tiny_text, tmp_p
     _, err = process.communicate(timeout=120)
     assert process.returncode != 0 and "Traceback" not in err
     assert not list(scratch_root.glob("mla-convert-sweep-*")), sorted(p.name for p in scratch_root.iterdir())
+
+
+# --------------------------------------------------------------------------- the command line
+def _cli_sweep(*args: str):
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    return CliRunner().invoke(cli.app, ["sweep", *map(str, args)])
+
+
+def test_cli_sweep_reads_the_evaluation_texts_column(tiny_source, tiny_text, tmp_path):
+    """`sweep` had no --text-column (eval has it): a .jsonl whose text field is not `text` could not be swept."""
+    import json
+
+    rows = tmp_path / "stories.jsonl"
+    rows.write_text("".join(json.dumps({"story": line}) + "\n" for line in tiny_text.read_text().split(" mat ")))
+    out = tmp_path / "out"
+    run = _cli_sweep(tiny_source, "--data", rows, "--text-column", "story", "--out-dir", out, "--ratios", "2",
+                     "--methods", "svd", "--context", "64", "--max-windows", "2", "--calib-samples", "2",
+                     "--calib-seq-len", "32", "-q")
+    assert run.exit_code == 0, run.output
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["settings"]["text_column"] == "story" and saved["rows"][0]["scored_tokens"] == 2 * 63
+
+
+def test_a_rounded_ratio_is_said_so_with_the_reason_of_the_default_target(tiny_source, tiny_text, tmp_path):
+    """2 and 2.01 both give 32 of the tiny source's 64 values, 25 gives 3 (21.33x): sweep.md blamed "the serving
+    target's shapes" under --target transformers, said nothing of 25x being 21.33x, and no note was printed."""
+
+    class Messages(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    messages = Messages()
+    result = run_sweep(tiny_source, "2,2.01,25", tiny_text, tmp_path / "out", context_length=64, max_windows=1,
+                       methods=["svd"], calibration=TINY_CALIBRATION, progress=messages)
+    assert [p.values_per_token_layer for p in result.points] == [32, 32, 3]
+    protocol = result.files.markdown.read_text()
+    assert "serving target" not in protocol
+    assert ("1 requested ratio got the shape of a smaller one (the cache holds whole values per token and layer)"
+            in protocol)
+    assert "Ratios met in whole cached values per token and layer: 2.01x got 2.00x, 25x got 21.33x." in protocol
+    assert any(text.startswith("note: asked 25x, got 1+2 = 21.33x") for text in messages.seen), messages.seen
+
+
+class _CtrlCAt(Progress):
+    """Records the progress calls and raises KeyboardInterrupt (as Ctrl-C does) once `when(call, name)` holds."""
+
+    def __init__(self, when):
+        self.when, self.calls, self.phase_name = when, [], None
+
+    def phase(self, name, total=None):
+        self.calls.append(("phase", name))
+        self.phase_name = name
+        if self.when("phase", name):
+            raise KeyboardInterrupt
+
+    def advance(self, done, total=None):
+        if self.when("advance", self.phase_name):
+            raise KeyboardInterrupt
+
+    def end(self):
+        self.calls.append(("end", self.phase_name))
+
+
+def test_an_evaluation_cut_off_is_not_ended_as_if_it_finished(tiny_source, tiny_text, tmp_path):
+    """_evaluate ended its phase in a `finally`, so Ctrl-C during the source's evaluation was logged `done: perplexity: source`."""
+    progress = _CtrlCAt(lambda call, name: call == "advance" and name == "perplexity: source")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+                  calibration=TINY_CALIBRATION, progress=progress)
+    assert progress.calls[-1] == ("phase", "perplexity: source")  # cut off: begun, never ended
+
+
+def test_a_sweep_interrupted_after_calibration_says_calibration_ran(tiny_source, tiny_text, tmp_path):
+    """sweep.md written after calibration, before any conversion finished, said "0 passes shared by 0 conversions"."""
+    progress = _CtrlCAt(lambda call, name: call == "phase" and name == "converting layers")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+                  calibration=TINY_CALIBRATION, progress=progress)
+    markdown = (tmp_path / "out" / "sweep.md").read_text()
+    assert "1 pass, no conversion finished." in markdown and "0 passes" not in markdown
+    assert load_sweep(tmp_path / "out" / "sweep.json").calibration_passes == 1
+
+
+def test_the_log_says_interrupted_not_done_for_a_phase_cut_off():
+    """RichProgress printed `done: <phase>` for whatever phase was running when Ctrl-C came (convert's log too)."""
+    import io as text_io
+
+    from rich.console import Console
+
+    from mla_convert.console import RichProgress
+
+    log = text_io.StringIO()
+    progress = RichProgress(Console(file=log, force_terminal=False, width=200))
+    progress.phase("calibration statistics")
+    progress.phase("converting layers")
+    progress.finish("interrupted")
+    progress.finish()  # closing again prints nothing more
+    lines = log.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["done: calibration statistics", "interrupted: converting layers"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tiny_text, tmp_path):
+    """Ctrl-C ended `sweep` with status 130 and no word (convert says "interrupted ...")."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch_root), "COLUMNS": "300"}
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "mla_convert", "sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir",
+               str(out), "--ratios", ",".join(f"{2 + r / 10:g}" for r in range(150)), "--methods", "svd",
+               "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert f"interrupted (SIGINT): the points measured before it are in {out / 'sweep.md'}" in err, err[-2000:]
+
+
+def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_source, tmp_path):
+    """A 12-token text with --context 64 was "1 non-overlapping windows of 64 tokens" in sweep.md, the plot's title
+    and sweep.json's context_length, while the only window held 12 tokens."""
+    import json
+
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat.")
+    result = run_sweep(tiny_source, [2], short, tmp_path / "out", context_length=64, methods=["svd"],
+                       calibration=TINY_CALIBRATION)
+    tokens = result.source_point.result.num_tokens
+    assert tokens < 64 and result.source_point.result.num_scored_tokens == tokens - 1
+    assert f"Perplexity on `short.txt`: 1 window of {tokens} tokens ({tokens - 1} scored tokens)" in \
+        result.files.markdown.read_text()
+    assert json.loads(result.files.json.read_text())["context_length"] == tokens
+    assert plot_title(result).endswith(f"short.txt, 1 x {tokens}-token window")
+    # a text that ends inside the last window: that window's real length is said too
+    import dataclasses
+
+    fake = _fake_result({("output", 2): 11.0})  # 102 tokens in windows of 51: exactly two
+    assert "2 non-overlapping windows of 51 tokens (" in fake.describe_protocol()
+    shorter = dataclasses.replace(fake.source_point.result, num_tokens=90)
+    assert "1 non-overlapping window of 51 tokens and 1 of 39 (" in dataclasses.replace(
+        fake, source_point=dataclasses.replace(fake.source_point, result=shorter)).describe_protocol()
+
+
+def test_the_source_row_counts_its_cache_in_the_dtype_it_was_scored_in(tiny_source, tiny_text, tmp_path):
+    """Under --dtype bf16 every row, the source's too, was counted in bfloat16, but the float32 source was scored in
+    float32: its cache is twice what its row said."""
+    from mla_convert.options import ConvertOptions
+
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=1, methods=["svd"],
+                       calibration=TINY_CALIBRATION, options=ConvertOptions(dtype="bf16"))
+    source, converted = result.rows()
+    assert (source["cache_dtype"], source["bytes_per_token"]) == ("float32", 64 * 2 * 4)
+    assert (converted["cache_dtype"], converted["bytes_per_token"]) == ("bfloat16", 32 * 2 * 2)
+    assert "KV cache counted in the dtype each model was scored in (source float32, conversions bfloat16)" in \
+        result.files.markdown.read_text()
+    assert load_sweep(result.files.json).rows() == result.rows()
+
+
+def test_an_earlier_sweeps_results_are_replaced_only_when_asked(tiny_source, tiny_text, tmp_path):
+    """A second sweep into the same --out-dir rewrote sweep.md/csv/json/png without a word: with fewer ratios the
+    earlier rows were gone, while the models it had kept stayed under models/ unlisted."""
+    class Messages(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    out = tmp_path / "out"
+    settings = dict(context_length=64, max_windows=1, methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    run_sweep(tiny_source, [2, 4], tiny_text, out, **settings)
+    first = (out / "sweep.json").read_text()
+    with pytest.raises(PreflightError, match=r"holds an earlier sweep's results \(sweep.md, sweep.csv, sweep.json, "
+                                             r"sweep.png\); give --overwrite"):
+        run_sweep(tiny_source, [2], tiny_text, out, **settings)
+    assert (out / "sweep.json").read_text() == first  # refused before any work
+    messages = Messages()
+    result = run_sweep(tiny_source, [2], tiny_text, out, **settings, overwrite=True, progress=messages)
+    assert [p.requested_ratio for p in load_sweep(result.files.json).points] == [2]
+    assert f"note: {out / 'models'} holds models an earlier sweep kept that this one does not list (svd-4x); " \
+           "left as they are" in messages.seen
+    assert (out / "models" / "svd-4x" / "config.json").exists()
+
+
+def test_cli_sweep_refuses_an_earlier_sweeps_results_without_overwrite(tiny_source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.md").write_text("an earlier sweep")
+    run = _cli_sweep(tiny_source, "--data", tmp_path / "none.txt", "--out-dir", out)
+    assert run.exit_code == 2 and "holds an earlier sweep's results (sweep.md); give --overwrite" in run.output
+    assert (out / "sweep.md").read_text() == "an earlier sweep"
+
+
+def test_the_csv_writes_paths_as_the_json_does(tiny_source, tiny_text, tmp_path):
+    """sweep.json wrote a kept model's path as $TMPDIR/... (or ~/..., ../...) while sweep.csv kept the absolute path."""
+    import json
+
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=1,
+                       methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    with open(result.files.csv, newline="") as handle:
+        from_csv = [row["model_path"] for row in csv.DictReader(handle)]
+    from_json = [row["model_path"] or "" for row in json.loads(result.files.json.read_text())["rows"]]
+    assert from_csv == from_json and from_csv[1].endswith("/out/models/svd-2x")

@@ -170,6 +170,28 @@ def test_unknown_dataset_offline_is_one_clear_line():
     assert "cached dataset" in message and "local text file" in message
 
 
+def test_a_local_dataset_folder_that_cannot_be_loaded_says_why(tmp_path):
+    """`folder::validation` with only train and test splits said "not a local file, folder or cached dataset, and the
+    hub cannot be reached" (offline), dropping what datasets said: the split is unknown, and which ones there are."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    write_jsonl(folder / "test.jsonl", ["a test row"])
+    write_jsonl(folder / "train.jsonl", ["a train row"])
+    code = (
+        "import sys\n"
+        "from mla_convert.eval.textdata import load_text\n"
+        "from mla_convert.errors import MLAConvertError\n"
+        "try:\n    load_text(sys.argv[1] + '::validation')\n"
+        "except MLAConvertError as e:\n    print('ERROR:' + str(e))\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=env, timeout=120)
+    (message,) = [line for line in done.stdout.splitlines() if line.startswith("ERROR:")] or [done.stdout + done.stderr]
+    assert f"the local dataset folder {folder} could not be loaded" in message, message
+    assert "validation" in message and "'train'" in message and "'test'" in message, message
+    assert "hub" not in message
+
+
 def test_a_hub_that_cannot_be_reached_is_one_line_without_retries(tmp_path):
     """Without network, huggingface_hub retried five times (about 25 s, a dozen 'Retrying in 8s' lines) before the
     error; a connection probe now switches the read to the cache at once."""

@@ -30,7 +30,7 @@ from ..io.reader import CheckpointReader
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
 from ..source.config import SourceConfig
-from ..source.shapes import MLAShape, pick_target_shape, shape_problems
+from ..source.shapes import MLAShape, pick_target_shape, shape_choice_note, shape_problems
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from . import target as T
 from .engines import rope_problem
@@ -490,6 +490,12 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         message(f"note: the source slides its attention over {source.sliding_window} tokens; DeepseekV3 attends to every "
                 f"position, so the export declares max_position_embeddings {source.sliding_window} (the source: "
                 f"{source.max_position_embeddings}), the context where the two agree")
+    if not T.target_of(options.target).serving and options.kv_lora_rank is None and options.rope_dim is None:
+        # (a serving target's note is in its report and summary); the transformers target said nothing when a ratio
+        # rounded to another (25x of 64 values is 3 values, 21.33x)
+        note = shape_choice_note(source, options.target, mla, options.compression)
+        if note:
+            message(f"note: {note}")
     grown = mla.kv_values_per_token_layer / source.kv_values_per_token_layer
     if grown > 1:  # allowed (e.g. an exact full-rank conversion), but not what anyone converts for by accident
         message(f"note: {mla.kv_lora_rank}+{mla.rope_dim} caches {mla.kv_values_per_token_layer} values per token and "

@@ -38,7 +38,7 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress, Progress
 from ..convert.pipeline import Converter
-from ..convert.target import target_of
+from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
@@ -128,6 +128,9 @@ class SweepPoint:
     # the ratio whose conversion had this very shape (a serving target rounds ratios to its shapes): that
     # conversion's numbers, not converted and evaluated again
     same_shape_as: float | None = None
+    # dtype the model was scored in, which its cache is counted in (None: the sweep's cache_dtype); the source is
+    # scored in its own dtype, so under `--dtype bf16` its row counted a bf16 cache it was never measured with
+    measured_dtype: str | None = None
 
     @property
     def is_source(self) -> bool:
@@ -171,16 +174,19 @@ class SweepResult:
     files: SweepFiles | None = None  # where `save` last wrote the table, CSV, JSON and plot
 
     # ---- cache arithmetic
-    @property
-    def bytes_per_value(self) -> int:
-        return dtype_bytes(parse_dtype(self.cache_dtype))
+    def cache_dtype_of(self, point: SweepPoint) -> str:
+        """The dtype a point's cache is counted in: the one it was scored in."""
+        return point.measured_dtype or self.cache_dtype
+
+    def bytes_per_value(self, point: SweepPoint) -> int:
+        return dtype_bytes(parse_dtype(self.cache_dtype_of(point)))
 
     def values_per_token(self, point: SweepPoint) -> int:
         """Cached numbers per token over all layers."""
         return point.values_per_token_layer * self.num_layers
 
     def bytes_per_token(self, point: SweepPoint) -> int:
-        return self.values_per_token(point) * self.bytes_per_value
+        return self.values_per_token(point) * self.bytes_per_value(point)
 
     def actual_ratio(self, point: SweepPoint) -> float:
         """How many times smaller this point's cache is than the source's (exact, from the shapes)."""
@@ -191,8 +197,10 @@ class SweepResult:
 
     @property
     def calibration_passes(self) -> int:
-        """Distinct calibration statistics the conversions used (1 when the calibration was reused)."""
-        return len({p.calibration_id for p in self.points if p.calibration_id is not None})
+        """Distinct calibration statistics the conversions used (1 when the calibration was reused); 1 when calibration
+        ran but no conversion finished (an interrupted sweep's files said "0 passes")."""
+        used = len({p.calibration_id for p in self.points if p.calibration_id is not None})
+        return max(used, 1 if self.calibration else 0)
 
     @property
     def conversions(self) -> int:
@@ -227,7 +235,7 @@ class SweepResult:
                 "values_per_token_layer": point.values_per_token_layer,
                 "values_per_token": self.values_per_token(point),
                 "bytes_per_token": self.bytes_per_token(point),
-                "cache_dtype": self.cache_dtype,
+                "cache_dtype": self.cache_dtype_of(point),
                 "actual_ratio": self.actual_ratio(point),
                 "perplexity": point.perplexity,
                 "perplexity_ratio": self.perplexity_ratio(point),
@@ -268,14 +276,28 @@ class SweepResult:
             ]) + " |")
         return "\n".join(lines)
 
+    def dtypes_text(self) -> str:
+        """The dtype the caches are counted in, or each model's when the source was scored in another."""
+        source = self.cache_dtype_of(self.source_point)
+        others = list(dict.fromkeys(self.cache_dtype_of(p) for p in self.points)) or [source]
+        if others == [source]:
+            return source
+        return f"the dtype each model was scored in (source {source}, conversions {', '.join(others)})"
+
     def describe_protocol(self) -> str:
         """Two or three sentences saying how the numbers were measured (for the markdown files)."""
         source = self.source_point.result
         # a local text is named by its file name (its path is this machine's, or written portably as $TMPDIR/...)
         local = Path(self.data).exists() or self.data.startswith("$TMPDIR/") or looks_like_path(self.data)
         data = Path(self.data).name if local else self.data
-        text = (f"Perplexity on `{data}`: {source.num_windows} non-overlapping windows of {self.context_length} tokens "
-                f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.cache_dtype} "
+        full, rest = divmod(source.num_tokens, self.context_length)  # the last window is shorter when the text ends
+        if full + bool(rest) == 1:
+            windows = f"1 window of {full * self.context_length + rest} tokens"
+        else:
+            windows = (f"{full} non-overlapping window{'s' if full != 1 else ''} of {self.context_length} tokens"
+                       + (f" and 1 of {rest}" if rest else ""))
+        text = (f"Perplexity on `{data}`: {windows} "
+                f"({source.num_scored_tokens} scored tokens), token-weighted NLL. KV cache counted in {self.dtypes_text()} "
                 f"over all {self.num_layers} layers.")
         if self.calibration:
             passes = self.calibration_passes
@@ -283,21 +305,34 @@ class SweepResult:
             calib_data = self.settings.get("convert_options", {}).get("calibration", {}).get("data")
             if calib_data and os.sep in str(calib_data):  # a local file: its name says enough, the path is this machine's
                 description = description.replace(str(calib_data), f"`{Path(calib_data).name}`")
+            shared = (f" shared by {self.conversions} conversion{'s' if self.conversions != 1 else ''}" if self.conversions
+                      else ", no conversion finished")
             text += (f" Calibration: {description}, {self.calibration.get('seconds', '?')} s, "
-                     f"{passes} pass{'es' if passes != 1 else ''} shared by {self.conversions} conversion{'s' if self.conversions != 1 else ''}.")
+                     f"{passes} pass{'es' if passes != 1 else ''}{shared}.")
+        # why a ratio got another cache ratio: a serving target's few shapes, else whole cached values per token and
+        # layer (it said "the serving target's shapes" under --target transformers too)
+        target = self.settings.get("convert_options", {}).get("target", "transformers")
+        serving = target_of(target).serving if target in TARGETS else False
+        why = f"--target {target} serves only a few shapes" if serving else "the cache holds whole values per token and layer"
         repeated = [p for p in self.points if p.same_shape_as is not None]
         if repeated:
             text += (f" {len(repeated)} requested ratio{'s' if len(repeated) != 1 else ''} got the shape of a smaller one "
-                     f"(the serving target's shapes): shown with that model's numbers, not converted again.")
+                     f"({why}): shown with that model's numbers, not converted again.")
+        rounded = {format_ratio(p.requested_ratio): f"{self.actual_ratio(p):.2f}x" for p in self.all_points()[1:]
+                   if f"{self.actual_ratio(p):.2f}" != f"{p.requested_ratio:.2f}"}
+        if rounded:
+            how = f"as closely as --target {target}'s shapes allow" if serving else "in whole cached values per token and layer"
+            text += f" Ratios met {how}: " + ", ".join(f"{asked} got {got}" for asked, got in rounded.items()) + "."
         return text
 
     def csv_text(self) -> str:
+        """The rows as CSV; paths written portably as in the JSON (the CSV kept this machine's absolute model_path)."""
         rows = self.rows()
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+            writer.writerow({k: "" if v is None else _portable_paths(v) if isinstance(v, str) else v for k, v in row.items()})
         return buffer.getvalue()
 
     def to_dict(self) -> dict:
@@ -437,6 +472,13 @@ def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]
     return (9, 0)
 
 
+def plot_title(result: SweepResult) -> str:
+    """The plot's default title: model, text and its windows (the context, or the text's length when it is shorter)."""
+    windows = result.num_windows
+    return (f"{result.model_name}: perplexity vs KV-cache size\n"
+            f"{Path(result.data).name}, {windows} x {result.context_length}-token window{'s' if windows != 1 else ''}")
+
+
 def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None = None,
                size_inches: tuple[float, float] = PLOT_SIZE_INCHES, dpi: int = PLOT_DPI) -> Path:
     """Perplexity against KV-cache bytes per token: one curve per method, the source as a dashed line.
@@ -492,7 +534,8 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
     ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xlim(sizes[0] / 1.35, sizes[-1] * 1.35)
     ax.margins(y=0.08)
-    ax.set_xlabel(f"KV cache per token, all {result.num_layers} layers ({result.cache_dtype}; log scale)")
+    dtypes = result.dtypes_text().replace("the dtype each model was scored in (", "").rstrip(")")
+    ax.set_xlabel(f"KV cache per token, all {result.num_layers} layers ({dtypes}; log scale)")
     top = ax.secondary_xaxis("top", functions=(lambda x: x, lambda x: x))
     top.set_xticks(sizes)
     top.set_xticklabels([format_ratio(round(source_bytes / s, 2)) for s in sizes])
@@ -514,11 +557,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", axis="y", alpha=0.15)
 
-    if title is None:
-        windows = result.num_windows
-        title = (f"{result.model_name}: perplexity vs KV-cache size\n"
-                 f"{Path(result.data).name}, {windows} x {result.context_length}-token windows")
-    ax.set_title(title, fontsize=12)
+    ax.set_title(plot_title(result) if title is None else title, fontsize=12)
     # below the axes: inside, it would sooner or later sit on a point (bad SVD points reach any corner)
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=9.5, frameon=False)
@@ -531,10 +570,13 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
 
 # --------------------------------------------------------------------------- running a sweep
 def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, max_windows: int | None,
-              device: str | None, dtype: str, batch_size: int, progress: Progress, label: str) -> tuple[PerplexityResult, float]:
-    """Load one model, score it on the shared windows (progress per forward pass), free it."""
+              device: str | None, dtype: str, batch_size: int, progress: Progress,
+              label: str) -> tuple[PerplexityResult, float, str]:
+    """Load one model, score it on the shared windows (progress per forward pass), free it; also the dtype it was
+    scored in (its cache's)."""
     started = time.time()
     model = _load_quietly(model_path, device, dtype)
+    scored_in = str(next(model.parameters()).dtype).replace("torch.", "")
     total = len(plan_windows(len(tokenized), context_length, None, max_windows))
     progress.phase(f"perplexity: {label}", total)
     done = [0]
@@ -551,8 +593,8 @@ def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, m
         hook.remove()
         del model
         gc.collect()
-        progress.end()
-    return result, time.time() - started
+    progress.end()  # only when scored: a phase cut off by Ctrl-C is not "done" (the CLI logs it as interrupted)
+    return result, time.time() - started, scored_in
 
 
 def _load_quietly(model_path: Path, device: str | None, dtype: str):
@@ -588,6 +630,7 @@ def run_sweep(
     model_name: str | None = None,
     stem: str = "sweep",
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> SweepResult:
     """Convert `source` at every ratio with every method (one calibration), score all on `data`, write files.
 
@@ -600,6 +643,8 @@ def run_sweep(
     (or under `models_dir` when there is no `out_dir`).  With `out_dir`, the table, CSV, JSON and plot
     (`<stem>.md/.csv/.json/.png`) are rewritten after every point.  A point whose conversion or
     evaluation fails (e.g. non-finite weights) is recorded with its error and the sweep goes on.
+    An `out_dir` that holds an earlier sweep's `<stem>.*` files is refused unless `overwrite` (as `convert` refuses an
+    existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.
     """
     progress = progress or Progress()
     ratios = parse_ratios(ratios)
@@ -623,6 +668,10 @@ def run_sweep(
             problems.append(f"--out-dir {out}: exists and is not a folder")
         elif not out.exists() and not out.parent.is_dir():
             problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
+        earlier = [path.name for path in _result_paths(out, stem) if path.exists() or path.is_symlink()]
+        if earlier and not overwrite:
+            problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier)}); give --overwrite "
+                            "to replace them, or choose another --out-dir")
     if models_dir is not None and not Path(models_dir).is_dir():
         problems.append(f"--models-dir {models_dir}: no such folder")
     if keep_models and out is None and models_dir is None:
@@ -649,14 +698,20 @@ def run_sweep(
             progress.phase("reading and tokenizing the evaluation text")
             tokenizer = load_tokenizer_for_eval(converter.source_path)
             tokenized = tokenize_with_offsets(tokenizer, load_text(data, text_column=text_column))
+            if len(tokenized) < context_length:  # every number would say "windows of 256 tokens" about a 12-token one
+                progress.message(f"note: the evaluation text has {len(tokenized)} tokens, fewer than the context "
+                                 f"{context_length}: one window of {len(tokenized)} tokens")
+                context_length = len(tokenized)
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
+            if out is not None:
+                _note_unlisted_models(out / "models", methods, ratios, progress)
             for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
                 if folder is not None:
                     folder.mkdir(parents=True, exist_ok=True)
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
                              f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
 
-            source_result, source_seconds = _evaluate(converter.source_path, tokenized, context_length, max_windows,
+            source_result, source_seconds, source_dtype = _evaluate(converter.source_path, tokenized, context_length, max_windows,
                                                       eval_device, eval_dtype, batch_size, progress, SOURCE)
             progress.message(f"source: perplexity {source_result.perplexity:.4f}")
             shape = converter.config
@@ -670,7 +725,7 @@ def run_sweep(
                 context_length=context_length,
                 max_windows=max_windows,
                 source_point=SweepPoint(SOURCE, None, None, None, shape.kv_values_per_token_layer, source_result,
-                                        eval_seconds=source_seconds),
+                                        eval_seconds=source_seconds, measured_dtype=source_dtype),
                 settings={
                     "ratios": ratios,
                     "methods": [METHOD_LABELS[m] for m in methods],
@@ -715,7 +770,7 @@ def run_sweep(
                                                keep=keep_root is not None)
                     result.points.append(point)
                     if point.export_dtype and not any(p.export_dtype for p in result.points[:-1]):
-                        result.cache_dtype = point.export_dtype  # count every cache in what the user will run
+                        result.cache_dtype = point.export_dtype  # the conversions' (the source row keeps its own)
                     if point.ok:
                         progress.message(f"{label} ({point.kv_lora_rank}+{point.rope_dim}): perplexity "
                                          f"{point.perplexity:.4f} = {result.perplexity_ratio(point):.3f} x source")
@@ -726,6 +781,22 @@ def run_sweep(
     finally:
         scratch.cleanup()
     return result
+
+
+def _result_paths(out: Path, stem: str) -> list[Path]:
+    """The files a sweep writes into its output folder (`SweepResult.save`)."""
+    return [out / f"{stem}.{ext}" for ext in ("md", "csv", "json", "png")]
+
+
+def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
+    """Kept models of an earlier sweep that this one will not list: said, and left as they are (never deleted)."""
+    if not models.is_dir():
+        return
+    planned = {_folder_name(method, ratio) for method in methods for ratio in ratios}
+    stale = sorted(folder.name for folder in models.iterdir() if folder.name not in planned and _kept_model(folder))
+    if stale:
+        progress.message(f"note: {models} holds models an earlier sweep kept that this one does not list "
+                         f"({', '.join(stale)}); left as they are")
 
 
 def _folder_name(method: str, ratio: float) -> str:
@@ -819,18 +890,19 @@ def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float,
     store = getattr(converter, "store", None)
     calibration_id = None if store is None else str(getattr(store, "path", id(store)))
     try:
-        evaluation, eval_seconds = _evaluate(conversion.output, tokenized, context_length, max_windows, eval_device,
-                                             eval_dtype, batch_size, progress, label)
+        evaluation, eval_seconds, measured = _evaluate(conversion.output, tokenized, context_length, max_windows,
+                                                       eval_device, eval_dtype, batch_size, progress, label)
         error = None
     except MLAConvertError as failure:
         evaluation, eval_seconds, error = None, None, str(failure).splitlines()[0]
+        measured = report.get("cache", {}).get("dtype")
     finally:
         if not keep:
             shutil.rmtree(conversion.output, ignore_errors=True)
     return SweepPoint(result=evaluation, error=error, convert_seconds=convert_seconds, eval_seconds=eval_seconds,
                       mean_attention_error=report.get("summary", {}).get("mean_attention_error"),
                       calibration_id=calibration_id, model_path=str(conversion.output) if keep else None,
-                      export_dtype=report.get("cache", {}).get("dtype"), **common)
+                      export_dtype=report.get("cache", {}).get("dtype"), measured_dtype=measured, **common)
 
 
 __all__ = [
@@ -843,5 +915,6 @@ __all__ = [
     "parse_ratios",
     "load_sweep",
     "plot_sweep",
+    "plot_title",
     "run_sweep",
 ]

@@ -167,6 +167,10 @@ def _read_dataset(spec: str, text_column: str, split: str | None, max_chars: int
         with hub_reads() as offline:  # offline at once (cache only) when the hub cannot be reached
             loaded = datasets.load_dataset(name, config, split=split)
     except Exception as error:  # noqa: BLE001 - any failure here means "cannot get this dataset"
+        if Path(name).expanduser().is_dir():  # a local dataset folder: the hub has nothing to do with it, say why
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+            raise TextDataError(f"{spec!r}: the local dataset folder {name} could not be loaded ({type(error).__name__}: "
+                                f"{reason})") from error
         if offline is not None:
             raise TextDataError(f"{spec!r}: not a local file, folder or cached dataset, and {offline}; pass a local "
                                 "text file or folder instead") from error

@@ -98,12 +98,15 @@ def shape_for_compression(source: SourceConfig, compression: float) -> MLAShape:
     capped at the source head_dim, DeepSeek's 64 and half the budget; the rest is the latent.
     """
     check_compression(compression)
-    budget = int(round(source.kv_values_per_token_layer / compression))
+    values = source.kv_values_per_token_layer
+    budget = int(round(values / compression))
     if budget < 3:
+        # the limit is where the budget rounds to 3 (it said "at most values / 3", 21.3 for stories260K, while
+        # 22 and 25 were accepted, rounded to the 3-value shape): below values / 2.5 (round(2.5) is 2)
         raise InvalidShapeError(
-            f"--compression {compression}: leaves {budget} cached values per token and layer; "
-            f"the source caches {source.kv_values_per_token_layer}, so the ratio can be at most "
-            f"{source.kv_values_per_token_layer / 3:.1f}"
+            f"--compression {compression:g}: leaves {budget} cached values per token and layer (at least 3: a latent and "
+            f"a 2-dimensional RoPE key); the source caches {values}, so the ratio must be below {values / 2.5:g} "
+            f"(the smallest cache, 3 values, is {values / 3:.2f}x)"
         )
     unit = max(2, source.head_dim // 4 - (source.head_dim // 4) % 2)
     ceiling = min(source.head_dim, DEEPSEEK_ROPE_DIM, budget // 2)
@@ -235,12 +238,20 @@ def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora
 
 
 def shape_choice_note(source: SourceConfig, target: Target | str | None, mla: MLAShape, compression: float | None) -> str | None:
-    """Why the shape differs from the ratio asked for (None when it does not, or no ratio was asked)."""
+    """Why the shape differs from the ratio asked for (None when it does not, or no ratio was asked).
+
+    Any target: a ratio is met in whole cached values per token and layer, so e.g. 25x of stories260K's 64 values
+    is 3 values, 21.33x; the note says so whenever the ratio got differs from the one asked as both print
+    (two decimals), or a sweep row labelled 25x beside a 21.33x cache reads as a mistake.
+    """
     target = target_of(target) if not isinstance(target, Target) else target
     allowed = target_shapes(source, target)
-    if allowed is None:
-        return None
     got = ratio_of(source, mla)
+    if allowed is None:
+        if compression is None or f"{got:.2f}" == f"{compression:.2f}":
+            return None
+        return (f"asked {compression:g}x, got {mla.kv_lora_rank}+{mla.rope_dim} = {got:.2f}x (the cache holds whole "
+                f"values: {mla.kv_values_per_token_layer} per token and layer of the source's {source.kv_values_per_token_layer})")
     if compression is None:
         try:
             fallback = default_shape(source)
