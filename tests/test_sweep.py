@@ -248,6 +248,9 @@ def test_kept_model_scores_what_the_sweep_reported(tiny_source, tiny_text, tmp_p
     result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
                        methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
     (point,) = result.points
+    from mla_convert.eval.sweep import top_axis_label
+
+    assert top_axis_label(result) == "KV-cache compression vs the source"  # one dtype: bytes and values agree
     kept = Path(point.model_path)
     assert kept == tmp_path / "out" / "models" / "svd-2x" and (kept / "config.json").exists()
     report = run_eval(kept, tiny_text, context_length=64, max_windows=2, progress=False)
@@ -573,6 +576,11 @@ def test_the_source_row_counts_its_cache_in_the_dtype_it_was_scored_in(tiny_sour
     assert "KV cache counted in the dtype each model was scored in (source float32, conversions bfloat16)" in \
         result.files.markdown.read_text()
     assert load_sweep(result.files.json).rows() == result.rows()
+    # the plot's top axis divides bytes: the 2x point sits at 4x there, and the axis says it is a byte ratio
+    from mla_convert.eval.sweep import top_axis_label
+
+    assert top_axis_label(result).startswith("KV-cache bytes vs the source's (dtypes differ")
+    assert top_axis_label(load_sweep(result.files.json)) == top_axis_label(result)
 
 
 def test_an_earlier_sweeps_results_are_replaced_only_when_asked(tiny_source, tiny_text, tmp_path):
