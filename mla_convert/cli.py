@@ -100,6 +100,11 @@ def inspect(
         raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
     source = SourceConfig.from_folder(folder)
+    from .convert.preflight import target_rope_problems
+
+    rope_refusal = target_rope_problems(source, options.target)  # convert refuses it: no shapes to show for it
+    if rope_refusal and not estimate:
+        raise PreflightError(rope_refusal)
     if estimate:  # what `convert` would refuse for this source is not worth a prediction
         local = Path(model).expanduser()
         problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression,

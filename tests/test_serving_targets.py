@@ -522,5 +522,9 @@ def test_llama_cpp_targets_refuse_a_source_whose_rope_llama_cpp_computes_wrongly
     (problem,) = estimate_source_problems(config, ConvertOptions(target="llama.cpp", compression=2.0))
     assert problem.startswith("--target llama.cpp: this source's RoPE")
     assert estimate_source_problems(config, ConvertOptions(compression=2.0)) == []
+    for flags in ([], ["--estimate"]):  # the command refuses it, with or without a cost estimate
+        refused_cli = run_cli("inspect", source, "--target", "llama.cpp", "-c", "2", *flags)
+        assert refused_cli.returncode == 2 and "--target llama.cpp: this source's RoPE" in refused_cli.stderr, \
+            refused_cli.stdout + refused_cli.stderr
     assert rope_problem(T.target_of("llama.cpp"), {"rope_type": "linear", "factor": 1.0}) is None
     assert rope_problem(T.target_of("vllm"), rope) is None and rope_problem(T.target_of("transformers"), rope) is None

@@ -246,15 +246,17 @@ LOSS_RISE_FACTOR = 1.5
 def loss_rise(losses: list) -> str | None:
     """What to tell the user when training made the loss worse (a learning rate far too high: the loss stays finite
     and the model is saved ruined, e.g. lr 1e4 on stories260K: loss 0.24 -> 9.4, perplexity 9057), else None.
-    `losses`: rows [step, tokens, loss, ...]; the last tenth of the steps (at least one) against step 1."""
+    `losses`: rows [step, tokens, loss, ...]; the mean of the last tenth of the steps against the mean of the first
+    tenth (at least one step each: two batches, so the factor leaves room for batch noise)."""
     if len(losses) < 2:
         return None
-    first = losses[0][2]
-    tail = losses[-max(1, len(losses) // 10):]
-    last = sum(row[2] for row in tail) / len(tail)
+    count = max(1, len(losses) // 10)
+    first = sum(row[2] for row in losses[:count]) / count
+    last = sum(row[2] for row in losses[-count:]) / count
     if not last > LOSS_RISE_FACTOR * first:
         return None
-    return (f"the training loss rose from {first:.4g} (step 1) to {last:.4g} (the last {len(tail)} step(s)): the "
+    steps = "step 1" if count == 1 else f"the first {count} steps"
+    return (f"the training loss rose from {first:.4g} ({steps}) to {last:.4g} (the last {count} step(s)): the "
             "run made the model worse; lower the learning rate")
 
 

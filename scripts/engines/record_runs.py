@@ -202,7 +202,8 @@ def readme_section(runs: list[dict]) -> str:
                                           "transformers' on the same ids"
                                           if bad[0].get("ppl_rel_diff_vs_transformers") is not None else "")
             result = f"{bad[0]['status']}: {why[:120]}"
-        lines.append(f"| {engine} | {rs[0]['version']} | {target} | {model} | {shape} | {settings} | {result} ({rs[0]['date']}) |")
+        dates = ", ".join(sorted({str(r["date"]) for r in rs}))  # the runs of one row may be of several days
+        lines.append(f"| {engine} | {rs[0]['version']} | {target} | {model} | {shape} | {settings} | {result} ({dates}) |")
     lines.append(README_END)
     return "\n".join(lines)
 
