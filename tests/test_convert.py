@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
 
 from mla_convert.convert import ConvertOptions, convert
+from mla_convert.convert.decisions import Progress
 from mla_convert.convert.rope import RopeGrid, deepseek_rope_parameters, grid_inv_freq
 from mla_convert.errors import MLAConvertError, PreflightError
 from mla_convert.eval.kv_cache import measure_kv_cache
@@ -481,20 +482,21 @@ def test_a_non_finite_ratio_is_one_problem(tmp_path, compression):
     assert refused.value.problems == [f"--compression {compression}: must be a finite number"]
 
 
+class RecordedMessages(Progress):
+    """A progress sink that keeps the messages (notes) a conversion prints."""
+
+    def __init__(self):
+        self.seen = []
+
+    def message(self, text):
+        self.seen.append(text)
+
+
 def test_a_shape_that_grows_the_cache_is_said_so_before_converting(tmp_path):
     """-r 64 -d 8 on a source caching 64 values is allowed (a full-rank conversion may be wanted), but it only
     showed up as "compression ratio 0.89x" in the closing summary."""
-    from mla_convert.convert.decisions import Progress
-
-    class Messages(Progress):
-        def __init__(self):
-            self.seen = []
-
-        def message(self, text):
-            self.seen.append(text)
-
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, num_layers=1)
-    grown, smaller = Messages(), Messages()
+    grown, smaller = RecordedMessages(), RecordedMessages()
     convert(source, tmp_path / "grown", fast_options(kv_lora_rank=64, rope_dim=8), progress=grown)
     convert(source, tmp_path / "smaller", fast_options(kv_lora_rank=48, rope_dim=8), progress=smaller)
     assert ("note: 64+8 caches 72 values per token and layer, more than the source's 64: the KV cache grows 1.12x "
@@ -505,17 +507,8 @@ def test_a_shape_that_grows_the_cache_is_said_so_before_converting(tmp_path):
 def test_a_ratio_met_by_another_says_so_under_the_default_target(tmp_path):
     """-c 25 on a source caching 64 values converts to 1+2 = 21.33x; under --target transformers nothing said so
     (a serving target's summary did), and the refusal of 26 named 21.3 as the largest ratio."""
-    from mla_convert.convert.decisions import Progress
-
-    class Messages(Progress):
-        def __init__(self):
-            self.seen = []
-
-        def message(self, text):
-            self.seen.append(text)
-
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, num_layers=1)
-    rounded, exact = Messages(), Messages()
+    rounded, exact = RecordedMessages(), RecordedMessages()
     result = convert(source, tmp_path / "rounded", fast_options(compression=25), progress=rounded)
     convert(source, tmp_path / "exact", fast_options(compression=4), progress=exact)
     assert result.report["cache"]["ratio"] == pytest.approx(64 / 3)
