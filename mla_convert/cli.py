@@ -100,17 +100,16 @@ def inspect(
         raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
     source = SourceConfig.from_folder(folder)
-    from .convert.preflight import target_rope_problems
-
-    rope_refusal = target_rope_problems(source, options.target)  # convert refuses it: no shapes to show for it
-    if rope_refusal and not estimate:
-        raise PreflightError(rope_refusal)
     if estimate:  # what `convert` would refuse for this source is not worth a prediction
         local = Path(model).expanduser()
         problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression,
                                             local_folder=folder if local.is_dir() else None)
-        if problems:
-            raise PreflightError(problems)
+    else:  # convert refuses a RoPE the target's engine computes wrongly: no shapes to show for it
+        from .convert.preflight import target_rope_problems
+
+        problems = target_rope_problems(source, options.target)
+    if problems:
+        raise PreflightError(problems)
     report = inspect_shapes(source, kv_lora_rank, rope_dim, compression, parse_dtype(dtype), context, batch, target=options.target)
     s = report.source
     console.print(
@@ -415,7 +414,7 @@ def sweep(
     """Convert at several KV ratios from one calibration pass, evaluate each, and plot perplexity vs cache size."""
     from .console import RichProgress
     from .convert.pipeline import install_sigterm_handler
-    from .eval.sweep import run_sweep
+    from .eval.sweep import SweepFiles, run_sweep
 
     idle = [flag for flag, value in (("--license", options.license), ("--base-model", options.base_model)) if value]
     if idle and not keep_models:  # they go into the kept models' cards; without --keep-models no card is written
@@ -430,7 +429,7 @@ def sweep(
             options=options, overwrite=overwrite,
         )
     except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
-        files = [out_dir / f"sweep.{ext}" for ext in ("md", "csv", "json")]
+        files = SweepFiles.at(out_dir).paths()[:3]  # (the table, CSV and JSON; the plot only once the source is scored)
         _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(map(str, files))}"
                      if files[-1].exists() else f"nothing was measured; nothing written in {out_dir}")
     except BaseException:

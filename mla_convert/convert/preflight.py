@@ -25,7 +25,7 @@ import torch
 
 from ..devices import device_problems
 from ..errors import MLAConvertError, NonFiniteError, PreflightError
-from ..io.paths import special_file_problems
+from ..io.paths import special_file_problems, within
 from ..io.reader import CheckpointReader
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
@@ -286,7 +286,7 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
     if not overwrite or not output.exists():
         return []
     out, src = output.resolve(), Path(source).resolve()
-    if out == src or out in src.parents:
+    if within(src, out):
         return [f"{output}: is the source model folder or contains it; --overwrite would delete the source. Choose another output path"]
     return []
 

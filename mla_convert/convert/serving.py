@@ -93,6 +93,18 @@ def magnitude(t: torch.Tensor) -> dict:
     return out
 
 
+def layer_magnitudes(weights, rank: int) -> dict:
+    """`magnitude` of each weight of one served layer that a GGUF / fp16 conversion can hurt; `weights` by attention
+    names (`target.KV_A_PROJ`, ...), `rank` the latent rows of kv_a_proj_with_mqa (the rest are its RoPE rows)."""
+    kv_a = weights[T.KV_A_PROJ]
+    mags = {"kv_a_latent_rows": magnitude(kv_a[:rank]), "kv_a_rope_rows": magnitude(kv_a[rank:]),
+            "kv_b_proj": magnitude(weights[T.KV_B_PROJ])}
+    for name in (T.Q_PROJ, T.Q_A_PROJ, T.Q_B_PROJ):
+        if name in weights:
+            mags[name.split(".")[0]] = magnitude(weights[name])
+    return mags
+
+
 def summarize_magnitudes(layers: list[dict]) -> dict:
     """Worst case over layers, per tensor kind: the largest fractions, the smallest medians, the largest max."""
     summary: dict = {}
@@ -323,11 +335,7 @@ def serve_layer(weights: dict[str, torch.Tensor], input_norm: torch.Tensor, stat
     info["input_activation_rms"] = act_rms * s
     w[T.KV_A_PROJ], w[T.KV_A_NORM] = kv_a, kv_norm
 
-    mags = {"kv_a_latent_rows": magnitude(kv_a[:R]), "kv_a_rope_rows": magnitude(kv_a[R:]), "kv_b_proj": magnitude(w[T.KV_B_PROJ])}
-    for name in (T.Q_PROJ, T.Q_A_PROJ, T.Q_B_PROJ):
-        if name in w:
-            mags[name.split(".")[0]] = magnitude(w[name])
-    info["magnitudes"] = mags
+    info["magnitudes"] = layer_magnitudes(w, R)
     info["kv_a_layernorm_gain_max"] = kv_norm.abs().max().item()
     return ServedLayer(w, g, info)
 

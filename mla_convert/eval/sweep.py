@@ -276,13 +276,17 @@ class SweepResult:
             ]) + " |")
         return "\n".join(lines)
 
-    def dtypes_text(self) -> str:
-        """The dtype the caches are counted in, or each model's when the source was scored in another."""
+    def _dtypes_by_role(self) -> str | None:
+        """"source X, conversions Y" when the source was scored in another dtype than the conversions, else None."""
         source = self.cache_dtype_of(self.source_point)
         others = list(dict.fromkeys(self.cache_dtype_of(p) for p in self.points)) or [source]
-        if others == [source]:
-            return source
-        return f"the dtype each model was scored in (source {source}, conversions {', '.join(others)})"
+        return None if others == [source] else f"source {source}, conversions {', '.join(others)}"
+
+    def dtypes_text(self) -> str:
+        """The dtype the caches are counted in, or each model's when the source was scored in another."""
+        by_role = self._dtypes_by_role()
+        return self.cache_dtype_of(self.source_point) if by_role is None else \
+            f"the dtype each model was scored in ({by_role})"
 
     def describe_protocol(self) -> str:
         """Two or three sentences saying how the numbers were measured (for the markdown files)."""
@@ -368,7 +372,7 @@ class SweepResult:
         """Write `<stem>.md`, `.csv`, `.json` and `.png` into `out_dir` (created if needed)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        files = SweepFiles(out / f"{stem}.md", out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png")
+        files = SweepFiles.at(out, stem)
         _write_atomic(files.markdown, f"# KV-cache sweep: {self.model_name}\n\n{self.describe_protocol()}\n\n{self.markdown()}\n")
         _write_atomic(files.csv, self.csv_text())
         _write_atomic(files.json, json.dumps(_json_safe(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n")
@@ -434,6 +438,14 @@ class SweepFiles:
     csv: Path
     json: Path
     png: Path
+
+    @classmethod
+    def at(cls, out: Path, stem: str = "sweep") -> SweepFiles:
+        """The files a sweep writes into its output folder (`SweepResult.save`)."""
+        return cls(*(Path(out) / f"{stem}.{ext}" for ext in ("md", "csv", "json", "png")))
+
+    def paths(self) -> tuple[Path, ...]:
+        return (self.markdown, self.csv, self.json, self.png)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -543,7 +555,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
     ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xlim(sizes[0] / 1.35, sizes[-1] * 1.35)
     ax.margins(y=0.08)
-    dtypes = result.dtypes_text().replace("the dtype each model was scored in (", "").rstrip(")")
+    dtypes = result._dtypes_by_role() or result.cache_dtype_of(source)
     ax.set_xlabel(f"KV cache per token, all {result.num_layers} layers ({dtypes}; log scale)")
     top = ax.secondary_xaxis("top", functions=(lambda x: x, lambda x: x))
     top.set_xticks(sizes)
@@ -677,7 +689,7 @@ def run_sweep(
             problems.append(f"--out-dir {out}: exists and is not a folder")
         elif not out.exists() and not out.parent.is_dir():
             problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
-        earlier = [path.name for path in _result_paths(out, stem) if path.exists() or path.is_symlink()]
+        earlier = [path.name for path in SweepFiles.at(out, stem).paths() if path.exists() or path.is_symlink()]
         if earlier and not overwrite:
             problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier)}); give --overwrite "
                             "to replace them, or choose another --out-dir")
@@ -790,11 +802,6 @@ def run_sweep(
     finally:
         scratch.cleanup()
     return result
-
-
-def _result_paths(out: Path, stem: str) -> list[Path]:
-    """The files a sweep writes into its output folder (`SweepResult.save`)."""
-    return [out / f"{stem}.{ext}" for ext in ("md", "csv", "json", "png")]
 
 
 def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:

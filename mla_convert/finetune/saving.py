@@ -147,7 +147,7 @@ def remeasure_serving_magnitudes(report: dict, weights: dict[str, torch.Tensor])
     again on the fine-tuned stored weights, in place: the card's "weights in a normal float range" must describe this
     folder, not the one it was trained from."""
     from ..convert import target as T
-    from ..convert.serving import magnitude, summarize_magnitudes
+    from ..convert.serving import layer_magnitudes, summarize_magnitudes
 
     serving = report.get("serving")
     if not isinstance(serving, dict) or not isinstance(serving.get("layers"), list):
@@ -157,15 +157,10 @@ def remeasure_serving_magnitudes(report: dict, weights: dict[str, torch.Tensor])
         if not isinstance(info, dict) or not isinstance(rank, int):
             continue
         prefix = T.attention_prefix(info.get("layer", position))
-        kv_a = weights.get(prefix + T.KV_A_PROJ)
-        if kv_a is None:
-            continue
-        mags = {"kv_a_latent_rows": magnitude(kv_a[:rank]), "kv_a_rope_rows": magnitude(kv_a[rank:]),
-                "kv_b_proj": magnitude(weights[prefix + T.KV_B_PROJ])}
-        for name in (T.Q_PROJ, T.Q_A_PROJ, T.Q_B_PROJ):
-            if prefix + name in weights:
-                mags[name.split(".")[0]] = magnitude(weights[prefix + name])
-        info["magnitudes"] = mags
+        layer = {name: weights[prefix + name] for name in (T.KV_A_PROJ, T.KV_B_PROJ, T.Q_PROJ, T.Q_A_PROJ, T.Q_B_PROJ)
+                 if prefix + name in weights}
+        if T.KV_A_PROJ in layer:
+            info["magnitudes"] = layer_magnitudes(layer, rank)
     serving["magnitudes"] = summarize_magnitudes(serving["layers"])
     serving["magnitudes_measured_on"] = "the fine-tuned weights"
 

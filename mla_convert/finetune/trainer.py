@@ -30,7 +30,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from ..convert.report import hub_dataset, source_label
 from ..errors import MLAConvertError
 from ..eval.sampling import sample_from_model
-from ..io.paths import absolute_path, command_line
+from ..io.paths import absolute_path, command_line, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
@@ -430,7 +430,7 @@ class Finetuner:
             if not name or not Path(name).exists():  # (a hub id or dataset spec is not a local path)
                 continue
             path = Path(name).resolve()
-            if path == output or output in path.parents:
+            if within(path, output):
                 raise FinetuneConfigError(f"{self.output}: is {what} ({name}) or contains it; --overwrite would delete it. "
                                           "Choose another output path")
 

@@ -74,6 +74,11 @@ def output_file_problems(path: str | os.PathLike | None, flag: str) -> list[str]
     return []
 
 
+def within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies under it (both as given: resolve them first to compare real locations)."""
+    return path == folder or folder in path.parents
+
+
 def absolute_path(path: str | os.PathLike) -> Path:
     """`path` made absolute and normal (`~` expanded, `.` and a trailing `/` gone) without following links.
 

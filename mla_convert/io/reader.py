@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, PickleRefusedError
+from .paths import within
 from .safetensors_stream import TORCH_DTYPES
 from .signals import signals_deferred
 
@@ -57,10 +58,6 @@ def _hub_blobs_folder(root: Path) -> Path | None:
     return None
 
 
-def _within(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def _inside(folder: Path, relative: str) -> Path:
     """Resolve `relative` under `folder`, refusing anything that escapes it (`../`, absolute paths, symlinks out).
 
@@ -70,13 +67,13 @@ def _inside(folder: Path, relative: str) -> Path:
         raise CheckpointError(f"{folder}: index names an absolute path {relative!r}; refusing to read outside the model folder")
     candidate = folder / relative
     root = folder.resolve()
-    if not _within(Path(os.path.normpath(root / relative)), root):
+    if not within(Path(os.path.normpath(root / relative)), root):
         raise CheckpointError(f"{folder}: {relative!r} is a path outside the model folder; refusing to read it")
     resolved = candidate.resolve()
-    if _within(resolved, root):
+    if within(resolved, root):
         return candidate
     blobs = _hub_blobs_folder(root)
-    if blobs is not None and _within(resolved, blobs.resolve()):
+    if blobs is not None and within(resolved, blobs.resolve()):
         return candidate
     raise CheckpointError(f"{folder}: {relative!r} is a symlink pointing outside the model folder ({resolved}); refusing to read it")
 
