@@ -159,14 +159,17 @@ def convert(
     private: bool = typer.Option(False, help="With --push-to-hub: create a private repo."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars, only errors and the output path (and, with --push-to-hub, the commit's URL)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Keep every phase's progress bar and print per-layer details."),
+    flag_problems: list[str] = (),
 ):
     """Convert an MHA/GQA checkpoint into a stock DeepseekV3 MLA checkpoint."""
     from .console import RichProgress, print_engines, print_summary, print_table
     from .convert.pipeline import convert as run_convert
     from .convert.pipeline import install_sigterm_handler
-    from .io.paths import command_line
+    from .convert.preflight import output_path_problems
+    from .io.paths import absolute_path, command_line
+    from .io.resolve import needs_download
 
-    problems = []
+    problems = list(flag_problems)  # flags that cannot act with the others
     if push_to_hub is not None:  # before the conversion: a typo here must not cost hours of work
         from .hub.push import push_setting_problems
 
@@ -175,12 +178,13 @@ def convert(
         problems.append("--private: acts only with --push-to-hub (the visibility of the repo it creates)")
     if quiet and verbose:
         problems.append("--quiet and --verbose: choose one")
-    if problems:
-        raise PreflightError(problems)
+    if problems and needs_download(source):
+        # checking a hub source means downloading it first: refuse the flags now, beside the (local) output's problems
+        raise PreflightError(problems + output_path_problems(absolute_path(output), options.overwrite, force=options.force))
     install_sigterm_handler()
     progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
-    try:
-        result = run_convert(source, output, options, progress, command=command_line())
+    try:  # pre-flight runs even when the flags are refused, so that one run names every problem
+        result = run_convert(source, output, options, progress, command=command_line(), caller_problems=problems)
     except KeyboardInterrupt as interrupt:  # Ctrl-C / kill; the with-blocks already cleaned up
         left = "left nothing at" if not output.exists() else "did not change"
         _interrupted(progress, interrupt, f"the conversion {left} {output}")
@@ -410,15 +414,17 @@ def sweep(
                                    "earlier sweep in OUT_DIR (refused without it)."),
     options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    flag_problems: list[str] = (),
 ):
     """Convert at several KV ratios from one calibration pass, evaluate each, and plot perplexity vs cache size."""
     from .console import RichProgress
     from .convert.pipeline import install_sigterm_handler
     from .eval.sweep import SweepFiles, run_sweep
 
+    problems = list(flag_problems)  # reported by run_sweep with every other problem it finds
     idle = [flag for flag, value in (("--license", options.license), ("--base-model", options.base_model)) if value]
     if idle and not keep_models:  # they go into the kept models' cards; without --keep-models no card is written
-        raise PreflightError([f"{', '.join(idle)}: acts only with --keep-models (the kept models' cards)"])
+        problems.append(f"{', '.join(idle)}: acts only with --keep-models (the kept models' cards)")
     install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
     try:
@@ -426,7 +432,7 @@ def sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
             keep_models=keep_models, eval_device=options.device,
             batch_size=batch_size, text_column=text_column, progress=progress, calibration=options.calibration,
-            options=options, overwrite=overwrite,
+            options=options, overwrite=overwrite, caller_problems=problems,
         )
     except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
         files = SweepFiles.at(out_dir).paths()[:3]  # (the table, CSV and JSON; the plot only once the source is scored)

@@ -299,7 +299,9 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
     Example: `@cli_options(options=(ConvertOptions, {"method"}))` gives the command every ConvertOptions
     flag but `--method` and calls it with `options=ConvertOptions(...)`.  `variants(kwargs, options)`: the
     ConvertOptions the command will really run with (sweep: one per --methods entry); a typed flag is refused
-    only when it can act in none of them.
+    only when it can act in none of them.  Flags that cannot act are refused before the command runs, unless the
+    command declares a `flag_problems` parameter: it then receives them (a list of lines) to report together with
+    the problems it finds itself, so that one run names every problem.
     """
     specs = {name: (value, frozenset()) if isinstance(value, type) else (value[0], frozenset(value[1]))
              for name, value in groups.items()}
@@ -308,8 +310,9 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
 
     def decorate(func):
         hints = typing.get_type_hints(func)
+        declared = inspect.signature(func).parameters
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
-               for p in inspect.signature(func).parameters.values() if p.name not in specs]
+               for p in declared.values() if p.name not in specs and p.name != _FLAG_PROBLEMS]
         generated = {name: _flags(cls, exclude) for name, (cls, exclude) in specs.items()}
         taken = [p.name for p in own] + [f.parameter.name for flags in generated.values() for f in flags]
         clashes = {name for name in taken if taken.count(name) > 1}
@@ -330,7 +333,9 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
                     cases = variants(kwargs, kwargs[name]) if variants else [kwargs[name]]
                     idle = [ineffective_flag_problems(case, given) for case in cases or [kwargs[name]]]
                     problems += [problem for problem in idle[0] if all(problem in other for other in idle[1:])]
-            if problems:
+            if _FLAG_PROBLEMS in declared:
+                kwargs[_FLAG_PROBLEMS] = problems
+            elif problems:
                 raise PreflightError(problems)
             return func(*args, **kwargs)
 
@@ -346,6 +351,7 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
 
 
 _CONTEXT = "cli_context"
+_FLAG_PROBLEMS = "flag_problems"
 
 
 def _given_on_command_line(context: Any, flags: list[_Flag]) -> dict[tuple[str, ...], str]:

@@ -36,7 +36,8 @@ def parsed_options(monkeypatch, args: list[str]) -> ConvertOptions:
 
     seen = []
 
-    def stand_in(source, output, options, progress=None, command=None):
+    def stand_in(source, output, options, progress=None, command=None, caller_problems=()):
+        assert not caller_problems, caller_problems
         seen.append(options)
         raise Received()
 
@@ -122,6 +123,44 @@ def test_a_flag_that_cannot_act_with_the_others_is_refused_not_ignored(monkeypat
     monkeypatch.setattr(pipeline, "convert", lambda *a, **k: pytest.fail("converted despite an ineffective flag"))
     result = CliRunner().invoke(cli.app, ["convert", "src", "out", *args])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_flags_that_cannot_act_are_reported_with_every_other_problem(tmp_path):
+    """convert stopped at the first flag that could not act (--force without --overwrite): the bad rank, the existing
+    output and the source's damage came one run later each, although pre-flight promises every problem at once."""
+    from tiny_models import save_tiny_model
+    from typer.testing import CliRunner
+
+    source = save_tiny_model(tmp_path / "src", num_layers=1)
+    (source / "config.json").write_text((source / "config.json").read_text().replace('"hidden_act": "silu"',
+                                                                                        '"hidden_act": "gelu"'))
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("earlier work")
+    result = CliRunner().invoke(cli.app, ["convert", str(source), str(output), "--force", "--private",
+                                          "--kv-lora-rank", "0"])
+    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert [line.split(":")[1] for line in lines[:2]] == [" --force", " --private"], result.output
+    text = " ".join(result.output.split())
+    assert "hidden_act" in text and f"{output}: already exists" in text, text
+    assert (output / "keep.txt").read_text() == "earlier work"
+
+    # a source that pre-flight accepts: the refused flags and the rank together, and still nothing converted
+    good = save_tiny_model(tmp_path / "good", num_layers=1)
+    result = CliRunner().invoke(cli.app, ["convert", str(good), str(tmp_path / "new"), "--force", "--kv-lora-rank", "0"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--force: acts only with --overwrite" in text
+    assert "--kv-lora-rank 0: must be positive" in text and not (tmp_path / "new").exists(), text
+    result = CliRunner().invoke(cli.app, ["convert", str(good), str(tmp_path / "new"), "--force"])
+    assert result.exit_code == 2 and not (tmp_path / "new").exists()
+    assert [line for line in result.output.splitlines() if line.strip()] == ["error: --force: acts only with --overwrite"]
+
+    # a hub id is not downloaded to check it: the flags are refused at once, beside the local output's problems
+    result = CliRunner().invoke(cli.app, ["convert", "no-such-owner/no-such-model", str(output), "--force"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--force: acts only with --overwrite" in text and f"{output}: already exists" in text
+    assert "no such model" not in text and "download" not in text, text
 
 
 @pytest.mark.parametrize("args", [

@@ -524,6 +524,14 @@ def _(ws):
     return []
 
 
+@case("flags-source-and-output-together", "a flag that cannot act, a broken source and an existing output at once",
+      "--force without --overwrite, a pickled-only source, and the output folder exists", "--force: acts only with",
+      "--allow-pickle", "already exists")
+def _(ws):
+    CASES["source-and-output-together"].setup(ws)
+    return ["--force"]
+
+
 @case("output-is-file", "output path is a file, with --overwrite", "the output path is a regular file", "is a file")
 def _(ws):
     ws.out.write_text("a file, not a model")

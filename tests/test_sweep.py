@@ -9,6 +9,7 @@ on the same windows, the one calibration pass against the converter's statistics
 from __future__ import annotations
 
 import csv
+import json
 import math
 import string
 from pathlib import Path
@@ -113,6 +114,30 @@ def test_impossible_ratio_is_refused_before_any_work(tiny_source, tiny_text, tmp
                   calibration=TINY_CALIBRATION)
     assert "--compression" not in str(refused.value)
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+def test_every_problem_is_reported_in_one_run(tiny_source, tiny_text, tmp_path):
+    """A sweep reported one problem per run, and a context beyond the positions as a SweepError after the others
+    (README: PreflightError): a user with four mistakes ran it four times."""
+    with open(tiny_source / "config.json") as file:
+        positions = json.load(file)["max_position_embeddings"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.md").write_text("an earlier sweep")
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, "2,abc", tiny_text, out, methods="svd,pca", context_length=positions + 1,
+                  batch_size=0, calibration=TINY_CALIBRATION, caller_problems=["--license: acts only with --keep-models"])
+    problems = refused.value.problems
+    assert problems[0] == "--license: acts only with --keep-models" and len(problems) == 6, problems
+    for start in ("--ratios '2,abc'", "--methods: 'pca'", "--batch-size 0", f"--out-dir {out}: holds an earlier",
+                  f"--context {positions + 1}: longer than the model's max_position_embeddings ({positions})"):
+        assert sum(problem.startswith(start) for problem in problems) == 1, (start, problems)
+    # the planned exports' pre-flight joins them: an impossible ratio beside the context
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2, 100], tiny_text, tmp_path / "new", context_length=positions + 1,
+                  calibration=TINY_CALIBRATION)
+    assert [problem.split(":")[0] for problem in refused.value.problems] == [f"--context {positions + 1}", "--ratios 100"]
+    assert (out / "sweep.md").read_text() == "an earlier sweep" and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("settings, message", [

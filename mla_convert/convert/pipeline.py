@@ -20,6 +20,7 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,8 +124,11 @@ class Converter:
         self.calibration_cpu: dict[str, float] = {}  # and process CPU time
         self.calibration_windows: dict[str, list[float]] = {}  # and when (Unix time: first start, last end)
 
-    def preflight(self, output: Path, options: ConvertOptions | None = None) -> tuple[MLAShape, torch.dtype]:
-        return run_preflight(self.config, self.reader, Path(output), options or self.options, self.progress.message)
+    def preflight(self, output: Path, options: ConvertOptions | None = None, notes: bool = True) -> tuple[MLAShape, torch.dtype]:
+        """The shape and dtype to export (PreflightError: every problem); `notes=False`: no notes or disk estimate
+        (a run that is refused anyway prints its errors alone)."""
+        return run_preflight(self.config, self.reader, Path(output), options or self.options,
+                             self.progress.message if notes else lambda line: None)
 
     def calibrate(self) -> None:
         """Calibration windows and the per-layer statistics pass (once per Converter)."""
@@ -324,23 +328,33 @@ class Converter:
 
 
 def convert(source: str | os.PathLike, output: str | os.PathLike, options: ConvertOptions | None = None,
-            progress: Progress | None = None, command: str | None = None) -> ConversionResult:
+            progress: Progress | None = None, command: str | None = None,
+            caller_problems: Sequence[str] = ()) -> ConversionResult:
     """Convert `source` (folder or hub id) into a DeepseekV3 MLA folder at `output`.
 
     Pre-flight runs first and reports every problem at once; nothing is written unless the whole
     conversion succeeds (the output appears by an atomic rename).  `command` is recorded in the report.
+    `caller_problems`: what the caller found wrong with its own settings (the CLI's flags); pre-flight still
+    runs, so that one PreflightError names those and the source's and output's problems together.
     """
     options = options or ConvertOptions()
     output = absolute_path(output)  # `.`, `out/` and `~/out` name the folder itself
+    caller_problems = list(caller_problems)
     if not output.name:
-        raise PreflightError([f"{output}: is the root folder; give the path of a folder to create"])
+        raise PreflightError(caller_problems + [f"{output}: is the root folder; give the path of a folder to create"])
     try:  # problems with the output path are reported together with those of the source
         converter = Converter(source, options, progress)
     except MLAConvertError as error:
         lines = error.problems if isinstance(error, PreflightError) else [str(error)]
-        raise PreflightError(lines + output_path_problems(Path(output), options.overwrite, force=options.force)) from error
+        raise PreflightError(caller_problems + lines + output_path_problems(Path(output), options.overwrite,
+                                                                            force=options.force)) from error
     with converter:
-        mla, export_dtype = converter.preflight(Path(output), options)
+        try:
+            mla, export_dtype = converter.preflight(Path(output), options, notes=not caller_problems)
+        except PreflightError as error:
+            raise PreflightError(caller_problems + error.problems) from error
+        if caller_problems:
+            raise PreflightError(caller_problems)
         converter.calibrate()
         return converter.export(output, options, mla, export_dtype, command=command)
 

@@ -42,6 +42,7 @@ from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
+from ..io.resolve import needs_download
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
@@ -652,6 +653,7 @@ def run_sweep(
     stem: str = "sweep",
     progress: Progress | None = None,
     overwrite: bool = False,
+    caller_problems: Sequence[str] = (),
 ) -> SweepResult:
     """Convert `source` at every ratio with every method (one calibration), score all on `data`, write files.
 
@@ -666,16 +668,25 @@ def run_sweep(
     evaluation fails (e.g. non-finite weights) is recorded with its error and the sweep goes on.
     An `out_dir` that holds an earlier sweep's `<stem>.*` files is refused unless `overwrite` (as `convert` refuses an
     existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.
+    Every problem with the settings, the source (a local one: a hub id is not downloaded to check it) and each
+    planned export is raised together in one PreflightError, with `caller_problems` (the CLI's refused flags).
     """
     progress = progress or Progress()
-    ratios = parse_ratios(ratios)
-    methods = canonical_methods(methods)
+    problems = list(caller_problems)
+    try:
+        ratios = parse_ratios(ratios)
+    except SweepError as error:
+        ratios, problems = [], problems + [str(error)]
+    try:
+        methods = canonical_methods(methods)
+    except SweepError as error:
+        methods, problems = [], problems + [str(error)]
     base = dataclasses.replace(options or ConvertOptions(), kv_lora_rank=None, rope_dim=None, overwrite=False)
     if calibration is not None:
         base = dataclasses.replace(base, calibration=calibration)
-    problems = [f"{flag} {value}: must be at least {low}" for flag, value, low in
-                (("--batch-size", batch_size, 1), ("--context", context_length, 2), ("--max-windows", max_windows, 1))
-                if value is not None and value < low]
+    problems += [f"{flag} {value}: must be at least {low}" for flag, value, low in
+                 (("--batch-size", batch_size, 1), ("--context", context_length, 2), ("--max-windows", max_windows, 1))
+                 if value is not None and value < low]
     # every point is a converted model (fp16 underflows its latent unless a serving --target rewrote it); the device
     # must exist before the slow calibration
     problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=not target_of(base.target).serving)
@@ -697,23 +708,30 @@ def run_sweep(
         problems.append(f"--models-dir {models_dir}: no such folder")
     if keep_models and out is None and models_dir is None:
         problems.append("--keep-models: say where to keep them (an output folder or a models folder)")
-    if problems:
-        raise PreflightError(problems)
+    if problems and needs_download(source):
+        raise PreflightError(problems)  # checking a hub source means downloading it first
 
     keep_root = None
     if keep_models:
         keep_root = (out / "models") if out is not None else Path(models_dir)
     scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-", dir=models_dir)
     try:
-        with Converter(source, base, _NotesOnce(progress)) as converter:
+        try:
+            converter = Converter(source, base, _NotesOnce(progress))
+        except MLAConvertError as error:  # reported with the settings' problems
+            raise PreflightError(problems + (error.problems if isinstance(error, PreflightError) else [str(error)])) from error
+        with converter:
             max_positions = converter.config.max_position_embeddings
             if context_length is None:
                 context_length = min(DEFAULT_CONTEXT, max_positions)
             elif context_length > max_positions:
-                raise SweepError(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
+                problems.append(f"--context {context_length}: longer than the model's max_position_embeddings ({max_positions})")
             # everything that can fail cheaply fails before the slow calibration and evaluations
             # (kept models' folder does not exist yet: its exports are checked in the scratch folder)
-            _preflight_all(converter, base, ratios, methods, keep_root if keep_root and keep_root.exists() else Path(scratch.name))
+            problems += _preflight_all(converter, base, ratios, methods,
+                                       keep_root if keep_root and keep_root.exists() else Path(scratch.name))
+            if problems:
+                raise PreflightError(list(dict.fromkeys(problems)))
             if base.calibration.data is not None:
                 load_text(base.calibration.data, text_column=base.calibration.text_column, max_chars=1000)
             progress.phase("reading and tokenizing the evaluation text")
@@ -821,8 +839,8 @@ def _folder_name(method: str, ratio: float) -> str:
 
 
 def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[float], methods: Sequence[str],
-                   models_root: Path) -> None:
-    """The converter's pre-flight for every planned export (shapes, tensors, disk), all problems at once.
+                   models_root: Path) -> list[str]:
+    """The converter's pre-flight problems for every planned export (shapes, tensors, disk), all of them.
 
     Quietly: its per-export notes (e.g. the disk estimate) are shown again when each export runs.
     """
@@ -832,8 +850,7 @@ def _preflight_all(converter: Converter, base: ConvertOptions, ratios: Sequence[
         _collect_preflight_problems(converter, base, ratios, methods, models_root, problems)
     finally:
         converter.progress = shown
-    if problems:
-        raise PreflightError(list(dict.fromkeys(problems)))
+    return problems
 
 
 class _NotesOnce(ForwardingProgress):

@@ -31,6 +31,12 @@ def looks_like_hub_id(text: str) -> bool:
     return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
 
 
+def needs_download(model: str | os.PathLike) -> bool:
+    """A hub id with no local folder of that name: reading its config or weights means downloading it first, so a
+    command that already has problems to report reports them without checking this source."""
+    return not Path(model).expanduser().exists() and looks_like_hub_id(str(model))
+
+
 def revision_problems(revision: str | None, *models: str | os.PathLike | None) -> list[str]:
     """`--revision` given while every model named is a local folder: it would be ignored without a word."""
     named = [str(model) for model in models if model is not None]
