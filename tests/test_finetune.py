@@ -361,8 +361,26 @@ def test_config_errors_name_every_problem(tmp_path):
     assert all(part in str(error.value) for part in ("lr:", "train:", "warmup_steps"))
     # NaN passes every comparison (lr <= 0 is False): the optimizer used to be the one to refuse it, with a traceback
     not_finite = FinetuneConfig(model="m", output="o", lr=float("nan"), max_grad_norm=float("inf"))
-    with pytest.raises(FinetuneConfigError, match=r"lr: must be a finite number \(got nan\).*max_grad_norm: must be a finite number \(got inf\)"):
+    with pytest.raises(FinetuneConfigError, match=r"(?s)lr: must be a finite number \(got nan\).*max_grad_norm: must be a finite number \(got inf\)"):
         not_finite.validate()
+
+
+def test_every_settings_problem_is_reported_in_one_run(tmp_path):
+    """An unknown YAML key was reported alone, then a value of the wrong type alone, then the ranges, then a flag
+    that could not act: four runs for one broken recipe.  Now one error, one line per problem."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("lerning_rate: 1\nmax_steps: ten\nlr: -1\nmixed_precision: no\n")
+    with pytest.raises(FinetuneConfigError) as error:
+        parse_config(["--model", "m", "--output", "o", "--config", str(recipe), "--force", "--data", ""])
+    lines = str(error.value).splitlines()
+    for start in ("--data: must not be empty", "unknown config keys: lerning_rate", "max_steps: 'ten' is not a valid int",
+                  "mixed_precision: YAML read False as a boolean", "lr: must be positive (got -1.0)",
+                  "force: acts only with overwrite"):
+        assert sum(line.startswith(start) for line in lines) == 1, (start, lines)
+    assert len(lines) == 6, lines
+    with pytest.raises(FinetuneConfigError) as error:  # the API reads a mapping the same way: all at once
+        config_from_mapping({"lerning_rate": 1, "max_steps": "ten"})
+    assert len(str(error.value).splitlines()) == 2
 
 
 def test_windows_past_the_models_positions_are_refused_and_leave_nothing_behind(tiny_llama, tmp_path):

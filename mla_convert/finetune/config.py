@@ -125,7 +125,13 @@ class FinetuneConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Raise one `FinetuneConfigError` naming every problem."""
+        """Raise one `FinetuneConfigError` naming every problem, one line each."""
+        problems = self.problems()
+        if problems:
+            raise FinetuneConfigError("\n".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every problem of these settings taken together (ranges, choices, combinations), one line each."""
         problems = []
         if not self.model:
             problems.append("model: the converted folder is required (--model)")
@@ -191,8 +197,7 @@ class FinetuneConfig:
             problems.append("num_threads: must be at least 1")
         if self.max_chars is not None and self.max_chars < 1:  # 0 read the whole text in training, 64K in the check
             problems.append(f"max_chars: must be at least 1 (got {self.max_chars})")
-        if problems:
-            raise FinetuneConfigError("; ".join(problems))
+        return problems
 
 
 # --------------------------------------------------------------------------- settings that cannot act
@@ -287,15 +292,27 @@ def coerce(name: str, value, kind=None):
 
 
 # --------------------------------------------------------------------------- reading
-def config_from_mapping(values: dict, base: FinetuneConfig | None = None) -> FinetuneConfig:
-    """A config from a mapping of field -> value (unknown keys are an error, listed all at once)."""
+def config_from_mapping(values: dict, base: FinetuneConfig | None = None,
+                        problems: list[str] | None = None) -> FinetuneConfig:
+    """A config from a mapping of field -> value.  Unknown keys and values of the wrong type are an error, all of them
+    in one FinetuneConfigError; or, with `problems` given, appended to it (the config then keeps those fields' earlier
+    values) so that the caller reports them with the rest."""
     types_by_name = _field_types()
+    found = []
     unknown = sorted(set(values) - set(types_by_name))
     if unknown:
-        raise FinetuneConfigError(f"unknown config keys: {', '.join(unknown)} (known: {', '.join(sorted(types_by_name))})")
+        found.append(f"unknown config keys: {', '.join(unknown)} (known: {', '.join(sorted(types_by_name))})")
     config = dataclasses.replace(base) if base is not None else FinetuneConfig()
     for name, value in values.items():
-        setattr(config, name, coerce(name, value, types_by_name[name]))
+        if name in types_by_name:
+            try:
+                setattr(config, name, coerce(name, value, types_by_name[name]))
+            except FinetuneConfigError as error:
+                found.append(str(error))
+    if problems is not None:
+        problems += found
+    elif found:
+        raise FinetuneConfigError("\n".join(found))
     return config
 
 
@@ -379,13 +396,15 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: 
     config_file = given.pop("config", None)
     # an empty value would quietly mean "none" (e.g. `--data ""`: sample the teacher instead of reading a text)
     empty = [name for name, value in [("config", config_file), *given.items()] if isinstance(value, str) and not value.strip()]
-    if empty:
-        raise FinetuneConfigError("; ".join(f"--{name.replace('_', '-')}: must not be empty" + ("" if name == "config" else
-                                            " (write none to clear a setting the config file gives)") for name in empty))
+    problems = [f"--{name.replace('_', '-')}: must not be empty" + ("" if name == "config" else
+                " (write none to clear a setting the config file gives)") for name in empty]
+    if "config" in empty:
+        raise FinetuneConfigError("\n".join(problems))
+    given = {name: value for name, value in given.items() if name not in empty}
     values = load_yaml_config(config_file) if config_file else {}
     if config_file:
         values = paths_relative_to(values, Path(config_file).resolve().parent)
-    config = config_from_mapping(values)
+    config = config_from_mapping(values, problems=problems)  # every problem is reported together, below
     types_by_name = _field_types()
     for name, value in given.items():
         optional = _unwrap_optional(types_by_name[name])[1]
@@ -396,10 +415,10 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: 
         value = getattr(config, key)
         if isinstance(value, str) and value.startswith("~"):
             setattr(config, key, str(Path(value).expanduser()))
-    config.validate()
-    idle_flags = inert_settings(config, given)
-    if idle_flags:  # a flag that does nothing must not look as if it did something
-        raise FinetuneConfigError("; ".join(idle_flags))
+    problems += config.problems()
+    problems += inert_settings(config, given)  # a flag that does nothing must not look as if it did something
+    if problems:
+        raise FinetuneConfigError("\n".join(dict.fromkeys(problems)))
     if notes is not None:
         notes.extend(f"{config_file}: {problem}" for problem in inert_settings(config, set(values) - set(given), as_flags=False))
     return config
