@@ -427,6 +427,8 @@ def sweep(
         problems.append(f"{', '.join(idle)}: acts only with --keep-models (the kept models' cards)")
     install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
+    files = SweepFiles.at(out_dir).paths()[:3]  # the table, CSV and JSON (the plot only once the source is scored)
+    earlier = _file_identity(files[-1])  # an earlier sweep's (--overwrite): not what this run measured
     try:
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
@@ -435,15 +437,26 @@ def sweep(
             options=options, overwrite=overwrite, caller_problems=problems,
         )
     except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
-        files = SweepFiles.at(out_dir).paths()[:3]  # (the table, CSV and JSON; the plot only once the source is scored)
+        now = _file_identity(files[-1])
         _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(map(str, files))}"
-                     if files[-1].exists() else f"nothing was measured; nothing written in {out_dir}")
+                     if now is not None and now != earlier else
+                     f"nothing was measured; the earlier sweep's files in {out_dir} are unchanged" if now is not None else
+                     f"nothing was measured; nothing written in {out_dir}")
     except BaseException:
         progress.finish("failed")
         raise
     progress.finish()
     print_plain(result.markdown())
     print_plain(f"wrote {result.files.markdown}, {result.files.csv}, {result.files.json}, {result.files.png}")
+
+
+def _file_identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells a rewritten file from the one that was there (inode, size, modification time); None: no file."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 @app.command()

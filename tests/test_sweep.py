@@ -563,6 +563,36 @@ def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tin
     assert f"interrupted (SIGINT): the points measured before it are in {out / 'sweep.md'}" in err, err[-2000:]
 
 
+def test_an_overwriting_sweep_cut_off_before_its_first_point_does_not_claim_the_earlier_files(tiny_source, tiny_text,
+                                                                                               tmp_path, monkeypatch):
+    """`sweep --overwrite` interrupted before it saved anything said "the points measured before it are in
+    sweep.md", which still held the earlier sweep."""
+    from typer.testing import CliRunner
+
+    import mla_convert.eval.sweep as sweep_module
+    from mla_convert import cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("sweep.md", "sweep.csv", "sweep.json"):
+        (out / name).write_text("an earlier sweep")
+    arguments = ["sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir", str(out), "--overwrite"]
+
+    def cut_off(*args, save_first=False, **kwargs):
+        if save_first:  # the run saved a point, then was interrupted
+            (out / "sweep.json").write_text("this sweep's first point")
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(sweep_module, "run_sweep", cut_off)
+    result = CliRunner().invoke(cli.app, arguments)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 130 and f"nothing was measured; the earlier sweep's files in {out} are unchanged" in text
+    assert "measured before it" not in text
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda *a, **k: cut_off(*a, save_first=True, **k))
+    result = CliRunner().invoke(cli.app, arguments)
+    assert result.exit_code == 130 and f"the points measured before it are in {out / 'sweep.md'}" in " ".join(result.output.split())
+
+
 def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_source, tmp_path):
     """A 12-token text with --context 64 was "1 non-overlapping windows of 64 tokens" in sweep.md, the plot's title
     and sweep.json's context_length, while the only window held 12 tokens."""
