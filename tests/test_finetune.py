@@ -7,6 +7,7 @@ check (marked real_model / slow).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -43,6 +44,7 @@ from mla_convert.finetune.latent import (
     LINEARISED_MIN_GAIN,
     UnfoldedLatentNorm,
     fold_latent_scales,
+    stored_latent_sites,
     unfold_latent_scales,
 )
 from mla_convert.finetune.loss import distillation_loss, kl_teacher_student, next_token_ce
@@ -168,6 +170,32 @@ def test_unfold_keeps_logits_and_brings_weights_to_trainable_scale(fixture, kind
     unfolded_rows = model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[: model.config.kv_lora_rank].detach()
     assert stored_rows.abs().max() < 1e-4 < unfolded_rows.abs().max()  # from ~alpha-scale to natural scale
     assert unfold_latent_scales(model) == sites  # idempotent
+
+
+def test_the_report_names_the_stored_latents_whatever_their_gain(tiny_llama):
+    """Sites were picked by gain >= 10 (alpha <= 1e-4) only: serving exports store alpha 5e-5 .. 8e-5, 1.3-1.8x inside
+    that bound, so a layer with a larger alpha would have trained as stored (tiny weights Adam wipes).  The conversion
+    report says which latents are stored; the gain only decides for a folder without one."""
+    _, converted = tiny_llama
+    report = json.loads((converted / "mla_convert.json").read_text())
+    stored = stored_latent_sites(report)
+    assert stored == {(row["layer"], "kv") for row in report["layers"]}
+    model = _load(converted)
+    attention = model.model.layers[0].self_attn
+    rank = model.config.kv_lora_rank
+    with torch.no_grad():  # layer 0 stored at 1000x the scale: gain ~3, below LINEARISED_MIN_GAIN
+        attention.kv_a_proj_with_mqa.weight[:rank].mul_(1000)
+        attention.kv_a_layernorm.weight.div_(1000)
+    assert attention.kv_a_layernorm.weight.mean() < LINEARISED_MIN_GAIN
+    ids = _ids(model.config.vocab_size)
+    before = _logits(model, ids)
+    by_gain = {(site.layer, site.kind) for site in unfold_latent_scales(copy.deepcopy(model))}
+    assert (0, "kv") not in by_gain and by_gain == stored - {(0, "kv")}
+    sites = unfold_latent_scales(model, stored)
+    assert {(site.layer, site.kind) for site in sites} == stored
+    assert _relative(_logits(model, ids), before) < 1e-6
+    assert attention.kv_a_layernorm.weight.detach().mean().item() == pytest.approx(1.0, rel=1e-5)
+    assert stored_latent_sites({}) is None
 
 
 def test_one_adam_step_wipes_the_stored_latent_but_not_the_unfolded_one(tiny_llama):

@@ -25,8 +25,9 @@ transformers and in any engine, and keeps its export's weight scale: a serving e
 normal range.  (An earlier design trained the linear g~ * c~ and, when the trained weights grew, shrank
 alpha at save back to the worst-case bound, which undid a serving export's scale.)
 
-Norms that are not linearised (a real DeepSeek checkpoint, gain ~1) are left alone: the test is the
-gain's size (`LINEARISED_MIN_GAIN`).
+Which norms are stored latents: those the conversion report (mla_convert.json) gives a latent scale for
+(`stored_latent_sites`), whatever their gain.  Without a report (a real DeepSeek checkpoint, or a folder that lost
+it), the gain's size decides (`LINEARISED_MIN_GAIN`): a learned norm (gain ~1) is left alone.
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ from torch import nn
 from ..convert import target as T
 from ..convert.target import LATENT_NORM_EPS
 
-# A stock norm gain this large means the latent was stored at a small scale by the converter
-# (g = sqrt(1e-6) / alpha >= 10 <=> alpha <= 1e-4; measured: ~3e-7 for the transformers target, 5e-5 .. 8e-5 for a
-# serving target, only 1.3-1.8x inside this bound; a site left out trains as stored, still exactly).
+# Without a conversion report: a stock norm gain this large means the latent was stored at a small scale by the
+# converter (g = sqrt(1e-6) / alpha >= 10 <=> alpha <= 1e-4; measured: ~3e-7 for the transformers target, 5e-5 .. 8e-5
+# for a serving target, only 1.3-1.8x inside this bound, which is why the report decides when there is one; a site
+# left out trains as stored, still exactly).
 LINEARISED_MIN_GAIN = 10.0
+
+# which side of a layer a report row's latent scale belongs to
+REPORT_SCALE_KEYS = {"kv": "latent_scale", "q": "query_latent_scale"}
 
 
 class UnfoldedLatentNorm(nn.Module):
@@ -98,17 +103,27 @@ def _attention_modules(model: nn.Module):
         yield index, layer.self_attn
 
 
-def unfold_latent_scales(model: nn.Module) -> list[LatentSite]:
+def stored_latent_sites(report: dict) -> set[tuple[int, str]] | None:
+    """(layer, "kv" | "q") of every latent the conversion stored at a small scale, from its report's layer rows;
+    None when the report has no layer rows (then `unfold_latent_scales` judges by the gain)."""
+    rows = report.get("layers") if isinstance(report, dict) else None
+    if not rows:
+        return None
+    return {(row["layer"], kind) for row in rows for kind, key in REPORT_SCALE_KEYS.items() if row.get(key) is not None}
+
+
+def unfold_latent_scales(model: nn.Module, stored: set[tuple[int, str]] | None = None) -> list[LatentSite]:
     """Stock stored form -> training form, in place; the model's function is unchanged.
 
-    Returns the unfolded sites (needed by `fold_latent_scales`).  Idempotent: already unfolded norms
-    are reported, not unfolded twice.
+    `stored`: the (layer, kind) sites the conversion stored at a small scale (`stored_latent_sites` of its report);
+    None: every norm whose gain is at least `LINEARISED_MIN_GAIN`.  Returns the unfolded sites (needed by
+    `fold_latent_scales`).  Idempotent: already unfolded norms are reported, not unfolded twice.
     """
     sites: list[LatentSite] = []
     for index, attention in _attention_modules(model):
         for kind, (proj_name, norm_name) in T.LATENT_MODULES.items():
             norm = getattr(attention, norm_name, None)
-            if norm is None:
+            if norm is None or (stored is not None and (index, kind) not in stored):
                 continue
             proj = getattr(attention, proj_name)
             rank = norm.weight.shape[0]
@@ -117,7 +132,7 @@ def unfold_latent_scales(model: nn.Module) -> list[LatentSite]:
                 continue
             eps = getattr(norm, "variance_epsilon", LATENT_NORM_EPS)
             gain = norm.weight.detach()
-            if gain.double().abs().mean().item() < LINEARISED_MIN_GAIN:
+            if stored is None and gain.double().abs().mean().item() < LINEARISED_MIN_GAIN:
                 continue  # a real learned norm, not a linearised latent
             alpha = T.latent_scale_of(gain, eps)
             with torch.no_grad():

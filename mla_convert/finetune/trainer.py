@@ -36,7 +36,7 @@ from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
 from .data import WindowCursor, cached_teacher_samples, process_slice, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
-from .latent import LatentSite, unfold_latent_scales
+from .latent import LatentSite, stored_latent_sites, unfold_latent_scales
 from .loss import distillation_loss
 from .saving import REPORT_FILE, save_finetuned, write_report
 
@@ -368,7 +368,7 @@ class Finetuner:
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
         student = load_causal_lm(self.converted, dtype=torch.float32)
-        self.sites: list[LatentSite] = unfold_latent_scales(student)
+        self.sites: list[LatentSite] = unfold_latent_scales(student, stored_latent_sites(self.report))
         self.trained = trainable_names(student, config.train)
         trained = set(self.trained)
         for name, parameter in student.named_parameters():
