@@ -466,6 +466,23 @@ def _config_of_another_conversion(folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _edit_config(**changes):
+    """config.json of another conversion whose facts the report does not record: the weights no longer fit it."""
+    def damage(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return damage
+
+
+# used to pass: transformers loads such a folder with a warning and the missing projections initialised at random
+QUERY_PATH_OF_ANOTHER_CONVERSION = (_edit_config(q_lora_rank=16), "tensors config.json needs are not in the weights "
+                                    "(e.g. model.layers.0.self_attn.q_a_layernorm.weight); transformers would "
+                                    "initialise them at random; 5 tensors in the weights are not part of the model")
+OTHER_SHAPES = (_edit_config(intermediate_size=100), "15 tensors have other shapes than config.json implies (e.g. "
+                "model.layers.0.mlp.down_proj.weight: [64, 172], config: [64, 100])")
+
 INDEX = "model.safetensors.index.json"
 SHARD_1, SHARD_2, SHARD_3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
 LEFTOVERS = "leftovers of an unfinished conversion inside it"
@@ -488,6 +505,8 @@ SINGLE_CASES = {
         _write(INDEX, '{"weight_map": {"a": "model.safetensors"}}'),
         f"both model.safetensors and {INDEX} are present",
     ),
+    "query path of another conversion": QUERY_PATH_OF_ANOTHER_CONVERSION,
+    "other shapes": OTHER_SHAPES,
 }
 
 SHARDED_CASES = {
@@ -505,6 +524,7 @@ SHARDED_CASES = {
     "truncated shard": (_truncate(SHARD_1), f"cannot push: {SHARD_1}: truncated or corrupt safetensors file"),
     "stray shard": (_write("model-extra.safetensors", ""), f"model-extra.safetensors is not named in {INDEX}"),
     "partial dir inside": (_mkdir("out.mla-convert-partial"), f"{LEFTOVERS}: out.mla-convert-partial"),
+    "query path of another conversion": QUERY_PATH_OF_ANOTHER_CONVERSION,
 }
 
 

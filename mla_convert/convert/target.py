@@ -330,6 +330,46 @@ def export_report_mismatches(folder: str | os.PathLike, report: dict, report_nam
             "report's numbers for other weights; convert again, or copy back the matching files"]
 
 
+def config_tensor_problems(folder: str | os.PathLike, tensors: dict[str, tuple[int, ...]]) -> list[str]:
+    """What `tensors` (name -> shape, from the checkpoint's headers) lacks, adds or shapes differently from what
+    transformers' DeepseekV3ForCausalLM builds for folder/config.json (built on the meta device: no memory).
+
+    Why: weights of one conversion beside the config of another load in transformers with a warning and randomly
+    initialised projections (e.g. q_proj of a plain query path against a q_lora config), and would be published so.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # noqa: BLE001 - any refusal of transformers' is the user's problem to read
+        return [f"config.json: transformers cannot build the model it describes ({' '.join(str(error).split())})"]
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)  # tied: the embedding serves both, a copy is optional
+        tensors = {name: shape for name, shape in tensors.items() if name != "lm_head.weight"}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    reshaped = sorted(name for name in set(expected) & set(tensors) if tuple(tensors[name]) != expected[name])
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors config.json needs are not in the weights (e.g. {missing[0]}); "
+                        "transformers would initialise them at random")
+    if extra:
+        problems.append(f"{len(extra)} tensors in the weights are not part of the model config.json describes "
+                        f"(e.g. {extra[0]})")
+    if reshaped:
+        name = reshaped[0]
+        problems.append(f"{len(reshaped)} tensors have other shapes than config.json implies (e.g. {name}: "
+                        f"{list(tensors[name])}, config: {list(expected[name])})")
+    if problems:
+        problems.append("the weights and config.json come from different conversions; convert again, or copy back "
+                        "the matching files")
+    return problems
+
+
 def export_config_problem(folder: str | os.PathLike) -> str | None:
     """Why `folder/config.json` is not a DeepseekV3 export (None: it is one)."""
     path = Path(folder) / "config.json"

@@ -33,7 +33,7 @@ from huggingface_hub.utils import (
     validate_repo_id,
 )
 
-from ..convert.target import export_config_problem, export_report_mismatches
+from ..convert.target import config_tensor_problems, export_config_problem, export_report_mismatches
 from ..errors import CheckpointError, MLAConvertError
 from ..io.paths import absolute_path
 from ..io.reader import read_safetensors_header
@@ -52,8 +52,7 @@ from .card import (
     validate_card,
 )
 
-# Names the checkpoint writer uses for unfinished work (`checkpoint_writer.py`; a test keeps them in
-# sync).  Repeated here so that `push --dry-run` does not import torch.
+# Names the checkpoint writer uses for unfinished work (`checkpoint_writer.py`; a test keeps them in sync).
 _TEMP_SHARD = re.compile(r"^shard-\d+\.tmp$")
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<total>\d{5})\.safetensors$")
 
@@ -142,16 +141,17 @@ def _read_json(path: Path) -> tuple[object | None, str | None]:
         return None, f"{path.name} is not valid JSON ({' '.join(str(error).split())})"
 
 
-def _safetensors_header(path: Path) -> tuple[set[str], str | None]:
-    """Tensor names in a safetensors file, and a problem if the file is truncated or corrupt (header only)."""
+def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """Tensor names and shapes in a safetensors file, and a problem if it is truncated or corrupt (header only)."""
     try:
         header = read_safetensors_header(path)
     except CheckpointError as error:
-        return set(), str(error).replace(str(path), path.name)
-    return {name for name in header if name != "__metadata__"}, None
+        return {}, str(error).replace(str(path), path.name)
+    return {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}, None
 
 
-def _weight_problems(folder: Path, files: list[str]) -> list[str]:
+def _weight_problems(folder: Path, files: list[str], tensors: dict[str, tuple[int, ...]]) -> list[str]:
+    """Why the safetensors files are not one complete checkpoint; fills `tensors` (name -> shape) with what they hold."""
     index_path = folder / SAFETENSORS_INDEX_FILE
     single = folder / SAFETENSORS_SINGLE_FILE
     on_disk = {name for name in files if "/" not in name and name.endswith(".safetensors")}
@@ -162,7 +162,8 @@ def _weight_problems(folder: Path, files: list[str]) -> list[str]:
             if shards:
                 return [f"{shards[0]} is present but {SAFETENSORS_INDEX_FILE} is missing"]
             return [f"no weights: neither {SAFETENSORS_SINGLE_FILE} nor {SAFETENSORS_INDEX_FILE} is present"]
-        _, problem = _safetensors_header(single)
+        found, problem = _safetensors_header(single)
+        tensors.update(found)
         return [problem] if problem else []
 
     if single.is_file():
@@ -195,11 +196,12 @@ def _weight_problems(folder: Path, files: list[str]) -> list[str]:
             problems.append(f"{stray} is not named in {SAFETENSORS_INDEX_FILE}")
 
     for shard in sorted(named & on_disk):
-        tensors, problem = _safetensors_header(folder / shard)
+        found, problem = _safetensors_header(folder / shard)
         if problem:
             problems.append(problem)
             continue
-        absent = sorted(name for name, where in weight_map.items() if where == shard and name not in tensors)
+        tensors.update(found)
+        absent = sorted(name for name, where in weight_map.items() if where == shard and name not in found)
         if absent:
             problems.append(
                 f"{len(absent)} tensors that {SAFETENSORS_INDEX_FILE} places in {shard} are not in it (e.g. {absent[0]})"
@@ -214,7 +216,8 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     provenance would be missing), without a DeepseekV3 `config.json`, with weights that do not form a
     complete checkpoint (a single-file model without `model.safetensors`, index entries pointing at
     shards that are missing, shards missing from a numbered series, stray or truncated shards, tensors
-    absent from the shard the index names), or with traces of an unfinished conversion
+    absent from the shard the index names), weights that are not the tensors and shapes transformers builds for
+    its config.json (files of two conversions mixed), or with traces of an unfinished conversion
     (`*.mla-convert-partial`, the writer's owner file or temporary shards).
     """
     folder = absolute_path(folder)  # `.` (run from inside the model folder) has no name to look beside
@@ -250,7 +253,11 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     config_problem = export_config_problem(folder)
     if config_problem:
         problems.append(config_problem)
-    problems += _weight_problems(folder, files)
+    tensors: dict[str, tuple[int, ...]] = {}
+    weight_problems = _weight_problems(folder, files, tensors)
+    problems += weight_problems
+    if not config_problem and not weight_problems:  # complete weights: are they the model config.json describes?
+        problems += config_tensor_problems(folder, tensors)
     if problems:
         raise NotPushableError(f"{folder}: cannot push: " + "; ".join(problems))
     return [UploadFile(name, (folder / name).stat().st_size) for name in files]
