@@ -669,6 +669,14 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
     scale_text = f" (here between {min(scales):.2g} and {max(scales):.2g})" if scales else ""
     serving = _get(report, "serving")
     latent = _get(serving, "magnitudes", "kv_a_latent_rows") if isinstance(serving, Mapping) else None
+    # fine-tuning trains the stock norm itself (finetune/latent.py): the folder computes what was trained, but how close
+    # to linear the norm stays was measured at conversion only
+    finetuned = isinstance(_get(report, "finetuning"), Mapping)
+
+    def trained(regime: str) -> str:
+        return (f" That held for the conversion; fine-tuning trained the stock norm itself, so this folder computes "
+                f"what was trained whether or not its latent stayed {regime}." if finetuned else "")
+
     if isinstance(latent, Mapping) and _number(latent.get("median_nonzero")) is not None:
         lines.append(
             f"- **Weights in a normal float range.** This export was rewritten for serving (`--target {_text(serving.get('target'))}`): "
@@ -676,7 +684,7 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
             "between the input norm and its consumers, so the latent rows of `kv_a_proj_with_mqa` have median "
             f"{latent['median_nonzero']:.2g} and {_number(latent.get('frac_below_f16_normal')) or 0:.1%} of them lie below "
             "float16's normal range (worst layer). The norm is linear up to about 1 % of its epsilon on the calibration "
-            "tokens, not provably for every input."
+            "tokens, not provably for every input." + trained("in that range")
         )
     else:
         lines.append(
@@ -687,7 +695,7 @@ def _section_caveats(report: Mapping[str, Any]) -> list[str]:
             "`kv_b_proj` undoes. Values that small are below float16's normal range and lose their precision there; "
             "bfloat16 and float32 keep them. For the same reason, a quantizer that shares one scale between these rows "
             "and the rest of `kv_a_proj_with_mqa` can round them to zero (a GGUF conversion: convert with "
-            "`--target llama.cpp`)."
+            "`--target llama.cpp`)." + trained("where the epsilon dominates")
         )
     eps = _number(_get(report, "source", "rms_norm_eps"))
     if eps is not None and not math.isclose(eps, LATENT_NORM_EPS):
