@@ -51,6 +51,7 @@ from .decisions import (
     choose_rope_grid,
     convert_layer,
     effort_of,
+    served_attention_error,
 )
 from .layer import LayerReport
 from .memory import pin_mmap_threshold
@@ -246,6 +247,11 @@ class Converter:
                 if target.serving:
                     layer_serving = S.serve_layer(weights, carried["input_norm"], stats, source, mla, layout)
                     check_finite(layer_serving.weights, f"layer {index}, step 'serving transforms'")
+                    if report.attention_error is not None:  # the error of what the export computes, not of the closed form
+                        report.extra["attention_error_before_serving"] = report.attention_error
+                        report.attention_error = served_attention_error(
+                            layer_serving.weights, carried["input_norm"], layer_serving.input_norm, layer, stats, model,
+                            mla, plan.slot_inv_freq)
                     weights, carried["input_norm"] = layer_serving.weights, layer_serving.input_norm
                     # the latent is stored at the serving scale now: the report gives the one the export's gain encodes
                     report.latent_scale = T.latent_scale_of(weights[T.KV_A_NORM])
