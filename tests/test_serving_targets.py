@@ -314,6 +314,9 @@ def test_biases_too_large_to_remove_are_refused(tmp_path):
     assert message.startswith("layer 0: removing the attention biases") and "Use --target transformers" in message
     assert "max(0.05" in message and "nothing was written" in message
     assert not (tmp_path / "out").exists()
+    # the best direction's residual in significant digits: "= 0.00" read as a perfect fit beside "no direction ... fits"
+    residual = re.search(r"the best leaves mean \(u\.x - 1\)\^2 = (\S+) on held-out tokens", message)
+    assert residual and float(residual.group(1)) > 0, message
 
 
 def test_a_bias_carried_by_an_exactly_constant_input_direction_costs_nothing():

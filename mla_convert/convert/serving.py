@@ -267,7 +267,8 @@ def bias_cost_problem(layer: int, info: dict, compression_error: float | None) -
     return (f"layer {layer}: removing the attention biases (the serving engines have no bias slot) changes the attention "
             f"output by {cost:.3f} (relative, on the calibration windows), more than the limit {limit:.3f} = max({BIAS_ERROR_FLOOR}, "
             f"this layer's compression error {compression_error or 0.0:.3f}): no direction of the input is constant enough "
-            f"to carry them (best: mean (u.x - 1)^2 = {info.get('constant_direction_residual', 1.0):.2f} on held-out tokens). "
+            f"to carry biases this large (the best leaves mean (u.x - 1)^2 = "
+            f"{info.get('constant_direction_residual', 1.0):.2g} on held-out tokens). "
             "Use --target transformers, which keeps the biases; nothing was written")
 
 
