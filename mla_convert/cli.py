@@ -271,6 +271,8 @@ def evaluate(
                       stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
                       dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline),
                       allow_long_context=allow_long_context, _plan=plan)
+    for note in report.notes:
+        err_console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
     results = report.to_dict()
     if update_card:

@@ -405,7 +405,7 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
         f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
         f"stride {evaluation['stride']:,}" if evaluation.get("stride") and evaluation.get("stride") != evaluation.get(
             "context_length") else "",
-        f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
+        f"{evaluation['windows']} window{'s' if evaluation['windows'] != 1 else ''}" if evaluation.get("windows") else "",
         f"{evaluation['scored_tokens']:,} scored tokens" if evaluation.get("scored_tokens") else "",
     )
     lines = [f"{lead} with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":"]
