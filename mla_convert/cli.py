@@ -236,7 +236,7 @@ def evaluate(
                               "for exports converted for vllm, llama.cpp or all (their weights fit fp16)."),
     kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache after this many tokens "
                                   "(0: skip); printed, and under kv_cache in --json."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON."),  # str: "" is refused
     update_card: bool = typer.Option(False, help="Write the measured perplexities into MODEL's mla_convert.json and "
                                      "regenerate its model card (MODEL: a folder written by `mla-convert convert`; "
                                      "needs --baseline, the source)."),
@@ -249,7 +249,9 @@ def evaluate(
     from .io.paths import absolute_path
     from .io.resolve import revision_problems
 
-    json_out = None if json_out is None else absolute_path(json_out)  # a quoted `~/x.json` means the home folder
+    # a quoted `~/x.json` means the home folder; an empty one stays empty for the pre-flight to refuse (as a Path,
+    # "" was the current folder: "exists and is not a regular file")
+    json_out = absolute_path(json_out) if json_out and json_out.strip() else json_out
     problems: list[str] = revision_problems(revision, model, baseline)
     plan = eval_preflight(model, baseline, context, allow_long_context=allow_long_context, dtype=dtype, device=device,
                           stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size,

@@ -466,3 +466,24 @@ def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_pa
     assert (report.settings["context_length"], report.settings["stride"]) == (10, 10) and len(report.notes) == 1
     report = run_eval(converted, text, context_length=32, max_tokens=32, progress=False)
     assert (report.settings["context_length"], report.notes) == (32, [])
+
+
+def test_a_special_data_path_and_an_empty_json_are_named_for_what_they_are(tiny_pair, tmp_path, monkeypatch):
+    """`eval --data /dev/null` said "/dev/null: no such file or folder" (it exists), and `--json ""` said
+    "--json <the current folder>: exists and is not a regular file" (the empty name read as the current folder)."""
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+    from mla_convert.errors import PreflightError
+
+    source, converted, text = tiny_pair
+    monkeypatch.chdir(tmp_path)
+    for data, json_name, message in [("/dev/null", None, "error: /dev/null: is a character device, not a text file or folder"),
+                                     (str(text), "", "error: --json: must not be empty"),
+                                     (str(text), "  ", "error: --json: must not be empty")]:
+        result = CliRunner().invoke(cli.app, ["eval", str(converted), "--data", data, "--context", "32"]
+                                    + ([] if json_name is None else ["--json", json_name]))
+        assert result.exit_code == 2 and result.output.strip().splitlines() == [message], result.output
+    with pytest.raises(PreflightError, match="^--json: must not be empty$"):
+        run_eval(converted, text, context_length=32, json_path="", progress=False)
+    assert list(tmp_path.iterdir()) == []
