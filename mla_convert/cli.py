@@ -309,7 +309,8 @@ def generate(
     model: str = typer.Argument(..., help="Converted (DeepseekV3) model folder."),
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per prompt (default: the folder's "
-                                                 "generation_config.json max_new_tokens, else 64)."),
+                                                 "generation_config.json max_new_tokens, else 64; its max_length, and "
+                                                 "transformers' default max_length of 20, are not applied)."),
     sample: bool = typer.Option(False, help="Sample instead of greedy decoding (top-k: the folder's "
                                 "generation_config.json, else transformers' 50)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default: the folder's "
@@ -322,7 +323,12 @@ def generate(
     page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
     allow_long_context: bool = typer.Option(False, help="Allow prompt + new tokens beyond max_position_embeddings."),
 ):
-    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU)."""
+    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU).
+
+    The folder's generation_config.json applies as in transformers' generate() (stop tokens, penalties, sampling
+    values with --sample), except the length: --max-new-tokens.  Greedy fp32 output equals generate()'s token for
+    token when generate() is given the same max_new_tokens.
+    """
     from .runtime.checks import generation_problems
 
     given = [flag for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--seed", seed)) if value is not None]
