@@ -236,7 +236,7 @@ def evaluate(
                               "for exports converted for vllm, llama.cpp or all (their weights fit fp16)."),
     kv_context: int = typer.Option(0, help="Also measure the real transformers KV cache after this many tokens "
                                   "(0: skip); printed, and under kv_cache in --json."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON."),  # str: "" is refused
     update_card: bool = typer.Option(False, help="Write the measured perplexities into MODEL's mla_convert.json and "
                                      "regenerate its model card (MODEL: a folder written by `mla-convert convert`; "
                                      "needs --baseline, the source)."),
@@ -249,7 +249,9 @@ def evaluate(
     from .io.paths import absolute_path
     from .io.resolve import revision_problems
 
-    json_out = None if json_out is None else absolute_path(json_out)  # a quoted `~/x.json` means the home folder
+    # a quoted `~/x.json` means the home folder; an empty one stays empty for the pre-flight to refuse (as a Path,
+    # "" was the current folder: "exists and is not a regular file")
+    json_out = absolute_path(json_out) if json_out and json_out.strip() else json_out
     problems: list[str] = revision_problems(revision, model, baseline)
     plan = eval_preflight(model, baseline, context, allow_long_context=allow_long_context, dtype=dtype, device=device,
                           stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size,
@@ -271,6 +273,8 @@ def evaluate(
                       stride=stride, max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, device=device,
                       dtype=dtype, text_column=text_column, allow_pickle=allow_pickle, labels=(model, baseline),
                       allow_long_context=allow_long_context, _plan=plan)
+    for note in report.notes:
+        err_console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     print(report.markdown(), flush=True)  # Markdown, unwrapped, terminal or not
     results = report.to_dict()
     if update_card:
@@ -305,7 +309,8 @@ def generate(
     model: str = typer.Argument(..., help="Converted (DeepseekV3) model folder."),
     prompts: list[str] = typer.Argument(..., help="One or more prompts."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate per prompt (default: the folder's "
-                                                 "generation_config.json max_new_tokens, else 64)."),
+                                                 "generation_config.json max_new_tokens, else 64; its max_length, and "
+                                                 "transformers' default max_length of 20, are not applied)."),
     sample: bool = typer.Option(False, help="Sample instead of greedy decoding (top-k: the folder's "
                                 "generation_config.json, else transformers' 50)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature (> 0; default: the folder's "
@@ -318,7 +323,12 @@ def generate(
     page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
     allow_long_context: bool = typer.Option(False, help="Allow prompt + new tokens beyond max_position_embeddings."),
 ):
-    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU)."""
+    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU).
+
+    The folder's generation_config.json applies as in transformers' generate() (stop tokens, penalties, sampling
+    values with --sample), except the length: --max-new-tokens.  Greedy fp32 output equals generate()'s token for
+    token when generate() is given the same max_new_tokens.
+    """
     from .runtime.checks import generation_problems
 
     given = [flag for flag, value in (("--temperature", temperature), ("--top-p", top_p), ("--seed", seed)) if value is not None]

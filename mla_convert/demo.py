@@ -143,8 +143,9 @@ def compare_models(source: Path, converted: Path, eval_data: str | None = None,
         tokenized = tokenize_with_offsets(tokenizer, load_text(eval_data))
         results = {name: evaluate_perplexity(model, tokenized, context_length=1024, max_windows=10, progress=False)
                    for name, model in models.items()}
-        windows = results["source"].num_windows  # (a short text has fewer than 10)
-        label = f"{eval_data} (ctx 1024, {'first 10 windows' if windows == 10 else f'{windows} window' + 's' * (windows != 1)})"
+        windows = results["source"].num_windows  # (a short text has fewer than 10, or one shorter than 1024 tokens)
+        label = (f"{eval_data} (ctx {results['source'].context_length}, "
+                 f"{'first 10 windows' if windows == 10 else f'{windows} window' + 's' * (windows != 1)})")
         perplexity[label] = {name: result.perplexity for name, result in results.items()}
     progress.phase("greedy continuations from both models", len(prompts))
     generations = []

@@ -39,11 +39,11 @@ RULES = [
     ("tests/test_source_config.py", r"wrong_types|every_problem|read_config_json_errors|rope_is_resolved", "convert"),
     ("tests/test_interrupt.py", r".", "convert"),
     ("tests/test_determinism.py", r"thread", "convert"),
-    ("tests/test_textdata.py", r"missing|empty|non_utf8|too_short|rejects|offline", "convert"),
+    ("tests/test_textdata.py", r"missing|empty|non_utf8|too_short|rejects|offline|neither_file_nor_folder", "convert"),
     ("tests/test_shapes_inspect.py", r"error|rejected|problem", "inspect"),
     ("tests/test_journey.py", r"^test_generate_.*refuse", "generate"),  # before the eval rule: first match counts
     ("tests/test_journey.py", r"refuse|never_run_code", "eval"),
-    ("tests/test_perplexity.py", r"bad_settings|never_replaces|before_any_model|script_refuses", "eval"),
+    ("tests/test_perplexity.py", r"bad_settings|never_replaces|before_any_model|script_refuses|special_data_path", "eval"),
     ("tests/test_hub_push.py", r"update_card", "eval"),
     ("tests/test_runtime.py", r"bad_settings|clear_errors|refused", "generate"),
     ("tests/test_hub_push.py", r"refuse|invalid|wrong_token|rejected|problems", "push"),

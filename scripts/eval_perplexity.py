@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(error).splitlines():
             print(f"error: {line}", file=sys.stderr)
         return 2
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
     s = report.settings
     print(f"data: {s['data']}  ({s['total_tokens']} tokens; context {s['context_length']}, stride {s['stride']}, {s['dtype']} on {s['device']})")
     print(report.markdown())

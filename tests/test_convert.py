@@ -547,7 +547,9 @@ def test_a_sliding_window_source_exports_the_context_where_both_attentions_agree
     config = json.loads((tmp_path / "mla" / "config.json").read_text())
     assert config["max_position_embeddings"] == 16
     assert (result.report["source"]["sliding_window"], result.report["source"]["max_position_embeddings"]) == (16, 512)
-    assert "declares `max_position_embeddings` = 16 (the source: 512)" in (tmp_path / "mla" / "README.md").read_text()
+    card = (tmp_path / "mla" / "README.md").read_text()
+    assert "declares `max_position_embeddings` = 16 (the source: 512)" in card
+    assert "| one sequence of 16 tokens (max_position_embeddings) |" in card  # the KV table said 4,096 tokens
     ids = torch.randint(0, 128, (2, 16))
     torch.testing.assert_close(logits_of(tmp_path / "mla", ids), logits_of(source, ids), rtol=1e-4, atol=1e-4)
 

@@ -14,6 +14,8 @@ from mla_convert.convert.pipeline import Progress
 from mla_convert.demo import compare_models, demo_problems, run_demo, self_sampled_perplexity
 from mla_convert.errors import PreflightError
 from mla_convert.eval.sampling import sample_from_model
+from mla_convert.eval.textdata import tokenize_with_offsets
+from mla_convert.io.hf_loading import load_tokenizer
 
 
 class UniformModel(torch.nn.Module):
@@ -73,7 +75,8 @@ def test_comparison_runs_as_its_own_phases_and_a_model_matches_itself(stories260
     assert phases.phases == ["perplexity of the source and the MLA model", "greedy continuations from both models"]
     assert phases.advances == [(1, 2), (2, 2)]
     sampled, on_the_text = perplexity  # (the label said "first 10 windows" whatever the text held)
-    assert on_the_text == f"{short} (ctx 1024, 1 window)"
+    tokens = len(tokenize_with_offsets(load_tokenizer(stories260k), short.read_text()))
+    assert tokens < 1024 and on_the_text == f"{short} (ctx {tokens}, 1 window)"  # was "ctx 1024": the window's real length
     assert perplexity[on_the_text]["source"] == perplexity[on_the_text]["converted"]
     scores = perplexity[sampled]
     assert scores["source"] == scores["converted"] and 1 < scores["source"] < 100

@@ -46,6 +46,7 @@ def stories260k_report() -> dict:
             "head_dim": 8,
             "hidden_size": 64,
             "qkv_bias": False,
+            "max_position_embeddings": 512,
         },
         "options": {
             "kv_lora_rank": 12,
@@ -177,13 +178,31 @@ def test_stories260k_card_validates_offline_and_shows_the_report_numbers():
     assert "| values cached per token per layer | 64 | 16 |" in text
     assert "| bytes per token, all 5 layers (bf16) | 640 | 160 |" in text
     assert "| compression ratio | 1x | 4x |" in text
-    assert "| one sequence of 4,096 tokens | 2.5 MiB | 640.0 KiB |" in text
+    # a sequence the model can hold (4,096 tokens were beyond its 512 positions: eval and generate refuse them)
+    assert "| one sequence of 512 tokens (max_position_embeddings) | 320.0 KiB | 80.0 KiB |" in text
     assert "| original | 7.8300 |" in text
     assert "| MLA (this model) | 9.4100 |" in text
     assert "| change | +20.2% |" in text
     # the converting machine's paths are reduced to names, in the command too
     assert "mla-convert convert stories260k out/stories260k-mla --compression 4" in text and "../shared" not in text
     assert "| `kv_lora_rank` | 12 |" in text and "| `rope_dim` | 4 |" in text
+
+
+def test_the_kv_table_sizes_a_sequence_the_model_can_hold():
+    """The table sized "one sequence of 4,096 tokens" for every model, also for stories260K's 512 positions and a
+    sliding-window source exported with 16; a model with 4,096 positions or more keeps that row."""
+    def row(**source):
+        report = stories260k_report()
+        report["source"].update(source)
+        return next(line for line in str(build_model_card(report)).splitlines() if line.startswith("| one sequence"))
+
+    assert row(max_position_embeddings=8192) == "| one sequence of 4,096 tokens | 2.5 MiB | 640.0 KiB |"
+    assert row(max_position_embeddings=4096) == "| one sequence of 4,096 tokens | 2.5 MiB | 640.0 KiB |"
+    assert row(max_position_embeddings=None) == "| one sequence of 4,096 tokens | 2.5 MiB | 640.0 KiB |"  # older reports
+    assert row(max_position_embeddings=2048) == \
+        "| one sequence of 2,048 tokens (max_position_embeddings) | 1.2 MiB | 320.0 KiB |"
+    assert row(max_position_embeddings=512, sliding_window=16) == \
+        "| one sequence of 16 tokens (max_position_embeddings) | 10.0 KiB | 2.5 KiB |"
 
 
 def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():

@@ -430,3 +430,60 @@ def test_eval_runs_its_preflight_once_and_loads_each_tokenizer_once(tiny_pair, m
     assert result.exit_code == 0, result.output
     assert calls["preflight"] == 1
     assert sorted(map(str, calls["tokenizer"])) == sorted([str(converted), str(source)])
+
+
+def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_pair, tmp_path):
+    """`eval --max-tokens 10` under a context of 32 printed `32/32` (context/stride) and saved "context_length": 32
+    in the JSON and the card, while the one window held 10 tokens (9 scored)."""
+    import shutil
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    source, converted, text = tiny_pair
+    converted = Path(shutil.copytree(converted, tmp_path / "mla"))  # --update-card rewrites its report and card
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(cli.app, ["eval", str(converted), "--baseline", str(source), "--data", str(text),
+                                          "--context", "32", "--stride", "16", "--max-tokens", "10", "--json", str(out),
+                                          "--update-card"])
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert ("note: the evaluation text has 10 tokens (--max-tokens 10), fewer than the context 32: one window of "
+            "10 tokens") in output
+    assert "| 1 | 10/10 |" in output and "32/" not in output
+    saved = json.loads(out.read_text())
+    assert (saved["settings"]["context_length"], saved["settings"]["stride"]) == (10, 10)
+    for scored in saved["results"].values():
+        assert (scored["context_length"], scored["stride"], scored["num_windows"], scored["num_scored_tokens"]) == \
+            (10, 10, 1, 9)
+    evaluation = json.loads((converted / "mla_convert.json").read_text())["evaluation"]
+    assert (evaluation["context_length"], evaluation["stride"]) == (10, 10)
+    assert "context 10 tokens, 1 window, 9 scored tokens):" in (converted / "README.md").read_text()
+    # the API says the same; a text at least as long as the context keeps the context asked for
+    report = run_eval(converted, text, context_length=32, max_tokens=10, progress=False)
+    assert (report.settings["context_length"], report.settings["stride"]) == (10, 10) and len(report.notes) == 1
+    report = run_eval(converted, text, context_length=32, max_tokens=32, progress=False)
+    assert (report.settings["context_length"], report.notes) == (32, [])
+
+
+def test_a_special_data_path_and_an_empty_json_are_named_for_what_they_are(tiny_pair, tmp_path, monkeypatch):
+    """`eval --data /dev/null` said "/dev/null: no such file or folder" (it exists), and `--json ""` said
+    "--json <the current folder>: exists and is not a regular file" (the empty name read as the current folder)."""
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+    from mla_convert.errors import PreflightError
+
+    source, converted, text = tiny_pair
+    monkeypatch.chdir(tmp_path)
+    for data, json_name, message in [("/dev/null", None, "error: /dev/null: is a character device, not a text file or folder"),
+                                     (str(text), "", "error: --json: must not be empty"),
+                                     (str(text), "  ", "error: --json: must not be empty")]:
+        result = CliRunner().invoke(cli.app, ["eval", str(converted), "--data", data, "--context", "32"]
+                                    + ([] if json_name is None else ["--json", json_name]))
+        assert result.exit_code == 2 and result.output.strip().splitlines() == [message], result.output
+    with pytest.raises(PreflightError, match="^--json: must not be empty$"):
+        run_eval(converted, text, context_length=32, json_path="", progress=False)
+    assert list(tmp_path.iterdir()) == []

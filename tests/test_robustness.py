@@ -451,6 +451,12 @@ def _(ws):
     return ["--calib-data", str(ws.root / "nowhere.txt")]
 
 
+@case("calib-text-special", "calibration text is neither a file nor a folder", "--calib-data /dev/null",
+      "is a character device")
+def _(ws):
+    return ["--calib-data", "/dev/null"]
+
+
 @case("calib-text-empty", "zero-length calibration text", "--calib-data on an empty file", "contains no text")
 def _(ws):
     (ws.root / "empty.txt").write_text("")

@@ -290,7 +290,11 @@ def test_generate_takes_the_files_length_when_no_flag_gives_one(tiny_folder, tmp
     assert result.exit_code == 0 and result.stderr.startswith("4 new tokens in"), result.output
     result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "note: generation_config.json sets max_length 40 (prompt and new tokens); this run generates up to 64" in \
+    # the 64 is --max-new-tokens' default, not a flag the user gave (the note said "... 64 new tokens per prompt
+    # instead (--max-new-tokens)")
+    assert "\n64 new tokens in" in result.stderr, result.stderr  # (the length stays 64)
+    assert ("note: generation_config.json sets max_length 40 (prompt and new tokens), which mla-convert generate does "
+            "not apply: this run generates up to 64 new tokens per prompt, the default of --max-new-tokens") in \
         " ".join(result.stderr.split())
     # a length from the file that does not fit is named as the file's, not as a flag the user never gave
     path.write_text(json.dumps({"max_new_tokens": 600}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,19 @@ def test_load_folder_sorted_joined_with_blank_lines_hidden_and_other_files_skipp
 def test_missing_local_path_says_so(spec, tmp_path):
     with pytest.raises(MLAConvertError, match="no such file or folder"):
         load_text(spec)
+
+
+def test_a_path_that_is_neither_file_nor_folder_says_what_it_is(tmp_path, monkeypatch):
+    """`/dev/null` (and a FIFO) was "no such file or folder", though it exists; a FIFO with a bare name was looked up
+    as a datasets name."""
+    with pytest.raises(MLAConvertError, match="^/dev/null: is a character device, not a text file or folder$"):
+        load_text("/dev/null")
+    os.mkfifo(tmp_path / "pipe.txt")
+    os.mkfifo(tmp_path / "pipe")
+    monkeypatch.chdir(tmp_path)
+    for spec in (str(tmp_path / "pipe.txt"), "pipe"):
+        with pytest.raises(MLAConvertError, match=f"^{re.escape(spec)}: is a FIFO, not a text file or folder$"):
+            load_text(spec)
 
 
 def test_empty_inputs_are_errors(tmp_path):

@@ -168,7 +168,7 @@ def results_file_problems(json_path: str | os.PathLike | None, data: str | os.Pa
     """
     from ..io.paths import absolute_path
 
-    if json_path is None:
+    if json_path is None or not os.fspath(json_path).strip():  # empty: refused by output_file_problems
         return []
     path = absolute_path(json_path)
     for fact in facts:

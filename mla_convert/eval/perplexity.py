@@ -230,6 +230,8 @@ def evaluate_perplexity(
     words are not reported: without offsets the text of the scored tokens is unknown), or a
     `TokenizedText`.  `max_tokens` evaluates only the first that many tokens; `max_windows` stops
     after that many windows.  Inputs go to `device` (default: where the model's embeddings are).
+    Tokens fewer than `context_length` make one window of them all: the result's `context_length` and `stride`
+    are then its length.
     """
     if batch_size < 1:
         raise EvaluationError(f"batch size must be at least 1, got {batch_size}")
@@ -241,6 +243,8 @@ def evaluate_perplexity(
         ids = ids[:max_tokens]
     stride = context_length if stride is None else stride
     windows = plan_windows(int(ids.numel()), context_length, stride, max_windows)
+    if ids.numel() < context_length:  # one window of every token: say its real length, not the one asked for
+        context_length = stride = int(ids.numel())
     span_tokens = windows[-1].end
     scored_ranges = [(w.score_from, w.end) for w in windows]
     num_bytes, num_words = tokenized.covered_statistics(scored_ranges)
@@ -365,6 +369,7 @@ class EvalReport:
     results: dict[str, PerplexityResult]
     settings: dict = field(default_factory=dict)
     baseline_label: str | None = None
+    notes: list[str] = field(default_factory=list)  # what the numbers mean differently from what was asked
 
     @property
     def ratio(self) -> float | None:
@@ -439,7 +444,8 @@ def run_eval(
     """Load `model` (and `baseline`), read `data`, evaluate on identical windows, optionally save JSON.
 
     `context_length` None: 1024 tokens, or the models' max_position_embeddings when shorter; a longer one
-    needs `allow_long_context`.  Everything `mla-convert eval` refuses (fp16 on a converted model, a device
+    needs `allow_long_context`; a text (after `max_tokens`) shorter than it is one window of its own length, which
+    the results and `settings` record and `notes` says.  Everything `mla-convert eval` refuses (fp16 on a converted model, a device
     that is not there, an unwritable `json_path`) is refused here too, before any model loads.
     The tokenizer comes from the model folder, else from the baseline's (a converted model carries its
     source's tokenizer, but an older export might not).
@@ -461,6 +467,12 @@ def run_eval(
     tokenizer = plan.tokenizer or load_tokenizer_for_eval(*(fact.path for fact in plan.facts))
     tokenized = tokenize_with_offsets(tokenizer, text)
     plan_windows(len(tokenized), context_length, stride, max_windows)
+    notes = []
+    tokens = len(tokenized) if max_tokens is None else min(len(tokenized), max_tokens)
+    if tokens < context_length:  # the results say so too (context_length, stride): the table and JSON quote them
+        notes.append(f"the evaluation text has {tokens} tokens"
+                     + (f" (--max-tokens {max_tokens})" if max_tokens is not None and max_tokens < len(tokenized) else "")
+                     + f", fewer than the context {context_length}: one window of {tokens} tokens")
     model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
     baseline_obj = None
     if baseline is not None:
@@ -492,8 +504,8 @@ def run_eval(
         text_column=text_column,
         split=split,
         max_chars=max_chars,
-        context_length=context_length,
-        stride=context_length if stride is None else stride,
+        context_length=next(iter(results.values())).context_length,  # the real window length (a short text: its own)
+        stride=next(iter(results.values())).stride,
         max_windows=max_windows,
         max_tokens=max_tokens,
         batch_size=batch_size,
@@ -502,7 +514,7 @@ def run_eval(
         device=str(_model_device(model_obj)),
         total_tokens=len(tokenized),
     )
-    report = EvalReport(results, settings, baseline_label)
+    report = EvalReport(results, settings, baseline_label, notes)
     if json_path is not None:
         absolute_path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report

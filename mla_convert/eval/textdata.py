@@ -61,6 +61,10 @@ def load_text(spec: str | os.PathLike, text_column: str = "text", split: str | N
         text = _read_file(path, text_column, max_chars)
     elif path.is_dir():
         text = _read_folder(path, text_column, max_chars)
+    elif path.exists():  # /dev/null, a FIFO (reading one would wait forever), a socket
+        from ..io.paths import special_kind
+
+        raise TextDataError(f"{text_spec}: is {special_kind(path)}, not a text file or folder")
     elif ":" not in text_spec and looks_like_path(text_spec):
         raise TextDataError(f"{text_spec}: no such file or folder")
     else:

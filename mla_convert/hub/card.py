@@ -371,6 +371,16 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+CARD_CONTEXT = 4096  # the sequence the KV table sizes, or the model's positions when fewer
+
+
+def _export_positions(report: Mapping[str, Any]) -> int | None:
+    """The export's max_position_embeddings: a sliding-window source's window, else the source's (None: unknown)."""
+    window = _get(report, "source", "sliding_window")
+    positions = window if isinstance(window, int) else _get(report, "source", "max_position_embeddings")
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
+
+
 def _section_cache(report: Mapping[str, Any]) -> list[str]:
     numbers = _cache_numbers(report)
     if not (numbers["source_values"] or numbers["source_bytes"]):
@@ -386,9 +396,11 @@ def _section_cache(report: Mapping[str, Any]) -> list[str]:
         layers = f"all {numbers['num_layers']:.0f} layers" if numbers["num_layers"] else "all layers"
         label = f"bytes per token, {layers}" + (f" ({dtype})" if dtype else "")
         lines.append(f"| {label} | {numbers['source_bytes']:,.0f} | {numbers['mla_bytes']:,.0f} |")
-        context = 4096
+        context = min(CARD_CONTEXT, _export_positions(report) or CARD_CONTEXT)  # a longer one: refused by eval, generate
         lines.append(
-            f"| one sequence of {context:,} tokens | {human_bytes(numbers['source_bytes'] * context, digits=1)} | "
+            f"| one sequence of {context:,} tokens"
+            + (" (max_position_embeddings)" if context < CARD_CONTEXT else "")
+            + f" | {human_bytes(numbers['source_bytes'] * context, digits=1)} | "
             f"{human_bytes(numbers['mla_bytes'] * context, digits=1)} |"
         )
     if numbers["ratio"]:
@@ -405,7 +417,7 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
         f"context {evaluation['context_length']:,} tokens" if evaluation.get("context_length") else "",
         f"stride {evaluation['stride']:,}" if evaluation.get("stride") and evaluation.get("stride") != evaluation.get(
             "context_length") else "",
-        f"{evaluation['windows']} windows" if evaluation.get("windows") else "",
+        f"{evaluation['windows']} window{'s' if evaluation['windows'] != 1 else ''}" if evaluation.get("windows") else "",
         f"{evaluation['scored_tokens']:,} scored tokens" if evaluation.get("scored_tokens") else "",
     )
     lines = [f"{lead} with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":"]

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 
-def _kind(path: Path) -> str:
+def special_kind(path: Path) -> str:
+    """What a path that is neither a regular file nor a folder is: 'a FIFO', 'a character device', ..."""
     mode = path.stat().st_mode
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device")):
@@ -39,7 +40,7 @@ def special_file_problems(folder: str | os.PathLike) -> list[str]:
             if entry.is_symlink() and not entry.exists():
                 problems.append(f"{entry}: a symlink to nothing")
                 continue
-            problems.append(f"{entry}: is {_kind(entry)}, not a regular file")
+            problems.append(f"{entry}: is {special_kind(entry)}, not a regular file")
         except OSError as error:
             problems.append(f"{entry}: cannot be read ({error.strerror or error})")
     return problems
@@ -59,6 +60,8 @@ def output_file_problems(path: str | os.PathLike | None, flag: str) -> list[str]
     """A file a command will write at the end: its folder exists and is writable, and it is not a folder."""
     if path is None:
         return []
+    if not os.fspath(path).strip():  # as a path, "" is the current folder
+        return [f"{flag}: must not be empty"]
     path = absolute_path(path)  # a quoted `~/x.json` is written in the home folder, as every other path is read
     parent = path.parent
     if path.is_symlink() and not path.exists():

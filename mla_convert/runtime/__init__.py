@@ -4,8 +4,10 @@ It reads the folder `mla-convert convert` writes (a stock dense DeepseekV3 check
 (per-head W_UK / W_UV, or folded into the query / output projections where that reads fewer weights)
 so that attention runs on the (R + D)-wide latent cache, and decodes with the `mla_decode_triton`
 kernel on CUDA (its torch reference on CPU), replaying each decode step as a CUDA graph on CUDA.
-Greedy output in fp32 equals transformers' `generate` on the same folder token for token (tests/test_runtime.py);
-in bf16 both round differently (the absorbed products are other products), so a near-tie can pick another token.
+Greedy output in fp32 equals transformers' `generate` on the same folder token for token (tests/test_runtime.py)
+for the same number of new tokens: that number is the caller's `max_new_tokens` (`mla-convert generate`: the folder's
+max_new_tokens, else 64), never generate()'s max_length (the folder's, or its default of 20); in bf16 both round
+differently (the absorbed products are other products), so a near-tie can pick another token.
 
 Modules: `loading` (read and check the folder), `paged_cache` (the page pool, the kernel's cache layout
 and the device page table), `absorption` (where W_UK / W_UV go), `model` (absorbed weights, packed

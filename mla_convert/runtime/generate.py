@@ -5,7 +5,8 @@ compared with it token for token: the folder's generation_config.json applies as
 penalty, no-repeat n-grams, and when sampling its temperature, top-k and top-p unless given; settings the
 runtime does not implement are listed by `GenerationSettings.notes`); greedy picks the argmax of the logits;
 sampling uses temperature, top-k and nucleus (top-p) filtering; a sequence stops after `max_new_tokens`
-tokens or right after it emits an
+tokens (the caller's: a max_length in the folder's generation_config.json, or generate()'s default of 20, is not
+applied, so compare with generate() given the same max_new_tokens) or right after it emits an
 end-of-sequence id (which is kept in its output, as `generate` keeps it), and finished sequences leave
 the batch and give their cache pages back.
 

@@ -152,12 +152,13 @@ class GenerationSettings:
         return chain(ids, logits.float())
 
     def notes(self, sampling: bool, max_new_tokens: int | None = None) -> list[str]:
-        """What a reader of the folder's generation config must know about this run (`max_new_tokens`: what the run
-        generates per prompt, when the caller chose it)."""
+        """What a reader of the folder's generation config must know about this run (`max_new_tokens`: the new tokens
+        per prompt this run generates by default, when the caller gave no length; None: the caller gave one)."""
         lines = []
         if max_new_tokens is not None and self.max_new_tokens is None and self.max_length is not None:
-            lines.append(f"generation_config.json sets max_length {self.max_length} (prompt and new tokens); this run "
-                         f"generates up to {max_new_tokens} new tokens per prompt instead (--max-new-tokens)")
+            lines.append(f"generation_config.json sets max_length {self.max_length} (prompt and new tokens), which "
+                         f"mla-convert generate does not apply: this run generates up to {max_new_tokens} new tokens "
+                         "per prompt, the default of --max-new-tokens")
         if self.do_sample and not sampling:
             lines.append(f"generation_config.json samples (do_sample true, temperature {self.temperature:g}, top-p "
                          f"{self.top_p:g}, top-k {self.top_k}); this run decodes greedily: add --sample to sample as "
