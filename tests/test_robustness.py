@@ -332,7 +332,7 @@ def _(ws):
     return []
 
 
-@case("gelu-activation", "an MLP activation DeepseekV3 does not have", "hidden_act gelu", "hidden_act")
+@case("gelu-activation", "an MLP activation other than silu", "hidden_act gelu", "hidden_act")
 def _(ws):
     ws.edit_config(hidden_act="gelu")
     return []

@@ -293,7 +293,10 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
         read.problems.append(f"config.json: head_dim {head_dim} is odd; RoPE rotates pairs of dimensions")
     hidden_act = read.text("hidden_act", "silu")
     if hidden_act not in SUPPORTED_ACTIVATIONS:
-        read.problems.append(f"config.json: hidden_act {hidden_act!r} is not supported (DeepseekV3's MLP uses silu)")
+        # (transformers' DeepseekV3MLP would take another ACT2FN name; the export, its oracle tests and every engine
+        # run are silu, the activation of the Llama, Mistral and Qwen2 checkpoints this converts)
+        read.problems.append(f"config.json: hidden_act {hidden_act!r} is not supported (mla-convert converts silu MLPs, "
+                             "the activation of DeepSeek-V3 and of every export tested in the serving engines)")
     for key, bad in arch.unsupported_config.items():
         if raw.get(key) == bad:
             read.problems.append(f"config.json: {key}={bad!r} is not supported (DeepseekV3 has no such attention)")
