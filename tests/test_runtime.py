@@ -579,6 +579,37 @@ def test_moe_and_non_deepseek_folders_are_refused(tmp_path, tiny_tokenizer):
         AbsorbedMLAModel.from_folder(llama, device="cpu")
 
 
+@pytest.mark.parametrize("eos, message", [
+    ("x", "transformers cannot read its config (Validation error for field 'eos_token_id': TypeError"),
+    ([2, -1], "config.json: eos_token_id [2, -1]: must be a token id or a list of them"),
+])
+def test_a_config_transformers_or_we_refuse_is_one_error_line_in_every_command(tmp_path, tiny_tokenizer, eos, message):
+    """eval, generate and finetune ended in huggingface_hub's StrictDataclassFieldValidationError traceback for a
+    config.json field of the wrong type (`"eos_token_id": "x"`); a negative id was taken as a stop token."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    folder = build_tiny_folder(tmp_path / "mla", tiny_tokenizer)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (folder / "config.json").write_text(json.dumps(config))
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a tiny model. " * 20)
+    commands = [["generate", str(folder), "Once", "--max-new-tokens", "2", "--device", "cpu"]]
+    if eos == "x":  # transformers itself refuses this one, wherever the folder is loaded
+        commands += [["eval", str(folder), "--data", str(text), "--context", "32", "--max-windows", "1"],
+                     ["finetune", str(folder), str(tmp_path / "ft"), "--max-steps", "2", "--warmup-steps", "0",
+                      "--data", str(text), "--teacher", str(folder)]]
+    for command in commands:
+        result = CliRunner().invoke(app, command)
+        output = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in output and message in output, (command, result.output)
+
+
 def test_pages_needed_counts_each_sequence_separately():
     assert PagedLatentCache.pages_needed([1, 16, 17], 16) == 1 + 1 + 2
     assert PagedLatentCache.pages_needed([5, 3], 1) == 8

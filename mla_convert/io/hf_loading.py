@@ -25,7 +25,18 @@ class ModelLoadError(MLAConvertError):
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    """The error's first line, with the next when the first only announces it (huggingface_hub's validation errors:
+    "Validation error for field 'eos_token_id':" then what is wrong with it)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a folder it will not load (a config field of the wrong type is rejected by
+    huggingface_hub's strict dataclasses, an Exception of their own)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return OSError, ValueError, TypeError, KeyError, StrictDataclassError
 
 
 def weights_problems(folder: str | os.PathLike, allow_pickle: bool = False) -> list[str]:
@@ -44,7 +55,7 @@ def load_config(folder: str | os.PathLike):
 
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError) as error:
+    except _refusals() as error:
         raise ModelLoadError(f"{folder}: transformers cannot read its config ({_first_line(error)})") from error
 
 
@@ -53,7 +64,7 @@ def load_tokenizer(folder: str | os.PathLike):
 
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError) as error:
+    except _refusals() as error:
         raise ModelLoadError(f"{folder}: transformers cannot load its tokenizer ({_first_line(error)})") from error
 
 
@@ -82,5 +93,5 @@ def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto",
     try:
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, trust_remote_code=False,
                                                     use_safetensors=None if allow_pickle else True, **kwargs)
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as error:
+    except (*_refusals(), RuntimeError) as error:
         raise ModelLoadError(f"{Path(folder)}: cannot load as a causal LM ({_first_line(error)})") from error

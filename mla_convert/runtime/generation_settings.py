@@ -34,8 +34,8 @@ NOT_APPLIED = {"min_length": 0, "min_new_tokens": None, "typical_p": 1.0, "min_p
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
-def _id_tuple(value, path: Path) -> tuple[int, ...]:
-    """A config's eos_token_id (one id, a list of them, or none) as a tuple."""
+def token_id_tuple(value, path: Path) -> tuple[int, ...]:
+    """A config's eos_token_id (one id, a list of them, or none) as a tuple; `path` names the file in the error."""
     values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise GenerationSettingsError(f"{path}: eos_token_id {value!r}: must be a token id or a list of them")
@@ -109,7 +109,7 @@ class GenerationSettings:
                     if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1)]
         if problems:
             raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
-        return cls(**values, not_applied=ignored, eos_token_ids=_id_tuple(config.eos_token_id, path), **lengths)
+        return cls(**values, not_applied=ignored, eos_token_ids=token_id_tuple(config.eos_token_id, path), **lengths)
 
     def new_tokens(self, given: int | None) -> int:
         """New tokens per prompt: `given`, else the file's max_new_tokens (as generate() takes it), else 64."""

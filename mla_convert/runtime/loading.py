@@ -39,18 +39,12 @@ class ExportedFolder:
     stored_dtype: torch.dtype
 
 
-def _as_id_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
-
-
 def config_eos_ids(config) -> tuple[int, ...]:
     """config.json's end-of-sequence ids: what `generate` stops at when the folder has no generation_config.json
     (one that exists decides alone: `GenerationSettings.eos_token_ids`)."""
-    return _as_id_tuple(getattr(config, "eos_token_id", None))
+    from .generation_settings import token_id_tuple
+
+    return token_id_tuple(getattr(config, "eos_token_id", None), Path(config.name_or_path or ".") / "config.json")
 
 
 def shard_files(path: Path) -> list[Path]:
