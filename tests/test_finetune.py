@@ -399,13 +399,13 @@ def test_every_settings_problem_is_reported_in_one_run(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("lerning_rate: 1\nmax_steps: ten\nlr: -1\nmixed_precision: no\n")
     with pytest.raises(FinetuneConfigError) as error:
-        parse_config(["--model", "m", "--output", "o", "--config", str(recipe), "--force", "--data", ""])
+        parse_config(["--model", "m", "--output", "o", "--config", str(recipe), "--force", "--data", "", "--bogus-key", "3"])
     lines = str(error.value).splitlines()
-    for start in ("--data: must not be empty", "unknown config keys: lerning_rate", "max_steps: 'ten' is not a valid int",
-                  "mixed_precision: YAML read False as a boolean", "lr: must be positive (got -1.0)",
+    for start in ("unrecognized arguments: --bogus-key 3", "--data: must not be empty", "unknown config keys: lerning_rate",
+                  "max_steps: 'ten' is not a valid int", "mixed_precision: YAML read False as a boolean", "lr: must be positive (got -1.0)",
                   "force: acts only with overwrite"):
         assert sum(line.startswith(start) for line in lines) == 1, (start, lines)
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
     with pytest.raises(FinetuneConfigError) as error:  # the API reads a mapping the same way: all at once
         config_from_mapping({"lerning_rate": 1, "max_steps": "ten"})
     assert len(str(error.value).splitlines()) == 2

@@ -392,12 +392,14 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: 
     A flag the run cannot use is refused; a YAML key it cannot use is appended to `notes` (when given).
     """
     parser = build_parser(prog)
-    given = vars(parser.parse_args(argv))
+    namespace, unknown = parser.parse_known_args(argv)  # unknown flags are reported with every other problem
+    given = vars(namespace)
     config_file = given.pop("config", None)
     # an empty value would quietly mean "none" (e.g. `--data ""`: sample the teacher instead of reading a text)
     empty = [name for name, value in [("config", config_file), *given.items()] if isinstance(value, str) and not value.strip()]
-    problems = [f"--{name.replace('_', '-')}: must not be empty" + ("" if name == "config" else
-                " (write none to clear a setting the config file gives)") for name in empty]
+    problems = [f"unrecognized arguments: {' '.join(unknown)} (see --help)"] if unknown else []
+    problems += [f"--{name.replace('_', '-')}: must not be empty" + ("" if name == "config" else
+                 " (write none to clear a setting the config file gives)") for name in empty]
     if "config" in empty:
         raise FinetuneConfigError("\n".join(problems))
     given = {name: value for name, value in given.items() if name not in empty}
