@@ -131,6 +131,11 @@ def inspect(
               f"[bold]{report.ratio:.2f}x[/]: the MLA cache is {1 / report.ratio:.2f}x larger than the source's")
     console.print(f"compression ratio: {change}", highlight=False, soft_wrap=True)
     print_table(console, "shapes each --target allows for this model", ("target", "shapes", "KV ratios"), target_rows(report.source))
+    if Path(model).expanduser().is_dir():  # the shapes come from config.json alone; say now what convert will refuse
+        from .io.hf_loading import weights_problems
+
+        for problem in weights_problems(folder):
+            console.print(f"note: convert will refuse these weights: {escape(problem)}", highlight=False, soft_wrap=True)
     if estimate:
         import dataclasses
 

@@ -274,6 +274,22 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+def test_inspect_names_weights_convert_will_refuse(tmp_path):
+    """inspect read config.json alone and exited 0 without a word on a folder missing a shard; convert refused it."""
+    from tiny_models import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "sharded", max_shard_size="20KB")
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2
+    result = run_cli("inspect", folder)
+    assert result.returncode == 0 and "convert will refuse" not in result.stdout, result.stdout + result.stderr
+    shards[-1].unlink()
+    result = run_cli("inspect", folder)
+    flowing = " ".join(result.stdout.split())
+    assert result.returncode == 0 and f"note: convert will refuse these weights: {folder}" in flowing, flowing
+    assert f"names shard '{shards[-1].name}'" in flowing and "which is missing from the folder" in flowing
+
+
 def test_inspect_cli_prints_the_table_and_ratio(smollm2_config_folder):
     result = run_cli("inspect", smollm2_config_folder, "--compression", "4", "--context", "4096")
     assert result.returncode == 0, result.stderr
