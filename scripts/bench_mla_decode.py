@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--also-tune-page-size must be 0 (off) or a page size")
     if args.write_tuned_table and not args.from_json:
         parser.error("--write-tuned-table needs --from-json")
+    if args.from_json and not args.from_json.is_file():
+        parser.error(f"--from-json {args.from_json}: no such file")
     return args
 
 
