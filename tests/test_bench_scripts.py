@@ -4,9 +4,11 @@ one `error:` line (exit 2) before anything is measured or written.  Nothing here
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,87 @@ def test_device_check_writes_a_relative_out_in_the_callers_folder(tmp_path):
     subprocess.run(["bash", str(repo / "scripts" / "device_check.sh")], capture_output=True, text=True, cwd=caller,
                    env=env, timeout=60)
     assert (caller / "results" / "summary.txt").exists() and not (repo / "results").exists()
+
+
+# --------------------------------------------------------------------------- bench_convert.py
+def fake_conversions(bench, monkeypatch, tmp_path):
+    """bench_model without converting or scoring anything: each conversion writes a report and takes 1 s."""
+    def run_conversion(source, out, extra, threads):
+        out.mkdir(parents=True)
+        (out / "mla_convert.json").write_text(json.dumps({"options": {"kv_lora_rank": 8, "rope_dim": 4}}))
+        return {"seconds": 1.0, "peak_rss_bytes": 2**20, "command": "mla-convert convert SRC OUT " + " ".join(extra)}
+
+    monkeypatch.setattr(bench, "source_path", lambda model: tmp_path)
+    monkeypatch.setattr(bench, "score", lambda *a: 5.0)
+    monkeypatch.setattr(bench, "run_conversion", run_conversion)
+
+
+def test_bench_convert_records_the_effort_the_conversions_ran_with(tmp_path, monkeypatch):
+    bench = load("bench_convert")
+    fake_conversions(bench, monkeypatch, tmp_path)
+    assert bench.bench_model("stories260k", [2.0], ["svd"], None, ["--effort", "fast"])["effort"] == "fast"
+    assert bench.bench_model("stories260k", [2.0], ["svd"], None, ["--effort=thorough"])["effort"] == "thorough"
+    assert bench.bench_model("stories260k", [2.0], ["svd"], None, [])["effort"] == "default"
+
+
+def test_bench_convert_merges_a_measuring_run_into_the_section(tmp_path, monkeypatch):
+    """A one-model run used to replace the whole section (the other model's table and rows were dropped)."""
+    bench = load("bench_convert")
+    fake_conversions(bench, monkeypatch, tmp_path)
+    earlier = tmp_path / "earlier.json"
+    benchmarks = tmp_path / "BENCHMARKS.md"
+    monkeypatch.chdir(tmp_path)
+    bench.main(["--model", "smollm2", "--ratios", "2", "--methods", "svd", "--json", "earlier.json"])
+    bench.main(["--from-json", "earlier.json", "--write-benchmarks", "BENCHMARKS.md"])
+    bench.main(["--model", "stories260k", "--ratios", "4", "--methods", "svd", "--json", "new.json",
+                "--write-benchmarks", "BENCHMARKS.md"])
+    text = benchmarks.read_text()
+    assert "### smollm2" in text and "### stories260k" in text  # the earlier table kept, the new one added
+    command = next(line for line in text.splitlines() if line.startswith("Command: "))
+    assert f"--from-json {earlier} {tmp_path / 'new.json'}" in command  # re-runnable from the repo root
+    assert text.count("<!-- bench_convert:begin -->") == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--ratios", "abc"], "--ratios"),                      # was a ValueError traceback
+    (["--methods", "bogus"], "unknown method"),              # was refused by the conversion, after scoring the source
+    (["--from-json", "missing.json"], "no such file"),       # was a FileNotFoundError
+    (["--write-benchmarks", "B.md"], "needs --json"),        # the section could not be merged again
+])
+def test_bench_convert_refuses_bad_arguments_before_measuring(tmp_path, monkeypatch, capsys, argv, says):
+    bench = load("bench_convert")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "bench_model", lambda *a: pytest.fail("measured"))
+    assert says in refused(capsys, lambda: bench.main(argv))
+
+
+# --------------------------------------------------------------------------- benchmarks_md.py
+def test_recorded_commands_can_be_run_again_from_the_repo_root(tmp_path, monkeypatch):
+    """`--json ../bc.json` typed in scripts/ was recorded as is; the script called by absolute path recorded its
+    absolute path (or only its name)."""
+    import argparse
+
+    sys.path.insert(0, str(SCRIPTS))
+    from benchmarks_md import recorded_command
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--from-json", type=Path, nargs="+")
+    parser.add_argument("--ratios")
+    parser.add_argument("extra", nargs="*")
+    monkeypatch.chdir(SCRIPTS)
+    argv = ["--json", "../bc.json", "--from-json", "a.json", str(tmp_path / "b.json"), "--ratios", "2,4",
+            f"--json={tmp_path}/c.json", "out", "--", "--calib-data", "x.txt"]
+    assert recorded_command(SCRIPTS / "bench_convert.py", argv, parser) == (
+        f"python scripts/bench_convert.py --json bc.json --from-json scripts/a.json {tmp_path}/b.json --ratios 2,4 "
+        f"--json={tmp_path}/c.json out -- --calib-data x.txt")
+
+
+def test_the_imported_modules_say_so_on_their_own(tmp_path):
+    for name in ("benchmarks_md.py", "cost_model_report.py"):
+        shown = subprocess.run([sys.executable, str(SCRIPTS / name), "--help"], capture_output=True, text=True,
+                               cwd=tmp_path, timeout=60)
+        assert shown.returncode == 0 and "imported by" in shown.stdout and shown.stdout.count("\n") == 1
+        bad = subprocess.run([sys.executable, str(SCRIPTS / name)], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=60)
+        assert bad.returncode == 2 and "error:" in bad.stderr and bad.stderr.count("\n") == 1
