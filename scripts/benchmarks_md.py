@@ -63,17 +63,24 @@ def repo_path(path: str | os.PathLike, cwd: str | os.PathLike | None = None) -> 
 
 
 def recorded_command(script: str | os.PathLike, argv: list[str] | None, parser=None,
-                     cwd: str | os.PathLike | None = None) -> str:
+                     cwd: str | os.PathLike | None = None, local_or_not: tuple[str, ...] = ()) -> str:
     """`python scripts/NAME.py ARGS` as it can be re-run from the repo root, however the script was called:
     the values of `parser`'s path options (type `Path` or `absolute_path`) are made relative to the repo (or
-    absolute outside it); everything else is kept as typed."""
+    absolute outside it), and those of the options in `local_or_not` (a folder or a hub id) when they exist
+    here; everything else is kept as typed."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    takes: dict[str, int | None] = {}  # path option -> how many values it takes (None: any number)
+    takes: dict[str, int | None] = dict.fromkeys(local_or_not, 1)  # path option -> values it takes (None: any)
     for action in getattr(parser, "_actions", []):
         if getattr(action.type, "__name__", "") in ("Path", "absolute_path"):
             count = 1 if action.nargs is None else action.nargs if isinstance(action.nargs, int) else None
             takes.update(dict.fromkeys(action.option_strings, count))
-    out, left = [], 0
+
+    def rewritten(flag: str, value: str) -> str:
+        if flag in local_or_not and not Path(cwd or os.getcwd(), value).expanduser().exists():
+            return value
+        return repo_path(value, cwd)
+
+    out, left, flag = [], 0, ""
     for index, arg in enumerate(argv):
         if arg == "--":
             out += argv[index:]
@@ -83,12 +90,12 @@ def recorded_command(script: str | os.PathLike, argv: list[str] | None, parser=N
             left = 0
             if flag in takes:
                 if equals:
-                    arg = f"{flag}={repo_path(value, cwd)}"
+                    arg = f"{flag}={rewritten(flag, value)}"
                 else:
                     left = takes[flag] if takes[flag] is not None else -1
             out.append(arg)
         elif left:
-            out.append(repo_path(arg, cwd))
+            out.append(rewritten(flag, arg))
             left -= 1 if left > 0 else 0
         else:
             out.append(arg)

@@ -20,6 +20,7 @@ SCRIPTS = REPO / "scripts"
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -202,3 +203,59 @@ def test_the_imported_modules_say_so_on_their_own(tmp_path):
         bad = subprocess.run([sys.executable, str(SCRIPTS / name)], capture_output=True, text=True, cwd=tmp_path,
                              timeout=60)
         assert bad.returncode == 2 and "error:" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- bench_effort.py
+@pytest.mark.parametrize("argv, says", [
+    (["--efforts", "bogus"], "invalid choice"),             # was passed to every conversion, which refused it
+    (["--from-json", "missing.json"], "no such file"),      # was a FileNotFoundError
+])
+def test_bench_effort_refuses_bad_arguments(tmp_path, monkeypatch, capsys, argv, says):
+    bench = load("bench_effort")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run_one", lambda *a: pytest.fail("converted"))
+    assert says in refused(capsys, lambda: bench.main(argv))
+
+
+def test_bench_effort_records_paths_as_the_repo_root_sees_them(monkeypatch, tmp_path):
+    bench = load("bench_effort")
+    seen = {}
+    monkeypatch.setattr(bench, "run_one", lambda work, effort, ratio: {"effort": effort, "ratio": ratio})
+    monkeypatch.setattr(bench, "render", lambda results: seen.update(results) or "")
+    monkeypatch.chdir(SCRIPTS)
+    bench.main(["--efforts", "fast", "--ratios", "2", "--json", str(tmp_path / "e.json"), "--write-benchmarks",
+                str(tmp_path / "B.md")])
+    assert seen["command"] == (f"python scripts/bench_effort.py --efforts fast --ratios 2 --json {tmp_path}/e.json "
+                               f"--write-benchmarks {tmp_path}/B.md")
+    monkeypatch.chdir(tmp_path)
+    bench.main(["--efforts", "fast", "--ratios", "2", "--json", "e.json"])
+    assert seen["command"].endswith(f"--json {tmp_path}/e.json")  # was `--json e.json`: not re-runnable from the repo
+
+
+# --------------------------------------------------------------------------- bench_decode.py
+@pytest.mark.parametrize("extra, says", [
+    (["--contexts", "abc"], "--contexts"),          # was a ValueError after loading both models
+    (["--contexts", "0"], "--contexts"),            # an empty prompt, found by generate
+    (["--dtype", "fp64"], "--dtype"),               # was an InvalidShapeError traceback
+    (["--device", "cuda:99"], "--device"),          # no such device (none at all on a CPU machine)
+    (["--data", "missing.txt"], "--data"),          # was found when the first prompt was built
+    (["--source", "./missing"], "--source"),        # neither a folder nor a hub id
+    (["--json", "no/such/folder/t.json"], "--json"),  # was found after all the timing
+    (["--repeats", "0"], "--repeats"),              # no run at all: a KeyError in the table
+    (["--threads", "0"], "--threads"),              # silently meant 'the default'
+])
+def test_bench_decode_refuses_bad_arguments_before_timing(tmp_path, monkeypatch, capsys, extra, says):
+    bench = load("bench_decode")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    argv = ["--source", "model", "--converted", "model", *extra]
+    assert says in refused(capsys, lambda: bench.parse_args(argv))
+
+
+def test_bench_decode_records_paths_as_the_repo_root_sees_them(tmp_path, monkeypatch):
+    bench = load("bench_decode")
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = bench.parse_args(["--source", "model", "--converted", "HuggingFaceTB/SmolLM2-135M", "--json", "t.json"])
+    assert args.command == (f"python scripts/bench_decode.py --source {tmp_path}/model "
+                            f"--converted HuggingFaceTB/SmolLM2-135M --json {tmp_path}/t.json")
