@@ -259,3 +259,52 @@ def test_bench_decode_records_paths_as_the_repo_root_sees_them(tmp_path, monkeyp
     args = bench.parse_args(["--source", "model", "--converted", "HuggingFaceTB/SmolLM2-135M", "--json", "t.json"])
     assert args.command == (f"python scripts/bench_decode.py --source {tmp_path}/model "
                             f"--converted HuggingFaceTB/SmolLM2-135M --json {tmp_path}/t.json")
+
+
+# --------------------------------------------------------------------------- bench_sweeps.py, bench_io.py
+@pytest.mark.parametrize("flag", ["--threads", "--max-windows", "--context", "--calib-samples", "--calib-seq-len"])
+def test_bench_sweeps_refuses_zero_instead_of_taking_the_protocols_value(flag, capsys):
+    """`args.x or protocol.x` replaced an explicit 0 with the protocol's value without a word."""
+    bench = load("bench_sweeps")
+    assert flag in refused(capsys, lambda: bench.parse_args([flag, "0"]))
+    settings = bench.settings_for(bench.PROTOCOLS["stories260k"], bench.parse_args(["--max-windows", "3"]))
+    assert settings.max_windows == 3
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-shard-size", "abc"], "--max-shard-size"),   # was found by the child making the checkpoint
+    (["--min-size-gib", "0"], "--min-size-gib"),          # an empty 'checkpoint'
+    (["--min-size-gib", "-1"], "--min-size-gib"),
+])
+def test_bench_io_refuses_bad_sizes_before_making_anything(tmp_path, capsys, argv, says):
+    bench = load("bench_io")
+    work = tmp_path / "work"
+    assert says in refused(capsys, lambda: bench.main(["--workdir", str(work), *argv]))
+    assert not work.exists()
+
+
+# --------------------------------------------------------------------------- the GPU scripts' offline halves
+def test_bench_runtime_decode_cpu_smoke_honours_explicit_values():
+    bench = load("bench_runtime_decode")
+    smoke = bench.parse_args(["--cpu-smoke"])
+    assert (smoke.layers, smoke.prompt, smoke.new_tokens, smoke.batches) == (2, 24, 6, [1, 2])
+    given = bench.parse_args(["--cpu-smoke", "--batches", "3", "--prompt", "40", "--new-tokens", "5", "--layers", "1"])
+    assert (given.layers, given.prompt, given.new_tokens, given.batches) == (1, 40, 5, [3])  # were silently replaced
+    plain = bench.parse_args([])
+    assert (plain.layers, plain.prompt, plain.new_tokens, plain.batches) == (30, 512, 64, [1, 16])
+
+
+@pytest.mark.parametrize("name", ["bench_runtime_decode", "bench_mla_decode"])
+def test_gpu_benchmarks_record_the_script_as_the_repo_root_sees_it(name, tmp_path, monkeypatch):
+    """Called by absolute path, the command was recorded as `python bench_runtime_decode.py`."""
+    bench = load(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / f"{name}.py"), "--json", "r.json"])
+    assert bench.parse_args(None).command == f"python scripts/{name}.py --json {tmp_path}/r.json"
+
+
+def test_device_convert_check_refuses_the_fixed_text_case_without_its_text_before_making_anything(tmp_path, capsys):
+    bench = load("device_convert_check")
+    out = tmp_path / "out"
+    says = refused(capsys, lambda: bench.main(["--out", str(out), "--cases", "stories-fixed", "--devices", "cpu"]))
+    assert "--calib-text" in says and not out.exists()  # was a KeyError after making OUT/work
