@@ -308,3 +308,23 @@ def test_device_convert_check_refuses_the_fixed_text_case_without_its_text_befor
     out = tmp_path / "out"
     says = refused(capsys, lambda: bench.main(["--out", str(out), "--cases", "stories-fixed", "--devices", "cpu"]))
     assert "--calib-text" in says and not out.exists()  # was a KeyError after making OUT/work
+
+
+# --------------------------------------------------------------------------- bench_finetune.py
+def test_bench_finetune_render_only_without_results_is_one_error_line(tmp_path, monkeypatch, capsys):
+    bench = load("bench_finetune")
+    monkeypatch.chdir(tmp_path)  # main() moves to the repo root; this puts the test's folder back afterwards
+    work = tmp_path / "work"
+    assert "--render-only" in refused(capsys, lambda: bench.main(["--render-only", "--work", str(work)]))  # was a ValueError
+
+
+def test_bench_finetune_no_markdown_leaves_the_shipped_plot_alone(tmp_path, monkeypatch):
+    bench = load("bench_finetune")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"stories260k": {"bench_command": "x"}}))
+    drawn = []
+    monkeypatch.setattr(bench, "plot_curves", lambda results, path: drawn.append(path))
+    monkeypatch.setattr(bench, "render_section", lambda results, command: "")
+    monkeypatch.setattr(bench, "write_section", lambda *a: pytest.fail("wrote BENCHMARKS.md"))
+    bench.main(["--render-only", "--no-markdown", "--work", str(tmp_path)])
+    assert drawn == [tmp_path / "finetune_curves.png"]  # was docs/finetune_curves.png
