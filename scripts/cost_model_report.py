@@ -242,7 +242,9 @@ def replace_between(text: str, markers: tuple[str, str], body: str) -> str:
 
 def write_sections(path: Path) -> None:
     runs = [run for run in fitting.load_runs() if run.get("role") != "reference"]
-    text = path.read_text()
+    text = path.read_text() if path.exists() else ""  # a missing file starts as the other writers start it
+    if not text.strip():
+        text = "# Benchmarks\n"
     text = replace_between(text, MARKERS["validation"], validation_section(runs))
     text = replace_between(text, MARKERS["plans"], plans_section(runs))
     path.write_text(text)

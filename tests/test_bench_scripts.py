@@ -328,3 +328,26 @@ def test_bench_finetune_no_markdown_leaves_the_shipped_plot_alone(tmp_path, monk
     monkeypatch.setattr(bench, "write_section", lambda *a: pytest.fail("wrote BENCHMARKS.md"))
     bench.main(["--render-only", "--no-markdown", "--work", str(tmp_path)])
     assert drawn == [tmp_path / "finetune_curves.png"]  # was docs/finetune_curves.png
+
+
+# --------------------------------------------------------------------------- bench_cost_model.py
+def test_bench_cost_model_microbench_writes_where_it_is_told(tmp_path, monkeypatch):
+    """measure / microbench always wrote into docs/bench/cost-model/, which fit_cost_model.py reads."""
+    bench = load("bench_cost_model")
+    monkeypatch.setattr(bench, "microbench", lambda threads: {"name": f"reference-rates-cpu{threads}"})
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["microbench", "--threads", "1", "--out-dir", "rates"]) == 0
+    assert json.loads((tmp_path / "rates" / "reference-rates-cpu1.json").read_text())["name"] == "reference-rates-cpu1"
+
+
+def test_bench_cost_model_creates_a_missing_benchmarks_file(tmp_path, monkeypatch):
+    sys.path.insert(0, str(SCRIPTS))
+    import cost_model_report
+
+    bench = load("bench_cost_model")
+    monkeypatch.setattr(cost_model_report.fitting, "load_runs", lambda: [])
+    monkeypatch.setattr(cost_model_report, "validation_section", lambda runs: "validation")
+    monkeypatch.setattr(cost_model_report, "plans_section", lambda runs: "plans")
+    assert bench.main(["--write-benchmarks", str(tmp_path / "NEW.md")]) == 0  # was a FileNotFoundError
+    text = (tmp_path / "NEW.md").read_text()
+    assert text.startswith("# Benchmarks\n") and "validation" in text and "plans" in text
