@@ -8,8 +8,12 @@ excerpt, ctx 256, 60 windows for stories260K).  The source model is scored in th
 
     python scripts/bench_convert.py                      # both models, ratios 2 4 8, both methods
     python scripts/bench_convert.py --model stories260k  # one model
-    python scripts/bench_convert.py --write-benchmarks BENCHMARKS.md
+    python scripts/bench_convert.py --json run.json --write-benchmarks BENCHMARKS.md  # merged into the section
     python scripts/bench_convert.py --from-json a.json b.json --write-benchmarks BENCHMARKS.md  # combine runs
+
+A measuring run with --write-benchmarks merges its rows into the section as --from-json does: the section is
+rendered again from the JSON files its Command line names plus this run's --json (so --json is required then),
+and its Command line names them all.
 
 Reference figures in the written table come from issue "Conversion to stock DeepseekV3 MLA" (measured
 on this protocol before this tool existed); they are quoted, not re-measured.
@@ -28,8 +32,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from benchmarks_md import write_marked_section  # noqa: E402
+from benchmarks_md import recorded_command, repo_path, write_marked_section  # noqa: E402
+
+from mla_convert.io.paths import absolute_path, output_file_problems  # noqa: E402
+from mla_convert.options import METHODS  # noqa: E402
 
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 SECTION_BEGIN = "<!-- bench_convert:begin -->"
@@ -93,6 +101,17 @@ def score(folder: Path, data: Path, context: int, windows: int) -> float:
     return result.perplexity
 
 
+def effort_of(extra: list[str]) -> str:
+    """The `--effort` the conversions run with: the last one in the arguments passed on, else the default."""
+    effort = "default"
+    for index, arg in enumerate(extra):
+        if arg == "--effort" and index + 1 < len(extra):
+            effort = extra[index + 1]
+        elif arg.startswith("--effort="):
+            effort = arg.split("=", 1)[1]
+    return effort
+
+
 def bench_model(model: str, ratios: list[float], methods: list[str], threads: int | None, extra: list[str]) -> dict:
     import torch
 
@@ -119,7 +138,7 @@ def bench_model(model: str, ratios: list[float], methods: list[str], threads: in
                 import shutil
 
                 shutil.rmtree(out)
-    return {"model": model, "effort": "default", "source_perplexity": source_ppl, "rows": rows, "protocol": {
+    return {"model": model, "effort": effort_of(extra), "source_perplexity": source_ppl, "rows": rows, "protocol": {
         "data": protocol["data"].name, "context": protocol["context"], "windows": protocol["windows"]},
         "source_weight_bytes": sum(p.stat().st_size for p in Path(source).glob("*.safetensors"))}
 
@@ -192,39 +211,116 @@ def write_section(path: Path, text: str) -> None:
     write_marked_section(path, SECTION_BEGIN, SECTION_END, text)
 
 
-def main() -> None:
+def section_sources(path: Path) -> list[Path] | None:
+    """The JSON files the section in `path` was rendered from (its Command line's --from-json list, relative to
+    the repo); [] when the file has no section; None when its section was not rendered from JSON files."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if SECTION_BEGIN not in text:
+        return []
+    body = text.split(SECTION_BEGIN, 1)[1].split(SECTION_END, 1)[0]
+    line = next((line for line in body.splitlines() if line.startswith("Command: `")), "")
+    words = shlex.split(line[len("Command: `"):].rstrip("`")) if line else []
+    if "--from-json" not in words:
+        return None
+    files = []
+    for word in words[words.index("--from-json") + 1:]:
+        if word.startswith("-"):
+            break
+        files.append(Path(word) if Path(word).is_absolute() else REPO / word)
+    return files
+
+
+def ratio_list(text: str) -> list[float]:
+    try:
+        ratios = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers (e.g. 2,4,8)") from None
+    if not ratios or any(not r > 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"{text!r}: each ratio must be above 1")
+    return ratios
+
+
+def method_list(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",")]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+    return methods
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Everything is checked here, before the first (minutes-long) scoring of the source."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["stories260k", "smollm2", "both"], default="both")
-    parser.add_argument("--ratios", default="2,4,8")
-    parser.add_argument("--methods", default="activation-aware,svd")
+    parser.add_argument("--ratios", type=ratio_list, default=[2.0, 4.0, 8.0], help="comma-separated (default 2,4,8)")
+    parser.add_argument("--methods", type=method_list, default=["activation-aware", "svd"],
+                        help=f"comma-separated, of {', '.join(METHODS)} (default activation-aware,svd)")
     parser.add_argument("--threads", type=int, default=None, help="OMP threads for every process (default: torch's)")
-    parser.add_argument("--write-benchmarks", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="RESULTS.json",
+    parser.add_argument("--write-benchmarks", type=absolute_path, default=None,
+                        help="merge the rows into this file's section (a measuring run needs --json)")
+    parser.add_argument("--json", type=absolute_path, default=None)
+    parser.add_argument("--from-json", type=absolute_path, nargs="+", default=None, metavar="RESULTS.json",
                         help="no conversions: render the section from --json files of earlier runs (each model's "
                              "rows keep the command that measured them)")
     parser.add_argument("extra", nargs="*", help="extra arguments for `mla-convert convert` (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
+    for flag, path in (("--json", args.json), ("--write-benchmarks", args.write_benchmarks)):
+        problems = output_file_problems(path, flag)
+        if problems:
+            parser.error(problems[0])
+    args.results = []
+    for path in args.from_json or []:
+        try:
+            args.results += json.loads(path.read_text())
+        except FileNotFoundError:
+            parser.error(f"--from-json {path}: no such file")
+        except (OSError, ValueError) as error:
+            parser.error(f"--from-json {path}: not a bench_convert JSON file ({error})")
+    args.earlier = []
+    if args.write_benchmarks and not args.from_json:
+        if args.json is None:
+            parser.error("--write-benchmarks on a measuring run needs --json FILE: the section is merged from JSON "
+                         "files and its Command line must name this run's")
+        sources = section_sources(args.write_benchmarks)
+        if sources is None:
+            parser.error(f"--write-benchmarks {args.write_benchmarks}: its section was not rendered with --from-json, "
+                         "so its rows cannot be merged; render it with --from-json first")
+        missing = [str(p) for p in sources if not p.is_file()]
+        if missing:
+            parser.error(f"--write-benchmarks: the section's JSON files are missing: {', '.join(missing)}")
+        args.earlier = [p for p in sources if os.path.abspath(p) != os.path.abspath(args.json)]
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse_args(argv)
     if args.from_json:
-        results = merge_results([result for path in args.from_json for result in json.loads(path.read_text())])
-        text = markdown(results, "python scripts/bench_convert.py " + shlex.join(sys.argv[1:]))
+        results = merge_results(args.results)
+        text = markdown(results, recorded_command(__file__, argv, parser))
         print(text)
         if args.write_benchmarks:
             write_section(args.write_benchmarks, text)
         return
     models = ["stories260k", "smollm2"] if args.model == "both" else [args.model]
-    ratios = [float(r) for r in args.ratios.split(",")]
-    methods = args.methods.split(",")
-    results = [bench_model(model, ratios, methods, args.threads, args.extra) for model in models]
-    command = "python scripts/bench_convert.py " + shlex.join(sys.argv[1:])
+    results = [bench_model(model, args.ratios, args.methods, args.threads, args.extra) for model in models]
+    command = recorded_command(__file__, argv, parser)
     for result in results:
         result["command"] = command
     text = markdown(results, command)
-    print(text)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     if args.write_benchmarks:
+        # rendered as `--from-json EARLIER... THIS_RUN.json` would render it: the earlier rows stay, this run's
+        # replace those of the same model, ratio and method
+        earlier = [result for path in args.earlier for result in json.loads(path.read_text())]
+        sources = [repo_path(p) for p in [*args.earlier, args.json]]
+        command = shlex.join(["python", "scripts/bench_convert.py", "--from-json", *sources,
+                              "--write-benchmarks", repo_path(args.write_benchmarks)])
+        text = markdown(merge_results(earlier + results), command)
         write_section(args.write_benchmarks, text)
+    print(text)
 
 
 if __name__ == "__main__":

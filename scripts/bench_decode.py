@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import platform
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,8 +29,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmarks_md import write_marked_section  # noqa: E402
+from benchmarks_md import recorded_command, repo_path, write_marked_section  # noqa: E402
+
+from mla_convert.devices import device_problems  # noqa: E402
+from mla_convert.io.paths import absolute_path, output_file_problems  # noqa: E402
+from mla_convert.io.resolve import looks_like_hub_id  # noqa: E402
+from mla_convert.units import DTYPE_NAMES  # noqa: E402
 
 SECTION_BEGIN = "<!-- bench_decode:begin -->"
 SECTION_END = "<!-- bench_decode:end -->"
@@ -68,15 +73,27 @@ class StepClock:
         return scores
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def context_list(text: str) -> list[int]:
+    try:
+        contexts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers (e.g. 512,2048)") from None
+    if any(c < 1 for c in contexts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each context must be at least 1 token")
+    return contexts
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", required=True, help="source model folder or hub id")
     parser.add_argument("--converted", required=True, help="converted (MLA) model folder or hub id")
-    parser.add_argument("--contexts", help=f"prompt lengths, comma separated (default: {CPU_DEFAULT_CONTEXTS} on CPU, {GPU_DEFAULT_CONTEXTS} on GPU)")
+    parser.add_argument("--contexts", type=context_list,
+                        help=f"prompt lengths, comma separated (default: {CPU_DEFAULT_CONTEXTS} on CPU, {GPU_DEFAULT_CONTEXTS} on GPU)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated after each prompt")
     parser.add_argument("--data", help="text for the prompts (file, folder or dataset spec); default: random token ids")
     parser.add_argument("--device", help="cpu or cuda[:i] (default: cuda if available)")
-    parser.add_argument("--dtype", help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), metavar="DTYPE",
+                        help="fp32, bf16 or fp16 (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -84,9 +101,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "thread made decode 5-20x slower and erratic, one thread gave steady numbers)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per (model, context); the fastest counts")
-    parser.add_argument("--write-benchmarks", metavar="BENCHMARKS.md", help="replace (or append) this script's section there")
-    parser.add_argument("--json", dest="json_path", help="also write the raw timings as JSON")
-    return parser.parse_args(argv)
+    parser.add_argument("--write-benchmarks", type=absolute_path, metavar="BENCHMARKS.md",
+                        help="replace (or append) this script's section there")
+    parser.add_argument("--json", type=absolute_path, dest="json_path", help="also write the raw timings as JSON")
+    return parser
+
+
+MODEL_FLAGS = ("--source", "--converted", "--data")  # a local path or a hub id / dataset spec
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Everything is checked here, before the models load and the timing starts."""
+    from mla_convert.eval.textdata import looks_like_path
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--repeats", args.repeats), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (one prefill step plus decode steps)")
+    for problem in device_problems(args.device):
+        parser.error(problem)
+    for flag, value in (("--source", args.source), ("--converted", args.converted)):
+        path = Path(value).expanduser()
+        if path.exists() and not path.is_dir():
+            parser.error(f"{flag} {value}: is a file; pass the model folder")
+        if not path.exists() and not looks_like_hub_id(value):
+            parser.error(f"{flag} {value}: no such folder, and not a Hugging Face hub id (owner/name)")
+    if args.data is not None and looks_like_path(args.data) and not Path(args.data).expanduser().exists():
+        parser.error(f"--data {args.data}: no such file or folder")
+    for flag, path in (("--json", args.json_path), ("--write-benchmarks", args.write_benchmarks)):
+        for problem in output_file_problems(path, flag):
+            parser.error(problem)
+    args.command = recorded_command(__file__, argv, parser, local_or_not=MODEL_FLAGS)
+    return args
+
+
+def shown(value: str) -> str:
+    """A local path as the repo root sees it; a hub id or dataset spec as given."""
+    return repo_path(value) if Path(value).expanduser().exists() else value
 
 
 def load(model: str, device: torch.device, dtype: torch.dtype):
@@ -240,15 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads or max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
     elif args.threads:
         torch.set_num_threads(args.threads)
-    contexts = [int(c) for c in (args.contexts or (GPU_DEFAULT_CONTEXTS if device.type == "cuda" else CPU_DEFAULT_CONTEXTS)).split(",")]
-    if args.new_tokens < 2:
-        raise SystemExit("error: --new-tokens must be at least 2 (one prefill step plus decode steps)")
+    contexts = args.contexts or context_list(GPU_DEFAULT_CONTEXTS if device.type == "cuda" else CPU_DEFAULT_CONTEXTS)
     started = time.perf_counter()
     with torch.inference_mode():
         timings = bench_pair(args, contexts, device, dtype)
     source, converted = timings["source"], timings["converted"]
     table = markdown_table(source, converted)
-    command = "python scripts/bench_decode.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = args.command
     body = "\n".join(
         [
             "## Greedy decode: source vs converted (`scripts/bench_decode.py`)",
@@ -258,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{datetime.date.today().isoformat()}; {device_name(device)}; {str(dtype).replace('torch.', '')}; "
             f"torch {torch.__version__}, transformers {transformers.__version__}; greedy `generate`, "
             f"{args.new_tokens} new tokens after a prompt of `context` tokens "
-            f"({'text from ' + args.data if args.data else 'random token ids'}); best of {args.repeats}.",
-            f"source: `{args.source}`; converted: `{args.converted}`. Decode tok/s excludes the prefill; "
+            f"({'text from ' + shown(args.data) if args.data else 'random token ids'}); best of {args.repeats}.",
+            f"source: `{shown(args.source)}`; converted: `{shown(args.converted)}`. Decode tok/s excludes the prefill; "
             "KV MiB is what the returned `DynamicCache` holds (context + new tokens - 1 positions).",
             "",
             table,
@@ -269,10 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"\n(total {time.perf_counter() - started:.0f}s)")
     if args.write_benchmarks:
-        write_section(Path(args.write_benchmarks), body)
+        write_section(args.write_benchmarks, body)
         print(f"wrote section to {args.write_benchmarks}")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"source": [asdict(t) for t in source], "converted": [asdict(t) for t in converted]}, indent=2) + "\n")
+        args.json_path.write_text(json.dumps({"source": [asdict(t) for t in source], "converted": [asdict(t) for t in converted]}, indent=2) + "\n")
     return 0
 
 

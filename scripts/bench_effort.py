@@ -20,8 +20,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from benchmarks_md import write_marked_section  # noqa: E402
+from benchmarks_md import recorded_command, write_marked_section  # noqa: E402
+
+from mla_convert.io.paths import absolute_path, output_file_problems  # noqa: E402
 
 SHARED = Path(os.environ.get("MLA_CONVERT_SHARED", REPO.parent / "shared"))
 SECTION_BEGIN = "<!-- bench_effort:begin -->"
@@ -95,28 +98,38 @@ def write_section(path: Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the raw results here")
-    parser.add_argument("--from-json", help="render an earlier run")
-    parser.add_argument("--write-benchmarks", help="write the section into this Markdown file")
-    parser.add_argument("--efforts", nargs="+", default=list(EFFORTS))
+    parser.add_argument("--json", type=absolute_path, help="write the raw results here")
+    parser.add_argument("--from-json", type=absolute_path, help="render an earlier run")
+    parser.add_argument("--write-benchmarks", type=absolute_path, help="write the section into this Markdown file")
+    parser.add_argument("--efforts", nargs="+", choices=EFFORTS, default=list(EFFORTS))
     parser.add_argument("--ratios", nargs="+", type=int, default=list(RATIOS))
     args = parser.parse_args(argv)
+    if any(ratio < 2 for ratio in args.ratios):
+        parser.error("--ratios: each ratio must be at least 2")
+    for flag, path in (("--json", args.json), ("--write-benchmarks", args.write_benchmarks)):
+        problems = output_file_problems(path, flag)
+        if problems:
+            parser.error(problems[0])
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
+        try:
+            results = json.loads(args.from_json.read_text())
+        except FileNotFoundError:
+            parser.error(f"--from-json {args.from_json}: no such file")
+        except (OSError, ValueError) as error:
+            parser.error(f"--from-json {args.from_json}: not a bench_effort JSON file ({error})")
     else:
-        results = {"date": time.strftime("%Y-%m-%d"), "command": "python scripts/bench_effort.py " + " ".join(argv or sys.argv[1:]),
-                   "rows": []}
+        results = {"date": time.strftime("%Y-%m-%d"), "command": recorded_command(__file__, argv, parser), "rows": []}
         with tempfile.TemporaryDirectory(prefix="mla-convert-effort-") as work:
             for ratio in args.ratios:
                 for effort in args.efforts:
                     results["rows"].append(run_one(Path(work), effort, ratio))
                     print(json.dumps(results["rows"][-1]), flush=True)
                     if args.json:
-                        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+                        args.json.write_text(json.dumps(results, indent=2) + "\n")
     section = render(results)
     print(section)
     if args.write_benchmarks:
-        write_section(Path(args.write_benchmarks), section)
+        write_section(args.write_benchmarks, section)
     return 0
 
 

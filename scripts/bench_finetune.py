@@ -10,7 +10,8 @@ then reload the SAVED folder with stock transformers and score it again on the p
       Target: the fine-tuned model closes at least half of the gap between the one-shot conversion and the source.
   SmolLM2-135M-Instruct at 4x: distilled on ../shared/data/sotu.txt; perplexity on WikiText-2 test,
       context 1024, the first 40 windows (the conversion protocol).
-  Both perplexity-vs-tokens curves go to docs/finetune_curves.png.
+  Both perplexity-vs-tokens curves go to docs/finetune_curves.png (with --no-markdown: WORK/finetune_curves.png,
+  so that a trial run leaves the shipped plot alone).
 
     python scripts/bench_finetune.py                 # both models, writes BENCHMARKS.md and the plot
     python scripts/bench_finetune.py --only stories260k --no-markdown
@@ -270,10 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=sorted(MODELS), action="append", help="run only this model (repeatable)")
     parser.add_argument("--work", type=Path, default=Path("outputs") / "bench_finetune",
                         help="where conversions, runs and results.json go (relative: to the repository root)")
-    parser.add_argument("--no-markdown", action="store_true", help="print the section instead of writing BENCHMARKS.md")
+    parser.add_argument("--no-markdown", action="store_true",
+                        help="print the section instead of writing BENCHMARKS.md, and draw the plot in --work "
+                             f"instead of {PLOT.relative_to(REPO)}")
     parser.add_argument("--render-only", action="store_true", help="run nothing: rewrite the section and plot from results.json")
     args = parser.parse_args(argv)
     os.chdir(REPO)  # the recipe configs name their files relative to the repository root
+    if args.render_only:
+        found = json.loads((args.work / "results.json").read_text()) if (args.work / "results.json").is_file() else {}
+        if not found:
+            parser.error(f"--render-only: no results in {args.work / 'results.json'} (relative --work: to the repository root)")
     command = " ".join(shlex.quote(a) for a in ["python", "scripts/bench_finetune.py", *(argv if argv is not None else sys.argv[1:])])
     args.work.mkdir(parents=True, exist_ok=True)
     store = args.work / "results.json"
@@ -290,10 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: source {r['teacher_perplexity']:.4f}, one-shot {r['before']:.4f}, fine-tuned {r['after_saved_folder']:.4f} "
             f"({r['finetuning']['tokens']:,} tokens, {r['finetune_seconds']:.0f} s)")
     ordered = {name: results[name] for name in MODELS if name in results}
-    plot_curves(ordered, PLOT)
+    plot = args.work / PLOT.name if args.no_markdown else PLOT
+    plot_curves(ordered, plot)
     section = render_section(ordered, command)
     if args.no_markdown:
         print(section)
+        log(f"drew the curves in {plot}")
     else:
         write_section(REPO / "BENCHMARKS.md", section)
         log(f"wrote the '{SECTION}' section of {REPO / 'BENCHMARKS.md'} and {PLOT.relative_to(REPO)}")

@@ -269,12 +269,37 @@ conversion *computes* cost their own size only until they are added.
 WORKDIR_MARKER = ".mla-convert-bench-io"
 
 
+def shard_size(text: str) -> str:
+    """A shard-size limit as `save_pretrained` reads it (bytes, or a number with KB/MB/GB/TB), kept as typed; checked
+    here without mla_convert.io.writer's parse_shard_size, which imports torch (this process must stay small)."""
+    number, unit = text.strip(), ""
+    if number[-2:].upper() in ("KB", "MB", "GB", "TB"):
+        number, unit = number[:-2].strip(), number[-2:]
+    try:
+        value = float(number) if unit else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes or a size like '1GB' (units KB, MB, GB, TB)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+    return text
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "mla-convert-bench-io"),
                         help="where the data goes (deleted afterwards unless --keep)")
-    parser.add_argument("--min-size-gib", type=float, default=4.0)
-    parser.add_argument("--max-shard-size", default="1GB")
+    parser.add_argument("--min-size-gib", type=positive_float, default=4.0)
+    parser.add_argument("--max-shard-size", type=shard_size, default="1GB")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the copy")
     parser.add_argument("--no-markdown", action="store_true", help="print the section instead of writing BENCHMARKS.md")
     parser.add_argument("--copy-child", nargs=4, metavar=("SOURCE", "OUTPUT", "MAX_SHARD_SIZE", "RESULT"), help=argparse.SUPPRESS)

@@ -45,7 +45,6 @@ import datetime
 import json
 import os
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -53,9 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks_md import write_heading_section  # noqa: E402
-
-from mla_convert.io.paths import portable_path  # noqa: E402  (standard library only: safe on the device)
+from benchmarks_md import recorded_command, write_heading_section  # noqa: E402
 
 SECTION_TITLE = "## MLA decode kernel (GPU)"
 # (R, D, heads): DeepSeek-V2/V3's 512+64 with 16 and 128 heads, and SmolLM2-135M's 2x / 4x conversions.
@@ -108,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--also-tune-page-size must be 0 (off) or a page size")
     if args.write_tuned_table and not args.from_json:
         parser.error("--write-tuned-table needs --from-json")
+    if args.from_json and not args.from_json.is_file():
+        parser.error(f"--from-json {args.from_json}: no such file")
+    args.command = recorded_command(__file__, argv, parser)
     return args
 
 
@@ -457,7 +457,7 @@ def measure(args, argv) -> dict:
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name(device) if on_cuda else "CPU (dry run, Triton interpreter)"
     large = LARGE_COPY_BYTES if on_cuda else 8 * 1024**2
-    command = "python " + " ".join(shlex.quote(portable_path(a)) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    command = args.command
     results = dict(
         meta=dict(device=device_name, date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=triton.__version__, dtype=args.dtype, page_size=args.page_size, command=command,

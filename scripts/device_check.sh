@@ -3,7 +3,8 @@
 # (scripts/device_kernel_check.sh: benchmarks beside a torch implementation, the `gpu` tests, end-to-end
 # decode) and conversion with --device cuda against the CPU (scripts/device_convert_check.py).
 #
-#   OUT=/some/folder STORIES=path/to/stories260k bash scripts/device_check.sh
+#   OUT=/some/folder STORIES=path/to/stories260k bash scripts/device_check.sh     (-h / --help: this text)
+#   (relative paths in OUT, STORIES, CALIB_TEXT, EVAL_TEXT count from the folder it is started in)
 #
 # Prepare the assets once with scripts/prepare_device_assets.sh.  SKIP_KERNEL=1 runs the conversion part alone, CASES="key ..." only those cases (see --cases); CONVERT_LIMIT (seconds, default 230) caps it.  The texts are halves
 # of ../shared/data/tinystories-valid-excerpt.txt (calibration / held-out), copied beside stories260K.
@@ -15,6 +16,18 @@
 #   python scripts/bench_runtime_decode.py --from-json results/kernel/bench_runtime_decode.json --write-benchmarks BENCHMARKS.md
 #   python scripts/device_convert_check.py --from-json results/convert/device_convert_check.json --write-benchmarks BENCHMARKS.md
 set -u
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }  # from the caller's folder
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") ;;
+  *) echo "device_check.sh: error: unknown argument '$1' (settings are environment variables; see --help)" >&2; exit 2 ;;
+esac
+# relative OUT / STORIES / CALIB_TEXT / EVAL_TEXT name the caller's folder, not the repo's (resolved before the cd)
+[ -n "${OUT:-}" ] && OUT="$(abspath "$OUT")"
+[ -n "${STORIES:-}" ] && STORIES="$(abspath "$STORIES")"
+[ -n "${CALIB_TEXT:-}" ] && CALIB_TEXT="$(abspath "$CALIB_TEXT")"
+[ -n "${EVAL_TEXT:-}" ] && EVAL_TEXT="$(abspath "$EVAL_TEXT")"
 cd "$(dirname "$0")/.."
 FINAL="${OUT:-$PWD/device-check}"
 WORK="$(mktemp -d)"

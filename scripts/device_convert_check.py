@@ -224,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", help="render an earlier run")
     parser.add_argument("--write-benchmarks", help="write the section into this Markdown file")
     args = parser.parse_args(argv)
+    # checked before run() makes --out/work
+    if args.from_json and not Path(args.from_json).is_file():
+        parser.error(f"--from-json {args.from_json}: no such file")
+    if args.cases and "stories-fixed" in args.cases and not args.calib_text:
+        parser.error("--cases stories-fixed needs --calib-text (the fixed calibration text)")
+    for flag, value in (("--calib-text", args.calib_text), ("--eval-text", args.eval_text)):
+        if value and not Path(value).is_file():
+            parser.error(f"{flag} {value}: no such file")
     results = json.loads(Path(args.from_json).read_text()) if args.from_json else run(args)
     section = render(results)
     print(section)

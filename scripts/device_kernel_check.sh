@@ -2,7 +2,8 @@
 # GPU checks of the MLA decode kernel and the runtime's decode path, in one go (under 4.5 minutes on one H200:
 # the three parts are capped at 130 + 75 + 50 s; the kernel benchmark also tunes more tiles and sweeps split counts).
 #
-#   OUT=/some/folder scripts/device_kernel_check.sh      (OUT unset: ./device-kernel-check)
+#   OUT=/some/folder scripts/device_kernel_check.sh      (OUT unset: REPO/device-kernel-check; relative: from the
+#                                                         caller's folder; -h / --help: this text)
 #
 # Parts, each under its own timeout so that one failing or hanging part does not stop the others:
 #   1. bench_kernel   scripts/bench_mla_decode.py: autotune + kernel vs torch, batch {1,16,64,128} x context
@@ -18,6 +19,14 @@
 #   python scripts/bench_mla_decode.py --from-json $OUT/bench_mla_decode.json --write-benchmarks BENCHMARKS.md
 #   python scripts/bench_runtime_decode.py --from-json $OUT/bench_runtime_decode.json --write-benchmarks BENCHMARKS.md
 set -u
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }  # from the caller's folder
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") ;;
+  *) echo "device_kernel_check.sh: error: unknown argument '$1' (OUT is an environment variable; see --help)" >&2; exit 2 ;;
+esac
+[ -n "${OUT:-}" ] && OUT="$(abspath "$OUT")"  # a relative OUT names the caller's folder (resolved before the cd)
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device-kernel-check}"
 mkdir -p "$OUT"

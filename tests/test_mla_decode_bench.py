@@ -133,3 +133,17 @@ def test_second_tuning_pass_defaults_to_the_runtimes_page_size(bench):
 
     assert bench.RUNTIME_PAGE_SIZE == DEFAULT_PAGE_SIZE
     assert bench.parse_args([]).also_tune_page_size == DEFAULT_PAGE_SIZE != bench.parse_args([]).page_size
+
+
+def test_the_tuned_table_is_written_only_from_a_gpu_runs_json(bench, tmp_path, capsys):
+    """`--dry-run --write-tuned-table` would replace the shipped tile table with CPU-interpreter timings."""
+    for argv in (["--dry-run", "--write-tuned-table"], ["--write-tuned-table"]):
+        with pytest.raises(SystemExit) as refused:
+            bench.parse_args(argv)
+        assert refused.value.code == 2 and "--write-tuned-table needs --from-json" in capsys.readouterr().err
+
+
+def test_a_missing_json_is_one_error_line(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(["--from-json", str(tmp_path / "missing.json")])
+    assert refused.value.code == 2 and "error: --from-json" in capsys.readouterr().err  # was a FileNotFoundError
