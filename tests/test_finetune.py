@@ -7,6 +7,7 @@ check (marked real_model / slow).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -642,6 +644,67 @@ def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_the_resume_finishes(ti
     assert f"resumed from {checkpoint} at step {stopped_at}" in done.stderr
     assert f"saved {tmp_path / 'out'}: 400 steps" in done.stdout
     assert logged_steps(tmp_path / "ckpt") == list(range(1, 401))
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: torchrun starts its workers in sessions of their own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"RANK=")]
+    return int(ranks[0]) if ranks else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
+def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step_with_a_complete_checkpoint(tiny_llama, tmp_path):
+    """Each process stopped on its own signal: one signalled worker entered the checkpoint's barrier while the other
+    ran the next step, and the run hung with an incomplete checkpoint (also 2 of 10 Ctrl-Cs to torchrun).  A real
+    2-process run (gloo on the CPU, as accelerate runs it with ACCELERATE_USE_CPU=1), rank 0 signalled alone."""
+    source, converted = tiny_llama
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(REPO / "recipes" / "finetune_mla.py"),
+               str(converted), str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--teacher-samples", "8",
+               "--seq-len", "16", "--micro-batch-size", "2", "--max-steps", "5000", "--warmup-steps", "1",
+               "--num-threads", "1", "--log-every", "1", "--checkpoint-every", "100000", "--teacher", str(source)]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as sink:
+        launcher = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 300
+        while not re.search(r"step \d+/5000 ", log.read_text()):
+            assert launcher.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = _children(launcher.pid)
+        ranks = {_rank_of(pid): pid for pid in workers}
+        assert set(ranks) == {0, 1}, (ranks, log.read_text()[-2000:])
+        os.kill(ranks[0], signal.SIGTERM)
+        launcher.wait(timeout=120)  # it hung here, the workers blocked in a barrier and a broadcast
+    finally:
+        for pid in [launcher.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    output = log.read_text()
+    stops = re.findall(r"interrupted \(SIGTERM\) at step (\d+): checkpoint (\S+);", output)
+    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]  # both ranks, the same step and folder
+    step, checkpoint = int(stops[0][0]), Path(stops[0][1])
+    assert 0 < step < 5000 and (checkpoint / COMPLETE_MARKER).is_file(), output[-3000:]
+    assert sorted(path.name for path in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
 def test_finetuned_folder_is_a_stock_deepseek_folder(straight_and_resumed):

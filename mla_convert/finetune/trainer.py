@@ -605,6 +605,20 @@ class Finetuner:
             totals = accelerator.reduce(totals.to(self.device), "mean").cpu()
         return tuple(totals.tolist())
 
+    def _agreed_stop(self, stop: StopOnSignal) -> int | None:
+        """The signal every process stops on after this step (None: go on), the same on every rank.
+
+        Why: a signal reaches the processes at different moments (one rank only, when a scheduler or a user signals
+        one worker; torchrun forwards Ctrl-C to each).  A rank that stopped alone entered the checkpoint's barrier
+        while the others ran the next step's collectives: the run hung with an incomplete checkpoint (2 of 10
+        Ctrl-Cs to a 2-process CPU run; every time one worker was signalled).  Any rank's signal stops them all.
+        """
+        if self.accelerator.num_processes == 1:
+            return stop.signum
+        mine = torch.tensor([stop.signum or 0], dtype=torch.int64, device=self.device)
+        agreed = int(self.accelerator.gather(mine).max().item())  # (processes,) -> the one signal, 0: none
+        return agreed or None
+
     # ----------------------------------------------------------------- main
     def run(self) -> FinetuneResult:
         created = not self.config.checkpoint_path.exists()
@@ -708,9 +722,10 @@ class Finetuner:
                 saved = self.save_checkpoint()
             bar.update(1)
             # a stop on a checkpoint step keeps that checkpoint (writing it twice would rewrite a complete one)
-            if stop.signum is not None and state.step < config.max_steps:
+            signum = self._agreed_stop(stop)
+            if signum is not None and state.step < config.max_steps:
                 folder = saved or self.save_checkpoint()
-                return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder, interrupted_by=stop.signum)
+                return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder, interrupted_by=signum)
             if config.stop_after is not None and state.step >= config.stop_after and state.step < config.max_steps:
                 folder = saved or self.save_checkpoint()
                 return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder)
