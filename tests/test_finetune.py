@@ -707,6 +707,17 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step_with_a_com
     assert sorted(path.name for path in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
+def test_workers_accelerate_does_not_join_are_refused_before_they_write(tiny_llama, tmp_path, monkeypatch):
+    """`torchrun --nproc_per_node 2` on the CPU without ACCELERATE_USE_CPU=1: accelerate saw one process in each
+    worker, both trained the whole run, and the second was refused only at the save (the output being written)."""
+    _, converted = tiny_llama
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(FinetuneConfigError, match=r"the launcher started 2 processes \(WORLD_SIZE\), but accelerate "
+                                                  r"joined none of them .* set ACCELERATE_USE_CPU=1"):
+        run_finetune(_tiny_run_config(converted, tmp_path, "alone"), log=lambda text: None)
+    assert not (tmp_path / "alone").exists() and not (tmp_path / "alone.ckpt").exists()
+
+
 def test_finetuned_folder_is_a_stock_deepseek_folder(straight_and_resumed):
     from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
@@ -728,6 +739,7 @@ def test_finetuned_folder_is_a_stock_deepseek_folder(straight_and_resumed):
     report = json.loads((out / "mla_convert.json").read_text())
     section = report["finetuning"]
     assert section["steps"] == 6 and section["tokens"] == 6 * 2 * 2 * 32 and section["command"] == "test"
+    assert section["processes"] == 1 and section["distributed"] == "NO"  # what accelerate ran (FSDP on a CPU: MULTI_CPU)
     assert section["save_check_max_logit_difference"] < 1e-4 * section["save_check_max_logit"]
     assert [row[0] for row in section["loss_curve"]] == [1, 2, 3, 4, 5, 6]
     converted_report = json.loads((converted / "mla_convert.json").read_text())

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -324,6 +325,13 @@ class Finetuner:
             raise FinetuneConfigError("mixed_precision fp16: acts only on a GPU (on the CPU it trains in fp32 and would "
                                       "be reported as fp16); use bf16 or no")
         self.accelerator = accelerator = Accelerator(mixed_precision=resolve_mixed_precision(config.mixed_precision))
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched > 1 and accelerator.num_processes == 1:  # each worker would train the whole run alone
+            raise FinetuneConfigError(
+                f"the launcher started {launched} processes (WORLD_SIZE), but accelerate joined none of them into one "
+                "run: each would train alone and all would write the same output. On the CPU, set ACCELERATE_USE_CPU=1 "
+                "(accelerate runs several CPU processes only then); on GPUs, launch with `accelerate launch` and a "
+                "config of num_processes > 1")
         set_seed(config.seed)
         self.device = accelerator.device
         self.converted = Path(config.model)
@@ -770,6 +778,8 @@ class Finetuner:
             "perplexity_curve": [[row[1], round(row[2], 5)] for row in state.evals],
             "mixed_precision": self.accelerator.mixed_precision,
             "processes": self.accelerator.num_processes,
+            # what accelerate ran (an FSDP config on the CPU runs as MULTI_CPU, i.e. DDP: the report says so)
+            "distributed": str(self.accelerator.distributed_type.value),
             "device": str(self.device),
             "seconds": round(seconds, 1),
             "resumed": len(state.resumed_from),
