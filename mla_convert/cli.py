@@ -435,6 +435,7 @@ def sweep(
     from .console import RichProgress
     from .convert.pipeline import install_sigterm_handler
     from .eval.sweep import SweepFiles, run_sweep
+    from .io.paths import absolute_path
 
     problems = list(flag_problems)  # reported by run_sweep with every other problem it finds
     idle = [flag for flag, value in (("--license", options.license), ("--base-model", options.base_model)) if value]
@@ -442,7 +443,8 @@ def sweep(
         problems.append(f"{', '.join(idle)}: acts only with --keep-models (the kept models' cards)")
     install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
-    files = SweepFiles.at(out_dir).paths()[:3]  # the table, CSV and JSON (the plot only once the source is scored)
+    # the table, CSV and JSON (the plot only once the source is scored), where run_sweep writes them (a quoted ~ too)
+    files = SweepFiles.at(absolute_path(out_dir)).paths()[:3]
     earlier = _file_identity(files[-1])  # an earlier sweep's (--overwrite): not what this run measured
     try:
         result = run_sweep(

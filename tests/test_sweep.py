@@ -138,6 +138,12 @@ def test_every_problem_is_reported_in_one_run(tiny_source, tiny_text, tmp_path):
                   calibration=TINY_CALIBRATION)
     assert [problem.split(":")[0] for problem in refused.value.problems] == [f"--context {positions + 1}", "--ratios 100"]
     assert (out / "sweep.md").read_text() == "an earlier sweep" and not (tmp_path / "new").exists()
+    # a --models-dir that is not there is one of the problems (the scratch folder was made in it: a traceback)
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, "2", tiny_text, None, models_dir=tmp_path / "nope", context_length=positions + 1,
+                  calibration=TINY_CALIBRATION)
+    assert [problem.split(":")[0] for problem in refused.value.problems] == [f"--models-dir {tmp_path / 'nope'}",
+                                                                             f"--context {positions + 1}"]
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -590,6 +596,10 @@ def test_an_overwriting_sweep_cut_off_before_its_first_point_does_not_claim_the_
     assert "measured before it" not in text
     monkeypatch.setattr(sweep_module, "run_sweep", lambda *a, **k: cut_off(*a, save_first=True, **k))
     result = CliRunner().invoke(cli.app, arguments)
+    assert result.exit_code == 130 and f"the points measured before it are in {out / 'sweep.md'}" in " ".join(result.output.split())
+    # a quoted `~/out` (no shell expanded it) is where run_sweep writes; the message looked at a folder named `~`
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = CliRunner().invoke(cli.app, [*arguments[:5], "~/out", "--overwrite"])
     assert result.exit_code == 130 and f"the points measured before it are in {out / 'sweep.md'}" in " ".join(result.output.split())
 
 

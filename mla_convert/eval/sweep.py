@@ -714,7 +714,9 @@ def run_sweep(
     keep_root = None
     if keep_models:
         keep_root = (out / "models") if out is not None else Path(models_dir)
-    scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-", dir=models_dir)
+    # (a --models-dir that is not a folder is among the problems: the source is still checked, in the temp folder)
+    scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-",
+                                          dir=models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
     try:
         try:
             converter = Converter(source, base, _NotesOnce(progress))
