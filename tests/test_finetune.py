@@ -412,6 +412,24 @@ def test_every_settings_problem_is_reported_in_one_run(tmp_path):
         config_from_mapping({"lerning_rate": 1, "max_steps": "ten"})
     assert len(str(error.value).splitlines()) == 2
 
+    def refused(*argv: str, model: tuple[str, ...] = ("--model", "m")) -> list[str]:
+        with pytest.raises(FinetuneConfigError) as error:
+            parse_config([*model, "--output", "o", *argv])
+        return str(error.value).splitlines()
+
+    # a flag's value of the wrong type stopped argparse: the unknown flag beside it was lost
+    assert refused("--bogus", "1", "--max-steps", "abc", "--verify-save", "maybe") == [
+        "unrecognized arguments: --bogus 1 (see --help)", "--max-steps: invalid int value: 'abc'",
+        "--verify-save: invalid boolean value: 'maybe'"]
+    # an unreadable config file no longer hides the flags' problems
+    assert refused("--config", str(tmp_path / "missing.yaml"), "--lr", "x") == [
+        "--lr: invalid float value: 'x'", f"{tmp_path / 'missing.yaml'}: cannot read the config (No such file or directory)"]
+    # a refused value is one line, not also "required" about the default it left behind
+    (tmp_path / "two.yaml").write_text("model: [a, b]\n")
+    assert refused("--config", str(tmp_path / "two.yaml"), model=()) == ["model: ['a', 'b'] is not a valid str"]
+    assert refused(model=("--model", " ")) == ["--model: must not be empty (write none to clear a setting the config "
+                                               "file gives)"]
+
 
 def test_windows_past_the_models_positions_are_refused_and_leave_nothing_behind(tiny_llama, tmp_path):
     """seq_len (or eval_context, with evaluation text) beyond max_position_embeddings (512 here) is refused after

@@ -293,10 +293,10 @@ def coerce(name: str, value, kind=None):
 
 # --------------------------------------------------------------------------- reading
 def config_from_mapping(values: dict, base: FinetuneConfig | None = None,
-                        problems: list[str] | None = None) -> FinetuneConfig:
+                        problems: list[str] | None = None, refused: set[str] | None = None) -> FinetuneConfig:
     """A config from a mapping of field -> value.  Unknown keys and values of the wrong type are an error, all of them
     in one FinetuneConfigError; or, with `problems` given, appended to it (the config then keeps those fields' earlier
-    values) so that the caller reports them with the rest."""
+    values, and their names go into `refused`) so that the caller reports them with the rest."""
     types_by_name = _field_types()
     found = []
     unknown = sorted(set(values) - set(types_by_name))
@@ -309,6 +309,8 @@ def config_from_mapping(values: dict, base: FinetuneConfig | None = None,
                 setattr(config, name, coerce(name, value, types_by_name[name]))
             except FinetuneConfigError as error:
                 found.append(str(error))
+                if refused is not None:
+                    refused.add(name)
     if problems is not None:
         problems += found
     elif found:
@@ -386,27 +388,57 @@ def paths_relative_to(values: dict, folder: Path) -> dict:
     return out
 
 
+class _Refused:
+    """A flag value its type refused, kept in the parsed namespace so that parsing goes on to the other flags."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _collect_type_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse stops at the first value of the wrong type (`--max-steps abc`): each setting's type now returns a
+    `_Refused` instead, and `parse_config` lists it with every other problem.  (Flags with choices keep argparse's
+    check, which a `_Refused` could not pass.)"""
+    for action in parser._actions:
+        if action.type is None or action.choices is not None or not action.option_strings:
+            continue
+
+        def checked(text, convert=action.type, flag=action.option_strings[-1]):
+            try:
+                return convert(text)
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                kind = {"string_to_bool": "boolean"}.get(getattr(convert, "__name__", ""), getattr(convert, "__name__", ""))
+                return _Refused(f"{flag}: invalid {kind + ' ' if kind.isidentifier() else ''}value: {text!r}")
+
+        action.type = checked
+
+
 def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: list[str] | None = None) -> FinetuneConfig:
     """YAML (if `--config`, its paths relative to itself) then flags, then validation.
 
     A flag the run cannot use is refused; a YAML key it cannot use is appended to `notes` (when given).
     """
     parser = build_parser(prog)
+    _collect_type_errors(parser)
     namespace, unknown = parser.parse_known_args(argv)  # unknown flags are reported with every other problem
     given = vars(namespace)
     config_file = given.pop("config", None)
     # an empty value would quietly mean "none" (e.g. `--data ""`: sample the teacher instead of reading a text)
     empty = [name for name, value in [("config", config_file), *given.items()] if isinstance(value, str) and not value.strip()]
     problems = [f"unrecognized arguments: {' '.join(unknown)} (see --help)"] if unknown else []
+    problems += [value.message for value in given.values() if isinstance(value, _Refused)]
     problems += [f"--{name.replace('_', '-')}: must not be empty" + ("" if name == "config" else
                  " (write none to clear a setting the config file gives)") for name in empty]
-    if "config" in empty:
-        raise FinetuneConfigError("\n".join(problems))
-    given = {name: value for name, value in given.items() if name not in empty}
-    values = load_yaml_config(config_file) if config_file else {}
-    if config_file:
-        values = paths_relative_to(values, Path(config_file).resolve().parent)
-    config = config_from_mapping(values, problems=problems)  # every problem is reported together, below
+    # fields whose value was refused keep their default: what problems() says about that default is not news
+    refused = set(empty) | {name for name, value in given.items() if isinstance(value, _Refused)}
+    given = {name: value for name, value in given.items() if name not in refused}
+    values = {}
+    if config_file and "config" not in empty:
+        try:
+            values = paths_relative_to(load_yaml_config(config_file), Path(config_file).resolve().parent)
+        except FinetuneConfigError as error:  # unreadable: its keys are unknown, the flags are still checked
+            problems.append(str(error))
+    config = config_from_mapping(values, problems=problems, refused=refused)  # all problems are reported below
     types_by_name = _field_types()
     for name, value in given.items():
         optional = _unwrap_optional(types_by_name[name])[1]
@@ -417,7 +449,8 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: 
         value = getattr(config, key)
         if isinstance(value, str) and value.startswith("~"):
             setattr(config, key, str(Path(value).expanduser()))
-    problems += config.problems()
+    problems += [problem for problem in config.problems()
+                 if not any(problem.startswith((f"{name}:", f"{name} ")) for name in refused)]
     problems += inert_settings(config, given)  # a flag that does nothing must not look as if it did something
     if problems:
         raise FinetuneConfigError("\n".join(dict.fromkeys(problems)))
