@@ -243,6 +243,16 @@ def test_a_serving_exports_attention_error_is_that_of_what_it_computes(tmp_path,
     assert served[0] / 2 < measured < served[0] * 2, (measured, served[0])  # seen: 1.468e-3 vs 1.461e-3
 
 
+def test_a_serving_exports_query_latent_scale_is_the_one_its_gain_encodes(tmp_path, tied_llama):
+    """With --q-lora-rank the report kept the query latent's pre-serving scale; only the kv latent's was refreshed."""
+    out = tmp_path / "q-lora"
+    result = convert(tied_llama, out, fast_options(kv_lora_rank=256, rope_dim=64, q_lora_rank=128, target="llama.cpp"))
+    tensors = load_file(out / "model.safetensors")
+    for layer in result.report["layers"]:
+        gain = tensors[f"model.layers.{layer['layer']}.self_attn.q_a_layernorm.weight"]
+        assert layer["query_latent_scale"] == pytest.approx(T.latent_scale_of(gain), rel=1e-5)
+
+
 def test_cache_balance_equalises_what_the_cache_stores():
     """Per latent dim and per RoPE pair, the RMS of what the cache stores over the calibration tokens: all equal after
     `serve_layer`, and the layer computes the same attention (the refit made harmless by a tiny margin)."""

@@ -255,6 +255,8 @@ class Converter:
                     weights, carried["input_norm"] = layer_serving.weights, layer_serving.input_norm
                     # the latent is stored at the serving scale now: the report gives the one the export's gain encodes
                     report.latent_scale = T.latent_scale_of(weights[T.KV_A_NORM])
+                    if "query_latent_scale" in report.extra:  # the query latent is refit the same way
+                        report.extra["query_latent_scale"] = T.latent_scale_of(weights[T.Q_A_NORM])
                     served.append({"layer": index, **({"bias": bias_info} if bias_info else {}), **layer_serving.info})
                 prefix = T.attention_prefix(index)
                 for name, tensor in weights.items():
