@@ -19,8 +19,7 @@
 #   exports/   our conversions of the assets with each --target, rebuilt only when missing
 #   runs/      GGUF files and per-run JSON (results: runs/*.json, summary on stdout)
 set -euo pipefail
-usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }  # from the caller's folder
+. "$(dirname "$0")/script_args.sh"  # usage (the header comment as --help), abspath (from the caller's folder)
 INSTALL_ONLY=
 for arg in "$@"; do
   case "$arg" in

@@ -16,8 +16,7 @@
 #   python scripts/bench_runtime_decode.py --from-json results/kernel/bench_runtime_decode.json --write-benchmarks BENCHMARKS.md
 #   python scripts/device_convert_check.py --from-json results/convert/device_convert_check.json --write-benchmarks BENCHMARKS.md
 set -u
-usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }  # from the caller's folder
+. "$(dirname "$0")/script_args.sh"  # usage (the header comment as --help), abspath (from the caller's folder)
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   "") ;;

@@ -5,8 +5,7 @@
 #   OUT=$OUT bash scripts/device_check.sh                        (kernel, runtime, CPU vs CUDA conversion)
 #   MLA_CONVERT_SHARED=$PWD/.device_assets/shared pytest -m gpu tests/test_device_conversion.py
 set -eu
-usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
-abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }  # from the caller's folder
+. "$(dirname "$0")/script_args.sh"  # usage (the header comment as --help), abspath (from the caller's folder)
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   -*) echo "prepare_device_assets.sh: error: unknown option '$1' (see --help)" >&2; exit 2 ;;

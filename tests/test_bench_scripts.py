@@ -67,7 +67,7 @@ def fake_repo(tmp_path: Path, *scripts: str) -> Path:
     """A copy of the scripts in an otherwise empty git repository: what they do to 'the repo' happens there."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    for name in scripts:
+    for name in (*scripts, "script_args.sh"):  # (what every shell script sources)
         shutil.copy(SCRIPTS / name, repo / "scripts" / name)
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     return repo
