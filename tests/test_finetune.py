@@ -719,7 +719,9 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step_with_a_com
                 os.kill(pid, signal.SIGKILL)
     output = log.read_text()
     stops = re.findall(r"interrupted \(SIGTERM\) at step (\d+): checkpoint (\S+);", output)
-    assert len(stops) == 2 and stops[0] == stops[1], output[-3000:]  # both ranks, the same step and folder
+    assert len(stops) == 1, output[-3000:]  # said once, by the main process (each rank printed it)
+    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", output)  # torchrun's summary of its workers
+    assert len(exits) >= 2 and set(exits) == {"143"}, output[-3000:]  # rank 1, never signalled, stopped as rank 0 did
     step, checkpoint = int(stops[0][0]), Path(stops[0][1])
     assert 0 < step < 5000 and (checkpoint / COMPLETE_MARKER).is_file(), output[-3000:]
     assert sorted(path.name for path in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]

@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None, prog: str = "mla-convert finetune") -> i
         import signal
 
         name = signal.Signals(result.interrupted_by).name
-        print(f"interrupted ({name}) at step {result.state.step}: checkpoint {result.checkpoint}; "
-              f"resume with the same command and --resume auto", file=sys.stderr)
+        if result.main_process:  # (every process stops on the same step with the same checkpoint: one line says it)
+            print(f"interrupted ({name}) at step {result.state.step}: checkpoint {result.checkpoint}; "
+                  f"resume with the same command and --resume auto", file=sys.stderr)
         return 128 + result.interrupted_by
+    if not result.main_process:
+        return 0
     if result.output is not None:
         section = result.finetuning
         before, after = section.get("perplexity_before"), section.get("perplexity_after")

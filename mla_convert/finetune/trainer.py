@@ -83,6 +83,7 @@ class FinetuneResult:
     checkpoint: Path | None = None
     report: dict | None = None
     interrupted_by: int | None = None  # the signal that stopped the run (its checkpoint is `checkpoint`)
+    main_process: bool = True  # False in the other processes of a multi-process run: they say nothing at the end
 
 
 # --------------------------------------------------------------------------- helpers
@@ -845,4 +846,7 @@ def run_finetune(config: FinetuneConfig, log=None, command: str | None = None) -
 
     `log` receives progress lines (default: stderr); `command` is recorded in the report (default: argv).
     """
-    return Finetuner(config, log, command).run()
+    finetuner = Finetuner(config, log, command)
+    result = finetuner.run()
+    result.main_process = finetuner.accelerator.is_main_process
+    return result
