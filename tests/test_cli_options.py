@@ -156,6 +156,13 @@ def test_flags_that_cannot_act_are_reported_with_every_other_problem(tmp_path):
     assert result.exit_code == 2 and not (tmp_path / "new").exists()
     assert [line for line in result.output.splitlines() if line.strip()] == ["error: --force: acts only with --overwrite"]
 
+    # a --revision that cannot act on a local folder stopped pre-flight too: the rank came one run later
+    result = CliRunner().invoke(cli.app, ["convert", str(good), str(tmp_path / "new"), "--revision", "v2",
+                                          "--kv-lora-rank", "0"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"--revision v2: {good} is a local folder" in text
+    assert "--kv-lora-rank 0: must be positive" in text and not (tmp_path / "new").exists(), text
+
     # a hub id is not downloaded to check it: the flags are refused at once, beside the local output's problems
     result = CliRunner().invoke(cli.app, ["convert", "no-such-owner/no-such-model", str(output), "--force"])
     text = " ".join(result.output.split())

@@ -102,15 +102,19 @@ class Converter:
         pin_mmap_threshold()  # freed per-layer temporaries leave the process (see memory.py)
         self.source_path = resolve_model_path(source, self.options.revision, self.options.allow_pickle)
         raw = read_config_json(self.source_path)
-        problems = revision_problems(self.options.revision, source) + SourceConfig.problems(raw)
+        revision = revision_problems(self.options.revision, source)
+        problems = SourceConfig.problems(raw)
         try:  # a broken config and unreadable weights are reported together
             self.reader = CheckpointReader(self.source_path, allow_pickle=self.options.allow_pickle)
         except CheckpointError as error:
-            if not problems:
+            if not problems and not revision:
                 raise
             problems.append(str(error))
         if problems:
-            raise PreflightError(problems)
+            raise PreflightError(revision + problems)
+        # a --revision that cannot act on a local folder: reported with pre-flight's problems (`preflight`), so
+        # that the ranks', options' and output's problems come in the same run
+        self.setting_problems = revision
         self.config = untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress)
         self.device = _device(self.options.device)
         self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
@@ -128,11 +132,20 @@ class Converter:
     def preflight(self, output: Path, options: ConvertOptions | None = None, notes: bool = True) -> tuple[MLAShape, torch.dtype]:
         """The shape and dtype to export (PreflightError: every problem); `notes=False`: no notes or disk estimate
         (a run that is refused anyway prints its errors alone)."""
-        return run_preflight(self.config, self.reader, Path(output), options or self.options,
-                             self.progress.message if notes else lambda line: None)
+        quiet = not notes or bool(self.setting_problems)
+        try:
+            shape = run_preflight(self.config, self.reader, Path(output), options or self.options,
+                                  (lambda line: None) if quiet else self.progress.message)
+        except PreflightError as error:
+            raise PreflightError(self.setting_problems + error.problems) from error
+        if self.setting_problems:
+            raise PreflightError(self.setting_problems)
+        return shape
 
     def calibrate(self) -> None:
         """Calibration windows and the per-layer statistics pass (once per Converter)."""
+        if self.setting_problems:  # (an API caller that skipped `preflight`)
+            raise PreflightError(self.setting_problems)
         if self.store is not None:
             return
         started = time.time()
