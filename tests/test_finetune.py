@@ -720,11 +720,12 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step_with_a_com
     output = log.read_text()
     stops = re.findall(r"interrupted \(SIGTERM\) at step (\d+): checkpoint (\S+);", output)
     assert len(stops) == 1, output[-3000:]  # said once, by the main process (each rank printed it)
-    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", output)  # torchrun's summary of its workers
-    assert len(exits) >= 2 and set(exits) == {"143"}, output[-3000:]  # rank 1, never signalled, stopped as rank 0 did
+    # (not the workers' exit codes: once rank 0 exits, torchrun may SIGTERM rank 1 while it is still shutting down)
     step, checkpoint = int(stops[0][0]), Path(stops[0][1])
     assert 0 < step < 5000 and (checkpoint / COMPLETE_MARKER).is_file(), output[-3000:]
+    # rank 1, never signalled, saved its state into the same step's checkpoint: it stopped where rank 0 did
     assert sorted(path.name for path in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert [path.name for path in checkpoint.parent.glob("step-*")] == [checkpoint.name]
 
 
 def test_workers_accelerate_does_not_join_are_refused_before_they_write(tiny_llama, tmp_path, monkeypatch):
