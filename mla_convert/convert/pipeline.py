@@ -95,7 +95,8 @@ def untie_if_the_checkpoint_does(source: SourceConfig, reader: CheckpointReader,
 class Converter:
     """One source model, calibrated once, exported to one or more MLA shapes (sweeps reuse the calibration)."""
 
-    def __init__(self, source: str | os.PathLike, options: ConvertOptions | None = None, progress: Progress | None = None):
+    def __init__(self, source: str | os.PathLike, options: ConvertOptions | None = None, progress: Progress | None = None,
+                 setting_problems: Sequence[str] = ()):
         self.options = options or ConvertOptions()
         self.progress = progress or Progress()
         self.source = source
@@ -112,9 +113,10 @@ class Converter:
             problems.append(str(error))
         if problems:
             raise PreflightError(revision + problems)
-        # a --revision that cannot act on a local folder: reported with pre-flight's problems (`preflight`), so
-        # that the ranks', options' and output's problems come in the same run
-        self.setting_problems = revision
+        # what is wrong with the settings themselves (`setting_problems`: the caller's, e.g. the CLI's flags that
+        # cannot act; a --revision that cannot act on a local folder): raised with pre-flight's problems
+        # (`preflight`), so that the ranks', options' and output's problems come in the same run
+        self.setting_problems = [*setting_problems, *revision]
         self.config = untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress)
         self.device = _device(self.options.device)
         self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
@@ -129,10 +131,10 @@ class Converter:
         self.calibration_cpu: dict[str, float] = {}  # and process CPU time
         self.calibration_windows: dict[str, list[float]] = {}  # and when (Unix time: first start, last end)
 
-    def preflight(self, output: Path, options: ConvertOptions | None = None, notes: bool = True) -> tuple[MLAShape, torch.dtype]:
-        """The shape and dtype to export (PreflightError: every problem); `notes=False`: no notes or disk estimate
-        (a run that is refused anyway prints its errors alone)."""
-        quiet = not notes or bool(self.setting_problems)
+    def preflight(self, output: Path, options: ConvertOptions | None = None) -> tuple[MLAShape, torch.dtype]:
+        """The shape and dtype to export (PreflightError: every problem, the settings' first).  A run refused for its
+        settings prints its errors alone: no notes or disk estimate."""
+        quiet = bool(self.setting_problems)
         try:
             shape = run_preflight(self.config, self.reader, Path(output), options or self.options,
                                   (lambda line: None) if quiet else self.progress.message)
@@ -364,18 +366,13 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
     if not output.name:
         raise PreflightError(caller_problems + [f"{output}: is the root folder; give the path of a folder to create"])
     try:  # problems with the output path are reported together with those of the source
-        converter = Converter(source, options, progress)
+        converter = Converter(source, options, progress, setting_problems=caller_problems)
     except MLAConvertError as error:
         lines = error.problems if isinstance(error, PreflightError) else [str(error)]
         raise PreflightError(caller_problems + lines + output_path_problems(Path(output), options.overwrite,
                                                                             force=options.force)) from error
     with converter:
-        try:
-            mla, export_dtype = converter.preflight(Path(output), options, notes=not caller_problems)
-        except PreflightError as error:
-            raise PreflightError(caller_problems + error.problems) from error
-        if caller_problems:
-            raise PreflightError(caller_problems)
+        mla, export_dtype = converter.preflight(Path(output), options)
         converter.calibrate()
         return converter.export(output, options, mla, export_dtype, command=command)
 
