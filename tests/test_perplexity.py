@@ -350,6 +350,11 @@ def test_json_never_replaces_an_input_or_a_foreign_file(tiny_pair, tmp_path):
         with pytest.raises(MLAConvertError, match=re.escape(message)):
             run_eval(converted, text, baseline=source, context_length=32, max_windows=1, progress=False, json_path=target)
     assert {path: path.read_bytes() for path in before} == before and not (source / "new.json").exists()
+    loop = tmp_path / "loop.json"  # Path.resolve() raised RuntimeError("Symlink loop") out of the pre-flight
+    loop.symlink_to(loop)
+    result = CliRunner().invoke(cli.app, ["eval", str(converted), "--data", str(text), "--json", str(loop)])
+    assert result.exit_code == 2, repr(result.exception)  # (a traceback exits 1)
+    assert f"--json {loop}: a symlink to nothing" in " ".join(result.output.split()), result.output
     earlier = tmp_path / "eval.json"  # an earlier result is replaced: reruns are the normal case
     for _ in range(2):
         run_eval(converted, text, context_length=32, max_windows=1, progress=False, json_path=earlier)

@@ -166,16 +166,16 @@ def results_file_problems(json_path: str | os.PathLike | None, data: str | os.Pa
 
     It used to overwrite whatever it named, the evaluation text and a model's config.json included.
     """
-    from ..io.paths import absolute_path
+    from ..io.paths import absolute_path, real_path
 
     if json_path is None or not os.fspath(json_path).strip():  # empty: refused by output_file_problems
         return []
     path = absolute_path(json_path)
     for fact in facts:
-        if path.resolve().is_relative_to(fact.path.resolve()):
+        if real_path(path).is_relative_to(real_path(fact.path)):
             return [f"--json {json_path}: inside the model folder {fact.path}; write the results elsewhere"]
     if data is not None and Path(os.fspath(data)).expanduser().exists() and \
-            path.resolve().is_relative_to(Path(os.fspath(data)).expanduser().resolve()):
+            real_path(path).is_relative_to(real_path(os.fspath(data))):
         return [f"--json {json_path}: is the evaluation text (--data); write the results elsewhere"]
     if path.is_file() and not _is_eval_result(path):
         return [f"--json {json_path}: exists and is not an earlier `mla-convert eval` result; give a new file name "

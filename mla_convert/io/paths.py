@@ -92,6 +92,12 @@ def absolute_path(path: str | os.PathLike) -> Path:
     return Path(os.path.abspath(Path(path).expanduser()))
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """The path with every link followed, like `Path.resolve()`, but a symlink loop is left as it is instead of
+    raising (RuntimeError on Python 3.11, OSError later): a looping `--json` is a bad name to report, not a crash."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
 # --------------------------------------------------------------------------- what reports record
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed, for the report and the card, without this machine's absolute paths.
