@@ -312,7 +312,7 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
         hints = typing.get_type_hints(func)
         declared = inspect.signature(func).parameters
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
-               for p in declared.values() if p.name not in specs and p.name != _FLAG_PROBLEMS]
+               for p in declared.values() if p.name not in specs and p.name != FLAG_PROBLEMS]
         generated = {name: _flags(cls, exclude) for name, (cls, exclude) in specs.items()}
         taken = [p.name for p in own] + [f.parameter.name for flags in generated.values() for f in flags]
         clashes = {name for name in taken if taken.count(name) > 1}
@@ -324,7 +324,7 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
             from .errors import PreflightError
 
             context = kwargs.pop(_CONTEXT, None)
-            problems = []
+            problems = list(kwargs.pop(FLAG_PROBLEMS, ()))  # found before this wrapper: number flags that are not numbers
             for name, flags in generated.items():
                 values = {flag.path: kwargs.pop(flag.parameter.name) for flag in flags if flag.parameter.name in kwargs}
                 kwargs[name] = _build(specs[name][0], values)
@@ -332,9 +332,11 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
                     given = _given_on_command_line(context, flags)
                     cases = variants(kwargs, kwargs[name]) if variants else [kwargs[name]]
                     idle = [ineffective_flag_problems(case, given) for case in cases or [kwargs[name]]]
-                    problems += [problem for problem in idle[0] if all(problem in other for other in idle[1:])]
-            if _FLAG_PROBLEMS in declared:
-                kwargs[_FLAG_PROBLEMS] = problems
+                    unparsed = {line.split(":")[0] for line in problems}  # a flag refused as no number is not also idle
+                    problems += [problem for problem in idle[0] if all(problem in other for other in idle[1:])
+                                 and problem.split(":")[0] not in unparsed]
+            if FLAG_PROBLEMS in declared:
+                kwargs[FLAG_PROBLEMS] = problems
             elif problems:
                 raise PreflightError(problems)
             return func(*args, **kwargs)
@@ -351,7 +353,7 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
 
 
 _CONTEXT = "cli_context"
-_FLAG_PROBLEMS = "flag_problems"
+FLAG_PROBLEMS = "flag_problems"
 
 
 def _given_on_command_line(context: Any, flags: list[_Flag]) -> dict[tuple[str, ...], str]:

@@ -285,3 +285,67 @@ def test_sweep_evaluates_where_device_says(monkeypatch, tmp_path):
                                           str(tmp_path / "out"), "--device", "cpu"])
     assert isinstance(result.exception, Received), result.output
     assert seen["eval_device"] == "cpu"
+
+
+def _number_flags(name: str) -> list[str]:
+    """The long flags of command NAME that take an int or a float."""
+    from mla_convert.number_flags import number_kind
+
+    return [param.opts[0] for param in command(name).params
+            if isinstance(param, typer.core.TyperOption) and number_kind(param.type_descriptor.annotation) is not None]
+
+
+@pytest.mark.parametrize("name", sorted(typer.main.get_command(cli.app).commands))
+def test_every_number_flag_refuses_text_as_one_error_line(name, tmp_path):
+    """typer printed a usage box for the first flag it could not convert and said nothing of the rest."""
+    from typer.testing import CliRunner
+
+    flags = _number_flags(name)
+    if name in {"convert", "sweep", "eval", "generate", "inspect", "demo"}:
+        assert flags, "no number flag found: the check reads nothing"
+    positional = {"convert": [str(tmp_path / "src"), str(tmp_path / "out")], "sweep": [str(tmp_path / "src")],
+                  "eval": [str(tmp_path / "src")], "generate": [str(tmp_path / "src"), "hi"],
+                  "inspect": [str(tmp_path / "src")], "push": [str(tmp_path / "src"), "me/model"]}.get(name, [])
+    required = {"sweep": ["--data", "t.txt", "--out-dir", str(tmp_path / "sw")], "eval": ["--data", "t.txt"]}.get(name, [])
+    for flag in flags:
+        result = CliRunner().invoke(cli.app, [name, *positional, *required, flag, "1.5x"])
+        assert result.exit_code == 2 and "Traceback" not in result.output, (flag, result.output)
+        assert f"error: {flag}: '1.5x' is not " in result.output, (flag, result.output)
+    assert not any(tmp_path.iterdir()), "a refused run wrote something"
+
+
+def test_number_flags_that_are_not_numbers_are_listed_with_every_other_problem(tmp_path):
+    """`convert -r abc` stopped there: the ineffective --seed, the missing --calib-data file and the existing output
+    came one run later each."""
+    from tiny_models import save_tiny_model
+    from typer.testing import CliRunner
+
+    source = save_tiny_model(tmp_path / "src", num_layers=1)
+    output = tmp_path / "out"
+    output.mkdir()
+    result = CliRunner().invoke(cli.app, ["convert", str(source), str(output), "-r", "abc", "--calib-top-p", "high",
+                                          "--seed", "3", "--calib-data", str(tmp_path / "missing.txt"), "--calib-chunk", "2.0"])
+    lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and lines[:3] == ["error: --kv-lora-rank: 'abc' is not an integer",
+                                                   "error: --calib-top-p: 'high' is not a number",
+                                                   "error: --calib-chunk: '2.0' is not an integer"], result.output
+    text = " ".join(result.output.split())
+    assert "--seed: acts only with" in text and "missing.txt" in text and f"{output}: already exists" in text, text
+    assert "--calib-top-p: acts only" not in text  # refused as no number: not also "cannot act"
+    assert not any(output.iterdir())
+
+    # with the command's own problems: eval's and generate's pre-flight, sweep's
+    result = CliRunner().invoke(cli.app, ["eval", str(source), "--data", "t.txt", "--context", "k", "--stride", "0"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--context: 'k' is not an integer" in text and "--stride" in text.split("integer", 1)[1], text
+    result = CliRunner().invoke(cli.app, ["generate", str(source), "hi", "--max-new-tokens", "many"])
+    text = " ".join(result.output.split())
+    assert "--max-new-tokens: 'many' is not an integer" in text and "not a model written by `mla-convert convert`" in text, text
+    result = CliRunner().invoke(cli.app, ["sweep", str(source), "--data", "t.txt", "--out-dir", str(tmp_path / "sw"),
+                                          "--context", "k", "--ratios", "0.5"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--context: 'k' is not an integer" in text and "--ratios" in text, text
+
+    # the help still shows the flags' types
+    help_text = CliRunner().invoke(cli.app, ["convert", "--help"], terminal_width=250).output
+    assert "<int>" in help_text and "<float>" in help_text
