@@ -395,6 +395,25 @@ def test_config_errors_name_every_problem(tmp_path):
         not_finite.validate()
 
 
+def test_a_checkpoint_dir_that_cannot_be_a_folder_is_a_settings_problem(tmp_path):
+    """A file, a broken link, a symlink loop or a file above it: the run raised FileExistsError (or
+    NotADirectoryError) from mkdir at its start, a traceback instead of an error line."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "out.checkpoints").write_text("x")  # the default: OUTPUT.checkpoints
+    for checkpoint_dir, output, message in [
+            ("file", "o", "exists and is not a folder"), ("dangling", "o", "a symlink to nothing"),
+            ("loop", "o", "a symlink to nothing"), ("file/sub", "o", f"{tmp_path / 'file'} is not a folder"),
+            (None, "out", "exists and is not a folder")]:
+        config = FinetuneConfig(model="m", output=str(tmp_path / output),
+                                checkpoint_dir=None if checkpoint_dir is None else str(tmp_path / checkpoint_dir))
+        with pytest.raises(FinetuneConfigError) as error:
+            config.validate()
+        assert str(error.value).startswith(f"checkpoint_dir {config.checkpoint_path}: {message}"), str(error.value)
+    FinetuneConfig(model="m", output=str(tmp_path / "o"), checkpoint_dir=str(tmp_path / "new" / "deeper")).validate()
+
+
 def test_every_settings_problem_is_reported_in_one_run(tmp_path):
     """An unknown YAML key was reported alone, then a value of the wrong type alone, then the ranges, then a flag
     that could not act: four runs for one broken recipe.  Now one error, one line per problem."""

@@ -22,7 +22,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from ..errors import MLAConvertError
-from ..io.paths import absolute_path
+from ..io.paths import absolute_path, folder_to_create_problems, real_path
 from ..io.writer import parse_shard_size
 
 TRAIN_CHOICES = ("attention", "all")
@@ -175,11 +175,13 @@ class FinetuneConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio: must be between 0 and 1 (got {self.min_lr_ratio})")
         if self.checkpoint_dir and self.output and self.model:
-            checkpoints = absolute_path(str(self.checkpoint_dir)).resolve()
+            checkpoints = real_path(absolute_path(str(self.checkpoint_dir)))  # (a symlink loop stays a name)
             for name, folder in (("output", self.output), ("model", self.model)):
-                if checkpoints.is_relative_to(absolute_path(str(folder)).resolve()):  # the save replaces OUTPUT whole
+                if checkpoints.is_relative_to(real_path(absolute_path(str(folder)))):  # the save replaces OUTPUT whole
                     problems.append(f"checkpoint_dir {self.checkpoint_dir}: inside the {name} folder {folder}; "
                                     "checkpoints go beside it (the default: OUTPUT.checkpoints)")
+        if self.checkpoint_dir or self.output:
+            problems += folder_to_create_problems(self.checkpoint_path, "checkpoint_dir")
         if self.warmup_steps >= self.max_steps:  # (a 1-step run with warmup trained at lr 0 and said it trained)
             problems.append(f"warmup_steps ({self.warmup_steps}) must be below max_steps ({self.max_steps}); "
                             "for a short run lower --warmup-steps too")

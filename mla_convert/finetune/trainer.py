@@ -31,7 +31,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from ..convert.report import hub_dataset, source_label
 from ..errors import MLAConvertError
 from ..eval.sampling import sample_from_model
-from ..io.paths import absolute_path, command_line, within
+from ..io.paths import absolute_path, command_line, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
@@ -209,7 +209,7 @@ def schedule_text(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> str
 
 def _same_source(a: str, b: str) -> bool:
     """Whether texts `a` and `b` overlap: the same file, or one inside the folder the other reads."""
-    pa, pb = Path(a).expanduser().resolve(), Path(b).expanduser().resolve()
+    pa, pb = real_path(a), real_path(b)
     if pa.exists() and pb.exists():
         return pa == pb or pb.is_relative_to(pa) or pa.is_relative_to(pb)
     return a == b
@@ -343,7 +343,11 @@ class Finetuner:
         self.output = prepare_output_path(config.output, config.overwrite, config.force)
         self.checkpoint_root = config.checkpoint_path
         if accelerator.is_main_process:
-            self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+            try:  # (the config's checks name the usual reasons first: a file, a broken link, a file above it)
+                self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise FinetuneConfigError(f"checkpoint_dir {self.checkpoint_root}: cannot be created "
+                                          f"({error.strerror or error})") from error
         accelerator.wait_for_everyone()
         self.report = load_converted_report(self.converted)
         converted_config = load_config(self.converted)
@@ -432,13 +436,13 @@ class Finetuner:
         config = self.config
         if not (config.overwrite and self.output.exists()):
             return
-        output = self.output.resolve()
+        output = real_path(self.output)
         inputs = {"the converted model": self.converted, "the teacher": self.teacher_name, "the training text": config.data,
                   "the evaluation text": config.eval_data}
         for what, name in inputs.items():
             if not name or not Path(name).exists():  # (a hub id or dataset spec is not a local path)
                 continue
-            path = Path(name).resolve()
+            path = real_path(name)
             if within(path, output):
                 raise FinetuneConfigError(f"{self.output}: is {what} ({name}) or contains it; --overwrite would delete it. "
                                           "Choose another output path")

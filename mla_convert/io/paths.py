@@ -77,6 +77,24 @@ def output_file_problems(path: str | os.PathLike | None, flag: str) -> list[str]
     return []
 
 
+def folder_to_create_problems(path: str | os.PathLike, what: str) -> list[str]:
+    """A folder a command creates (or reuses) as it starts: not a file or a broken link, below a folder it can write.
+
+    `mkdir(parents=True, exist_ok=True)` raised FileExistsError or NotADirectoryError out of the run otherwise.
+    """
+    path = absolute_path(path)
+    if path.is_symlink() and not path.exists():  # (a link to nothing, or a loop)
+        return [f"{what} {path}: a symlink to nothing"]
+    if path.exists():
+        return [] if path.is_dir() else [f"{what} {path}: exists and is not a folder"]
+    parent = next(folder for folder in path.parents if folder.exists() or folder.is_symlink())
+    if not parent.is_dir():
+        return [f"{what} {path}: {parent} is not a folder"]
+    if not os.access(parent, os.W_OK):
+        return [f"{what} {path}: cannot be created in {parent} (not writable)"]
+    return []
+
+
 def within(path: Path, folder: Path) -> bool:
     """Whether `path` is `folder` or lies under it (both as given: resolve them first to compare real locations)."""
     return path == folder or folder in path.parents
