@@ -351,3 +351,26 @@ def test_bench_cost_model_creates_a_missing_benchmarks_file(tmp_path, monkeypatc
     assert bench.main(["--write-benchmarks", str(tmp_path / "NEW.md")]) == 0  # was a FileNotFoundError
     text = (tmp_path / "NEW.md").read_text()
     assert text.startswith("# Benchmarks\n") and "validation" in text and "plans" in text
+
+
+# --------------------------------------------------------------------------- engines/record_runs.py
+def test_the_engine_record_and_its_tables_are_what_the_filed_results_give(tmp_path):
+    """engine_runs.json (what convert and the card say about the engines), README's engine table and BENCHMARKS'
+    KV table are generated from docs/engines-results-*/: a result filed without regenerating them, or edited by
+    hand, leaves the tool saying what no run showed.  The KV table has one row per engine and export (the
+    stories260K llama.cpp export was listed twice, once per date)."""
+    import glob
+
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    results = sorted(glob.glob(str(REPO / "docs" / "engines-results-*" / "*.json")))
+    subprocess.run([sys.executable, str(SCRIPTS / "engines" / "record_runs.py"), *results, "--out", str(tmp_path / "runs.json"),
+                    "--benchmarks", str(tmp_path / "BENCHMARKS.md"), "--readme", str(tmp_path / "README.md")],
+                   check=True, capture_output=True, text=True, cwd=tmp_path)
+    assert json.loads((tmp_path / "runs.json").read_text()) == json.loads(
+        (REPO / "mla_convert" / "convert" / "engine_runs.json").read_text())
+    for name in ("README.md", "BENCHMARKS.md"):
+        assert (tmp_path / name).read_text() == (REPO / name).read_text(), f"{name}: run record_runs.py (see its docstring)"
+    table = (REPO / "BENCHMARKS.md").read_text().split("<!-- engines_kv:begin -->")[1].split("<!-- engines_kv:end -->")[0]
+    rows = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| llama.cpp") or line.startswith("| vLLM")]
+    assert rows and len(rows) == len({tuple(row) for row in rows}), rows

@@ -9,6 +9,7 @@ test sets the margin tiny to check everything else.  The engine runs themselves 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -535,6 +536,56 @@ def test_a_serving_export_is_written_and_scored_in_fp16_and_only_it(stories260k,
             " ".join(result.output.split()), result.output
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its_scaling(tmp_path):
+    """llama.cpp b11434's DeepSeek path rotates at a llama3 export's unscaled frequencies (measured 70.8 % off), so
+    --target llama.cpp refused every llama3 source (Llama 3.x).  Now its slots sit on the unscaled (default) grid
+    where the source's scaled frequencies fall, and the export declares default RoPE, which llama.cpp computes as
+    transformers does.  The transformers target keeps llama3 RoPE; vLLM is told nothing new (it keeps llama3)."""
+    from mla_convert.convert.rope import frame_positions, grid_frame
+    from mla_convert.source.model import rope_inv_freq
+
+    assert not T.TARGETS["llama.cpp"].llama3_scaling and not T.TARGETS["all"].llama3_scaling
+    assert T.TARGETS["transformers"].llama3_scaling and T.TARGETS["vllm"].llama3_scaling
+    # where the scaled frequencies sit on the unscaled grid: the fast ones on their own index, the slow ones (divided
+    # by the factor) ln(8) / ln(theta^(2/h)) = 0.90 indices further, the one between the bands in between
+    scaled = rope_inv_freq(LLAMA3_ROPE, 8)
+    frame, frame_rope = grid_frame(LLAMA3_ROPE, 8, scaled, llama3_scaling=False)
+    assert frame_rope == {"rope_type": "default", "rope_theta": 1e4}
+    positions = frame_positions(scaled, frame)
+    shift = 8 * math.log(8.0) / (2 * math.log(1e4))
+    assert positions[0] == pytest.approx(0) and positions[2:].tolist() == pytest.approx([2 + shift, 3 + shift], abs=1e-6)
+    assert 1 < positions[1] < 1 + shift
+    assert grid_frame(LLAMA3_ROPE, 8, scaled)[0] is scaled  # a target that applies the scaling: the source's own grid
+    assert frame_positions(scaled, scaled).tolist() == [0, 1, 2, 3]
+
+    source = save_source(tmp_path / "src", rope_parameters=LLAMA3_ROPE, max_position_embeddings=256, head_dim=8,
+                         num_heads=4, num_kv_heads=2, hidden_size=32, num_layers=2)
+    from mla_convert.convert.preflight import target_rope_problems
+
+    config = SourceConfig.from_folder(source)
+    assert target_rope_problems(config, "all") == [] == target_rope_problems(config, "llama.cpp")  # (no vLLM width fits it)
+    for target in ("llama.cpp", "transformers"):
+        result = convert(source, tmp_path / target, fast_options(target=target, compression=2))
+        rope = json.loads((result.output / "config.json").read_text())["rope_parameters"]
+        if target == "transformers":
+            assert rope["rope_type"] == "llama3"
+            continue
+        assert rope == {"rope_type": "default", "rope_theta": result.report["rope"]["rope_parameters"]["rope_theta"]}
+        assert result.report["rope"]["max_relative_frequency_error"] < 1e-6  # the config computes the chosen grid
+        error = result.report["summary"]["mean_attention_error"]
+        assert 0 < error < 1, error  # an approximation (slots at the unscaled grid), measured and reported
+        ids = torch.randint(0, 256, (1, 24))
+        assert torch.isfinite(logits_of(result.output, ids)).all()
+    # an oracle: llama3 scaling by a factor of 1 changes no frequency, and the export equals the plain grid's
+    unit = {**LLAMA3_ROPE, "factor": 1.0}
+    frame, _ = grid_frame(unit, 8, rope_inv_freq(unit, 8), llama3_scaling=False)
+    assert frame_positions(rope_inv_freq(unit, 8), frame).tolist() == pytest.approx([0, 1, 2, 3], abs=1e-9)
+
+
 def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tied_llama):
     """A grid that starts past the source's first frequency exports as a linear RoPE factor, which llama.cpp b11434
     scales attention for where transformers does not: --target llama.cpp (and all) rank only grids from offset 0, so
@@ -552,13 +603,12 @@ def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tie
             assert json.loads((tmp_path / target / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0}, {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0}])
 def test_llama_cpp_targets_refuse_a_source_whose_rope_llama_cpp_computes_wrongly(tmp_path, rope):
-    """--target llama.cpp exported a linear or llama3 source as it was, and llama.cpp b11434 ran the export 20-70 %
-    off transformers' perplexity (measured): the targets that promise llama.cpp now refuse before converting.  The
-    transformers target converts it, and a linear factor of 1 is the default RoPE."""
+    """--target llama.cpp exported a linear source as it was, and llama.cpp b11434 ran the export 20 % off
+    transformers' perplexity (measured): the targets that promise llama.cpp refuse it before converting.  The
+    transformers target converts it, and a linear factor of 1 is the default RoPE.  (A llama3 source is exported as
+    default RoPE instead: the next test.)"""
     source = save_source(tmp_path / "src", rope_parameters={"rope_theta": 1e4, **rope}, max_position_embeddings=256)
     for target in ("llama.cpp", "all"):
         with pytest.raises(PreflightError, match=re.escape(f"--target {target}: this source's RoPE {rope['rope_type']}: "

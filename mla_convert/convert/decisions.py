@@ -18,14 +18,14 @@ import torch
 from ..errors import ConversionError, NonFiniteError
 from ..options import ConvertOptions, error_windows_kept
 from ..source.config import SourceConfig
-from ..source.model import StreamedSourceModel, apply_rotary, attention_from_qkv, mlp, project_qkv, rms_norm
+from ..source.model import StreamedSourceModel, apply_rotary, attention_from_qkv, mlp, project_qkv, rms_norm, rope_inv_freq
 from ..source.shapes import MLAShape
 from . import target as T
 from .calibration import LayerInputStats
 from .factorize import Whitening
 from .layer import LayerReport, assemble_attention, convert_attention, factorize_latent, prepare_attention
 from .reference import mla_attention, project_queries
-from .rope import RopeGrid, SlotPlan, candidate_grids, plan_layer
+from .rope import RopeGrid, SlotPlan, candidate_grids, frame_positions, plan_layer
 
 # `--method` names -> the factorization's internal names (factorize.METHODS), and back
 METHOD_ALIASES = {"activation-aware": "output", "output": "output", "input": "input", "svd": "weight", "weight": "weight"}
@@ -222,17 +222,19 @@ def choose_rope_grid(
     measured: int,
     progress: Progress,
     offsets: bool = True,
+    frame: torch.Tensor | None = None,
 ) -> tuple[RopeGrid, list[SlotPlan], list[dict]]:
     """Pick the model-wide RoPE grid: rank all candidates by estimated error, measure the best few (`offsets`: the
-    target's `rope_offsets`)."""
+    target's `rope_offsets`; `frame`: the geometric grid the positions count in, `rope.grid_frame`)."""
     source = model.shape
-    llama3 = source.rope_parameters.get("rope_type") == "llama3"
-    grids = candidate_grids(source.head_dim // 2, mla.rope_dim // 2, llama3=llama3, offsets=offsets)
+    frame = model.inv_freq if frame is None else frame
+    grids = rope_grid_candidates(source, mla, offsets, frame)
     scored = []  # (estimated error, grid, plans); plans kept only while a grid is among the best `keep`
     keep = max(1, measured)
     progress.phase("ranking RoPE grids", len(grids))
     for number, grid in enumerate(grids):
-        plans = [plan_layer(stats, grid, model.inv_freq, source.num_kv_heads, max_fold=grid.step) for stats in rope_stats]
+        plans = [plan_layer(stats, grid, model.inv_freq, source.num_kv_heads, max_fold=grid.step, frame=frame)
+                 for stats in rope_stats]
         scored.append((sum(p.estimated_error for p in plans), grid, plans))
         scored.sort(key=lambda item: item[0])
         # every grid's plans for every layer add up (8x on SmolLM2: +360 MiB); only finalists need theirs
@@ -259,6 +261,18 @@ def choose_rope_grid(
                 row["measured_attention_error"] = math.sqrt(errors[rank])
     best = min(range(len(finalists)), key=lambda r: (not math.isfinite(errors[r]), errors[r]))
     return finalists[best][1], finalists[best][2], table
+
+
+def rope_grid_candidates(source, mla: MLAShape, offsets: bool = True, frame: torch.Tensor | None = None) -> list[RopeGrid]:
+    """The grids a conversion ranks, over the source's frequencies as they sit on `frame` (`rope.grid_frame`; by
+    default the source's own grid).  Only whole steps from the first frequency for a llama3 source on its own
+    (scaled, not geometric) grid."""
+    source_inv_freq = rope_inv_freq(source.rope_parameters, source.head_dim)
+    frame = source_inv_freq if frame is None else frame
+    own = torch.equal(frame.detach().double().cpu(), source_inv_freq.double())
+    llama3 = own and source.rope_parameters.get("rope_type") == "llama3"
+    span = float(frame_positions(source_inv_freq, frame).max()) + 1  # (the frequencies' index range on the frame)
+    return candidate_grids(span, mla.rope_dim // 2, llama3=llama3, offsets=offsets)
 
 
 def _finalist_errors(layer, stats: LayerInputStats, plans: list[SlotPlan], model: StreamedSourceModel, full: MLAShape):

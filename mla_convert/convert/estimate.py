@@ -38,9 +38,8 @@ from ..source.model import WIDENED_BLOCK_BYTES
 from ..source.shapes import MLAShape, pick_target_shape
 from ..units import dtype_bytes, human_bytes
 from .calibration import SAMPLING_CACHE_BYTES
-from .decisions import METHOD_ALIASES, REFINE_BATCH_WINDOWS, RefinePolicy, effort_of, refine_flops
+from .decisions import METHOD_ALIASES, REFINE_BATCH_WINDOWS, RefinePolicy, effort_of, refine_flops, rope_grid_candidates
 from .preflight import OUTPUT_OVERHEAD_BYTES, estimated_output_bytes, estimated_statistics_bytes, expected_tensor_shapes, export_dtype
-from .rope import candidate_grids
 from .target import target_of
 
 CONSTANTS_FILE = Path(__file__).with_name("cost_constants.json")
@@ -178,9 +177,12 @@ class Sizes:
 
     @property
     def grids(self) -> int:
-        s = self.source
-        return len(candidate_grids(s.head_dim // 2, self.mla.rope_dim // 2, llama3=s.rope_parameters.get("rope_type") == "llama3",
-                                   offsets=target_of(self.options.target).rope_offsets))
+        from ..source.model import rope_inv_freq
+        from .rope import grid_frame
+
+        target, s = target_of(self.options.target), self.source
+        frame, _ = grid_frame(s.rope_parameters, s.head_dim, rope_inv_freq(s.rope_parameters, s.head_dim), target.llama3_scaling)
+        return len(rope_grid_candidates(s, self.mla, target.rope_offsets, frame))
 
     @property
     def finalists(self) -> int:

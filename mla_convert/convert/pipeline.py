@@ -57,7 +57,7 @@ from .layer import LayerReport
 from .memory import pin_mmap_threshold
 from .preflight import check_source_finite, expected_tensor_shapes, output_path_problems, run_preflight
 from .report import REPORT_FILE, ConversionFacts, build_report
-from .rope import deepseek_rope_parameters, grid_inv_freq, plan_layer
+from .rope import deepseek_rope_parameters, grid_frame, grid_inv_freq, plan_layer
 
 __all__ = ["CalibrationOptions", "ConversionResult", "ConvertOptions", "Converter", "Progress", "convert"]
 
@@ -207,12 +207,15 @@ class Converter:
         layout = T.export_layout(source, mla, target)
         q_lora_rank, attention_bias = layout.q_lora_rank, layout.attention_bias
         served: list[dict] = []  # per-layer serving facts (serving targets only)
+        # the grid the slots count in: the source's own, or (a llama3 source, an engine that ignores its scaling) the
+        # unscaled one, exported as default RoPE
+        frame, frame_rope = grid_frame(source.rope_parameters, source.head_dim, model.inv_freq, target.llama3_scaling)
         grid, plans, grid_table = choose_rope_grid(
             self.rope_stats, model.load_layer, lambda i: LayerInputStats.from_tensors(store.load(i, model.device)), model, mla,
-            effort_of(options).rope_finalists, progress, offsets=target.rope_offsets,
+            effort_of(options).rope_finalists, progress, offsets=target.rope_offsets, frame=frame,
         )
-        rope_parameters = deepseek_rope_parameters(source.rope_parameters, grid, source.head_dim)
-        rope_error = T.verify_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, model.inv_freq))
+        rope_parameters = deepseek_rope_parameters(frame_rope, grid, source.head_dim)
+        rope_error = T.verify_rope(rope_parameters, mla.rope_dim, grid_inv_freq(grid, frame))
         target_config = T.build_config(source, mla, rope_parameters, export_dtype, q_lora_rank, attention_bias,
                                        layout.tie_word_embeddings)
         writer = CheckpointWriter(output, options.max_shard_size, options.overwrite, options.force)
@@ -240,7 +243,7 @@ class Converter:
                     stats = layer_input_stats(model, layer, hidden, cos, sin, calib, move_hidden=False)
                     check_statistics(stats, index, "sequential re-calibration")
                     plan = plan_layer(rope_stats_for_layer(layer, stats, source), grid, model.inv_freq,
-                                      source.num_kv_heads, max_fold=grid.step)
+                                      source.num_kv_heads, max_fold=grid.step, frame=frame)
                 else:
                     stats = LayerInputStats.from_tensors(store.load(index, model.device))
                 step = "refinement" if refine.steps > 0 else "factorization"

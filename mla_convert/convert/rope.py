@@ -65,6 +65,31 @@ def grid_inv_freq(grid: RopeGrid, source_inv_freq: torch.Tensor) -> torch.Tensor
     return torch.where(positions > len(log_freq) - 1, beyond, inside).exp()
 
 
+def grid_frame(source_params: dict, head_dim: int, source_inv_freq: torch.Tensor,
+               llama3_scaling: bool = True) -> tuple[torch.Tensor, dict]:
+    """(frame, its RoPE parameters): the geometric grid a `RopeGrid`'s positions count in.
+
+    Normally the source's own frequencies.  For a llama3 source and a target whose engine ignores llama3 scaling
+    (`Target.llama3_scaling`), the unscaled grid theta^(-2j/h), a default RoPE: the scaled (slow) frequencies sit on
+    it at fractional positions (`frame_positions`), so slots go where the source really rotates, the planner weighs
+    what each slot misses, and the export declares default RoPE, which such an engine computes as transformers does.
+    """
+    if source_params.get("rope_type") == "llama3" and not llama3_scaling:
+        from ..source.model import rope_inv_freq
+
+        plain = {"rope_type": "default", "rope_theta": float(source_params["rope_theta"])}
+        return rope_inv_freq(plain, head_dim), plain
+    return source_inv_freq, source_params
+
+
+def frame_positions(source_inv_freq: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
+    """Each source frequency's (fractional) index on the geometric `frame`: j itself on the source's own grid."""
+    omega, frame = source_inv_freq.detach().double().cpu(), frame.detach().double().cpu()
+    if torch.equal(omega, frame) or len(frame) < 2:
+        return torch.arange(len(omega), dtype=torch.float64)
+    return (frame[0].log() - omega.log()) / (frame[0].log() - frame[1].log())  # (h/2,)
+
+
 def deepseek_rope_parameters(source_params: dict, grid: RopeGrid, head_dim: int) -> dict:
     """`rope_parameters` for the DeepseekV3 config whose inverse frequencies equal the grid's.
 
@@ -174,20 +199,22 @@ def plan_layer(
     source_inv_freq: torch.Tensor,
     num_kv_heads: int,
     max_fold: float = 1.0,
+    frame: torch.Tensor | None = None,
 ) -> SlotPlan:
     """Assign components to slots and choose each slot's mixing direction for one layer.
 
-    A component joins its nearest slot (within `max_fold` source-index units) when rotating it at the
-    slot's frequency costs less expected logit error than leaving it unrotated.  Each slot then keeps the
-    top principal direction of its members' keys, weighted by that saving.
+    A component joins its nearest slot (within `max_fold` index units of the grid's `frame`, by default the source's
+    own frequencies) when rotating it at the slot's frequency costs less expected logit error than leaving it
+    unrotated.  Each slot then keeps the top principal direction of its members' keys, weighted by that saving.
     """
     num_heads, half = stats.query_energy.shape
     group = num_heads // num_kv_heads
     omega = source_inv_freq.detach().double().cpu()
-    slot_freq = grid_inv_freq(grid, source_inv_freq)
+    frame = source_inv_freq if frame is None else frame
+    slot_freq = grid_inv_freq(grid, frame)
     positions = grid.positions()
-    # nearest slot for each source frequency, in index units
-    distance = (torch.arange(half, dtype=torch.float64)[:, None] - positions[None, :]).abs()  # (h/2, slots)
+    # nearest slot for each source frequency, in index units of the frame
+    distance = (frame_positions(source_inv_freq, frame)[:, None] - positions[None, :]).abs()  # (h/2, slots)
     nearest = distance.argmin(dim=1)
     near_enough = distance.min(dim=1).values <= max_fold + 1e-9
     phi_nope = stats.phi(omega)  # (H, h/2): cost of leaving (i, j) unrotated

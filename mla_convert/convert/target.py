@@ -124,6 +124,9 @@ class Target:
     # the RoPE grid may start past the source's first frequency (exported as a `linear` factor); False where the
     # engine computes a linear factor otherwise than transformers (engines.ROPE_FAILURES)
     rope_offsets: bool = True
+    # the engine applies a source's llama3 frequency scaling; False: only grids on the frequencies that scaling leaves
+    # alone, exported as default RoPE (`rope.unscaled_frequencies`; the engine's failure: engines.ROPE_FAILURES)
+    llama3_scaling: bool = True
 
     @property
     def serving(self) -> bool:
@@ -166,7 +169,9 @@ TARGETS: dict[str, Target] = {
         "f16/bf16/q8_0/Q4_K_M", ties_embeddings=True, attention_bias=False, needs_q_lora_rank=True, quantized_kv_block=32,
         weight_formats=("f32", "f16", "bf16", "q8_0", "Q4_K_M"), kv_cache_formats=("f16", "q8_0"), engines=("llama.cpp",),
         # b11434 scales attention by (1 + 0.1 ln factor)^2 for a linear factor (measured: engines.ROPE_FAILURES)
-        rope_offsets=False),
+        rope_offsets=False,
+        # b11434's DeepSeek path rotates at the unscaled llama3 frequencies (measured: engines.ROPE_FAILURES)
+        llama3_scaling=False),
 }
 
 
@@ -188,6 +193,7 @@ def _intersection(name: str, targets: list[Target]) -> Target:
         kv_cache_formats=tuple(dict.fromkeys(f for t in targets for f in t.kv_cache_formats)),
         engines=tuple(dict.fromkeys(e for t in targets for e in t.engines)),
         rope_offsets=all(t.rope_offsets for t in targets),
+        llama3_scaling=all(t.llama3_scaling for t in targets),
     )
 
 

@@ -141,7 +141,8 @@ def kv_section(results: list[tuple[str, dict]]) -> str:
         info = r.get("export_info") or {}
         if not str(info.get("made_by", "")).startswith("mla-convert"):
             continue
-        shape = f"{info['kv_lora_rank']}+{info['rope_dim']}"
+        rope = info.get("rope_type", "default")
+        shape = f"{info['kv_lora_rank']}+{info['rope_dim']}" + ("" if rope == "default" else f", RoPE {rope}")
         label = f"{info['model']} `--target {info.get('target')}` {shape}"
         vl = r.get("vllm") or {}
         src, exp = vl.get("source") or {}, vl.get("export") or {}
@@ -161,6 +162,10 @@ def kv_section(results: list[tuple[str, dict]]) -> str:
             rows.append((f"llama.cpp ({kv} cache)", label, f"{sm} MiB ({sm * 2**20 / 4096:,.0f} B)" if sm else "not run",
                          f"{em} MiB ({em * 2**20 / 4096:,.0f} B)", f"{sm / em:.2f}x" if sm else "-",
                          _llamacpp_version(exp.get("versions") or {}), r.get("date", "")))
+    newest = {}  # one row per (engine, export): the latest run's (the same export run on two dates was listed twice)
+    for row in sorted(rows, key=lambda row: row[-1]):
+        newest[row[:2]] = row
+    rows = sorted(newest.values(), key=rows.index)
     lines = [KV_BEGIN, "## KV cache as the engines report it (issue 13)", "",
              "Command: `python scripts/engines/record_runs.py docs/engines-results-*/*.json --benchmarks BENCHMARKS.md` "
              "(the harness results of `scripts/check_engines.sh`; protocol in docs/engines.md).", "",
