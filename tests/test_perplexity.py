@@ -361,6 +361,23 @@ def test_json_never_replaces_an_input_or_a_foreign_file(tiny_pair, tmp_path):
     assert json.loads(earlier.read_text())["settings"]["context_length"] == 32
 
 
+def test_a_missing_text_file_is_listed_with_the_other_problems(tiny_pair, tmp_path):
+    """eval and sweep read --data only after every other check had passed: `--data /typo.txt --context 0` named the
+    context, and the missing file one run later (sweep: after a "failed: reading the evaluation text" line)."""
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    source, converted, _ = tiny_pair
+    missing = tmp_path / "typo.txt"
+    for args in (["eval", str(converted)], ["sweep", str(source), "--out-dir", str(tmp_path / "sweep")]):
+        result = CliRunner().invoke(cli.app, [*args, "--data", str(missing), "--context", "0"])
+        lines = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        assert result.exit_code == 2 and f"error: --data: {missing}: no such file or folder" in lines, result.output
+        assert any(line.startswith("error: --context 0") for line in lines) and "failed:" not in result.output, result.output
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_text_and_window_problems_come_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
     """A missing text, a stride longer than the context and a text column a .txt cannot have were found only after
     both models had loaded (the stride after the text was also tokenized), one at a time."""

@@ -204,6 +204,11 @@ def text_option_problems(data: str | os.PathLike | None, text_column: str = "tex
     if not os.fspath(data).strip():
         return problems + [f"{flag}: must not be empty (a text file, a folder or a datasets spec)"]
     path = Path(os.fspath(data)).expanduser()
+    from .textdata import looks_like_path
+
+    if not path.exists() and ":" not in os.fspath(data) and looks_like_path(os.fspath(data)):
+        # (read at load time, after every other check: a typo came one run after the other problems)
+        return problems + [f"{flag}: {data}: no such file or folder"]
     plain_folder = path.is_dir() and not any(p.suffix.lower() == ".jsonl" for p in path.rglob("*") if p.is_file())
     if text_column != "text" and ((path.is_file() and path.suffix.lower() != ".jsonl") or plain_folder):
         problems.append(f"--text-column {text_column}: acts only with .jsonl files, folders holding them, or datasets; "
