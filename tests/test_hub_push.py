@@ -479,7 +479,7 @@ def _edit_config(**changes):
 # used to pass: transformers loads such a folder with a warning and the missing projections initialised at random
 QUERY_PATH_OF_ANOTHER_CONVERSION = (_edit_config(q_lora_rank=16), "tensors config.json needs are not in the weights "
                                     "(e.g. model.layers.0.self_attn.q_a_layernorm.weight); transformers would "
-                                    "initialise them at random; 5 tensors in the weights are not part of the model")
+                                    "initialise them at random")  # (and, on a line of its own: 5 tensors in the weights ...)
 OTHER_SHAPES = (_edit_config(intermediate_size=100), "15 tensors have other shapes than config.json implies (e.g. "
                 "model.layers.0.mlp.down_proj.weight: [64, 172], config: [64, 100])")
 
@@ -572,14 +572,16 @@ def test_refuses_an_unfinished_conversion_folder_and_its_target(single, tmp_path
         check_pushable(tmp_path / "nowhere")
 
 
-def test_all_problems_are_reported_together_on_one_line(single):
+def test_all_problems_are_reported_together_one_line_each(single):
+    """(They were joined on one line by "; ", where every other command prints one `error:` line per problem.)"""
     (single / "config.json").unlink()
     (single / "mla_convert.json").unlink()
     with pytest.raises(NotPushableError) as caught:
         check_pushable(single)
-    message = str(caught.value)
-    assert "mla_convert.json is missing" in message and "config.json is missing" in message
-    assert "\n" not in message and isinstance(caught.value, MLAConvertError)
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"{single}: cannot push: ") for line in lines), lines
+    assert any("mla_convert.json is missing" in line for line in lines) and any("config.json is missing" in line for line in lines)
+    assert isinstance(caught.value, MLAConvertError)
 
 
 def test_check_pushable_lists_files_with_sizes_and_skips_git_metadata(single):

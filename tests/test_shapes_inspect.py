@@ -304,13 +304,13 @@ def test_inspect_cli_prints_the_table_and_ratio(smollm2_config_folder):
     assert "compression ratio: 4.00x" in out
 
 
-def test_inspect_cli_impossible_shape_is_one_error_line(smollm2_config_folder):
+def test_inspect_cli_impossible_shape_is_one_error_line_per_problem(smollm2_config_folder):
+    """(Both problems were joined on one line by "; ", where convert prints one `error:` line each.)"""
     result = run_cli("inspect", smollm2_config_folder, "--kv-lora-rank", "1000", "--rope-dim", "65")
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "--rope-dim 65" in lines[0] and "--kv-lora-rank 1000" in lines[0]
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), result.stderr
+    assert lines[0].startswith("error: --rope-dim 65") and lines[1].startswith("error: --kv-lora-rank 1000"), lines
     assert "Traceback" not in result.stderr + result.stdout
 
 

@@ -259,7 +259,7 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     if not config_problem and not weight_problems:  # complete weights: are they the model config.json describes?
         problems += config_tensor_problems(folder, tensors)
     if problems:
-        raise NotPushableError(f"{folder}: cannot push: " + "; ".join(problems))
+        raise NotPushableError("\n".join(f"{folder}: cannot push: {problem}" for problem in problems))  # a line each
     return [UploadFile(name, (folder / name).stat().st_size) for name in files]
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
+from ..errors import PreflightError
 from ..units import human_bytes
 from .config import SourceConfig
-from .shapes import CacheCost, MLAShape, cache_costs, check_mla_shape, pick_target_shape, ratio_of, target_shapes
+from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ def inspect_shapes(
     target: str | None = None,
 ) -> InspectReport:
     mla = pick_target_shape(source, target, kv_lora_rank, rope_dim, compression)
-    mla = check_mla_shape(source, mla.kv_lora_rank, mla.rope_dim)
+    problems = shape_problems(source, mla.kv_lora_rank, mla.rope_dim)
+    if problems:  # one line each, as convert's pre-flight prints them
+        raise PreflightError(problems)
     source_cost, mla_cost = cache_costs(source, mla, dtype)
     return InspectReport(source, mla, dtype, context, batch, source_cost, mla_cost)
 
