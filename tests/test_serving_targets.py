@@ -568,6 +568,8 @@ def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its
 
     config = SourceConfig.from_folder(source)
     assert target_rope_problems(config, "all") == [] == target_rope_problems(config, "llama.cpp")  # (no vLLM width fits it)
+    rows = {name: shapes for name, shapes, _ in target_rows(config)}  # inspect's table said "convert refuses" here
+    assert rows["llama.cpp"].startswith("any") and "refuses" not in rows["all"], rows
     for target in ("llama.cpp", "transformers"):
         result = convert(source, tmp_path / target, fast_options(target=target, compression=2))
         rope = json.loads((result.output / "config.json").read_text())["rope_parameters"]

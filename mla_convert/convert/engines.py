@@ -58,11 +58,14 @@ ROPE_FAILURES = {
 
 
 def rope_problem(target: T.Target, rope_parameters: dict | None) -> str | None:
-    """Why `target` cannot export a model with these (export) RoPE parameters: one of its engines is measured to
-    compute that RoPE wrongly (None: no such failure is known).  A linear factor of 1 is the default RoPE."""
+    """Why `target` cannot export a source with these RoPE parameters: one of its engines is measured to compute
+    that RoPE wrongly (None: no such failure is known).  A linear factor of 1 is the default RoPE; a llama3 source is
+    exported as default RoPE for a target whose engine ignores llama3 scaling (`Target.llama3_scaling`)."""
     params = rope_parameters or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "linear" and float(params.get("factor", 1.0)) == 1.0:
+        return None
+    if rope_type == "llama3" and not target.llama3_scaling:
         return None
     for engine in target.engines:
         if (engine, rope_type) in ROPE_FAILURES:

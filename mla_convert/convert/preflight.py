@@ -293,11 +293,7 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
 
 def target_rope_problems(source: SourceConfig, target: str | None) -> list[str]:
     """A target whose engine computes this source's RoPE wrongly (`engines.ROPE_FAILURES`): the export keeps the
-    source's RoPE type (llama.cpp's grids start at the first frequency), so the refusal comes before converting.
-    A llama3 source is exported as default RoPE for a target that ignores llama3 scaling (`Target.llama3_scaling`)."""
-    if target in T.TARGETS and not T.target_of(target).llama3_scaling and \
-            source.rope_parameters.get("rope_type") == "llama3":
-        return []
+    source's RoPE type (llama.cpp's grids start at the first frequency), so the refusal comes before converting."""
     rope = rope_problem(T.target_of(target), source.rope_parameters) if target in T.TARGETS else None
     if not rope:
         return []
