@@ -1107,6 +1107,8 @@ def test_scoring_on_the_training_text_is_recorded_for_the_card(tiny_llama, tmp_p
     ({"checkpoint_dir": "OUT"}, "checkpoint_dir OUT: inside the output folder"),  # the save failed after training
     ({"checkpoint_dir": "OUT/ck"}, "checkpoint_dir OUT/ck: inside the output folder"),  # deleted by --overwrite's save
     ({"checkpoint_dir": "MODEL/ck"}, "inside the model folder"),  # wrote step folders into the converted model
+    # wrote OUT and OUT.checkpoints into the converted model, which `push MODEL` then uploaded
+    ({"output": "MODEL/sub"}, "output MODEL/sub: inside the model folder MODEL; the fine-tuned folder"),
     ({"max_steps": 1, "warmup_steps": 1}, "warmup_steps (1) must be below max_steps (1)"),  # trained at lr 0
 ])
 def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_path, monkeypatch, change, message):
@@ -1114,6 +1116,7 @@ def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_pa
     monkeypatch.chdir(tmp_path)
     change = {key: value.replace("MODEL", str(converted)) if isinstance(value, str) else value
               for key, value in change.items()}
+    message = message.replace("MODEL", str(converted))
     with pytest.raises(FinetuneConfigError, match=re.escape(message)):
         FinetuneConfig(**{"model": str(converted), "output": "OUT", "max_steps": 4, "warmup_steps": 0, **change}).validate()
 
