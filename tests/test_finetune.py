@@ -908,6 +908,31 @@ def test_the_same_teacher_named_explicitly_resumes(tiny_llama, tmp_path):
     assert resumed.state.step == 3 and resumed.state.resumed_from
 
 
+def _converted_with_tokenizer(tiny_llama, folder: Path) -> Path:
+    """A copy of the tiny converted model with a tokenizer, so that it can train on a text file."""
+    converted = Path(shutil.copytree(tiny_llama[1], folder))
+    save_tiny_tokenizer(converted, vocab_size=json.loads((converted / "config.json").read_text())["vocab_size"])
+    return converted
+
+
+def test_the_same_text_spelled_differently_resumes(tiny_llama, tmp_path, monkeypatch):
+    """`--data mydata.txt` then `--data ./mydata.txt --resume auto` was refused as "a different data"."""
+    source, _ = tiny_llama
+    converted = _converted_with_tokenizer(tiny_llama, tmp_path / "model")
+    (tmp_path / "mydata.txt").write_text("the cat sat on the mat. " * 80)
+    monkeypatch.chdir(tmp_path)
+    common = dict(teacher=str(source), max_steps=3, checkpoint_every=0)
+    run_finetune(_tiny_run_config(converted, tmp_path, "run", data="mydata.txt", stop_after=2, **common),
+                 log=lambda text: None)
+    resumed = run_finetune(_tiny_run_config(converted, tmp_path, "run", data="./mydata.txt", resume="auto", **common),
+                           log=lambda text: None)
+    assert resumed.state.step == 3 and resumed.state.resumed_from
+    # a checkpoint of an older version recorded the path as typed: it still resumes from the same working folder
+    Finetuner._check_resume_settings(tmp_path, {"data": "mydata.txt"}, {"data": str(tmp_path / "mydata.txt")})
+    with pytest.raises(FinetuneConfigError, match="a different data"):
+        Finetuner._check_resume_settings(tmp_path, {"data": "other.txt"}, {"data": str(tmp_path / "mydata.txt")})
+
+
 def test_resume_refuses_a_checkpoint_of_another_converted_model(straight_and_resumed, tiny_qwen2, tmp_path):
     """A checkpoint of one conversion resumed on another used to be a torch size-mismatch traceback."""
     _, straight, _, _ = straight_and_resumed

@@ -171,9 +171,9 @@ def teacher_path(config: FinetuneConfig, report: dict) -> str:
     return str((Path(config.model) / recorded).resolve())
 
 
-def _teacher_identity(name: str | None) -> str | None:
-    """The teacher as a resume compares it: a local folder by its absolute path (the same teacher given from
-    another working folder), a hub id as given."""
+def _local_identity(name: str | None) -> str | None:
+    """A teacher or text as a resume compares it: a local file or folder by its absolute real path (the same one
+    given from another working folder, or as `./t.txt` for `t.txt`), a hub id or datasets spec as given."""
     if name is None:
         return None
     path = absolute_path(name)
@@ -282,6 +282,9 @@ TRAINING_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam
 EVAL_SETTINGS = ("eval_data", "eval_context", "eval_windows")
 RESUME_SETTINGS = DATA_SETTINGS + TRAINING_SETTINGS + EVAL_SETTINGS
 TEACHER_SETTING = "teacher"
+# the settings that name a local file or folder (or a hub spec): recorded and compared as `_local_identity`
+TEXT_SETTINGS = ("data", "eval_data")
+PATH_SETTINGS = TEXT_SETTINGS + (TEACHER_SETTING,)
 STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 
 
@@ -373,7 +376,8 @@ class Finetuner:
         self.teacher_name = teacher_path(config, self.report) if config.needs_teacher else None
         self._refuse_output_over_inputs()
         settings = {key: getattr(config, key) for key in RESUME_SETTINGS} | {
-            TEACHER_SETTING: _teacher_identity(self.teacher_name),
+            key: _local_identity(getattr(config, key)) for key in TEXT_SETTINGS} | {
+            TEACHER_SETTING: _local_identity(self.teacher_name),
             "teacher_dtype": str(_torch_dtype(config.teacher_dtype, self.device)) if self.teacher_name else None,
             "num_processes": accelerator.num_processes,
             STUDENT_SETTING: hashlib.sha256((self.converted / "config.json").read_bytes()).hexdigest()}
@@ -572,7 +576,10 @@ class Finetuner:
 
     @staticmethod
     def _check_resume_settings(folder: Path, saved: dict, expected: dict) -> None:
-        """Refuse a checkpoint made with other settings (those it does not record, from older versions, pass)."""
+        """Refuse a checkpoint made with other settings (those it does not record, from older versions, pass).  Paths
+        are compared as the files they name: older checkpoints recorded them as typed, relative to the working folder."""
+        saved = {key: _local_identity(value) if key in PATH_SETTINGS and isinstance(value, str) else value
+                 for key, value in saved.items()}
         changed = sorted(key for key in expected if key in saved and saved[key] != expected[key])
         if changed:
             names = ["the converted model (config.json)" if key == STUDENT_SETTING else
