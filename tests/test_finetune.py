@@ -933,6 +933,48 @@ def test_the_same_text_spelled_differently_resumes(tiny_llama, tmp_path, monkeyp
         Finetuner._check_resume_settings(tmp_path, {"data": "other.txt"}, {"data": str(tmp_path / "mydata.txt")})
 
 
+def test_resume_refuses_a_text_edited_in_place_before_loading_anything(tiny_llama, tmp_path, monkeypatch):
+    """`sed -i` on the training text between the stop and `--resume auto` trained on the new text without a word (the
+    checkpoint recorded only the path); an edited evaluation text is refused too (before and after perplexities would
+    be measured on different windows)."""
+    import mla_convert.io.hf_loading as hf_loading
+
+    source, _ = tiny_llama
+    converted = _converted_with_tokenizer(tiny_llama, tmp_path / "model")
+    data, held = tmp_path / "mydata.txt", tmp_path / "held.txt"
+    data.write_text("the happy cat sat on the mat. " * 80)
+    held.write_text("a happy dog ran in the park. " * 40)
+    common = dict(teacher=str(source), max_steps=3, checkpoint_every=0, data=str(data), eval_data=str(held),
+                  eval_context=32, eval_windows=2, eval_teacher=False)
+    run_finetune(_tiny_run_config(converted, tmp_path, "run", stop_after=2, **common), log=lambda text: None)
+    monkeypatch.setattr(hf_loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    for path, what in ((data, "training text"), (held, "evaluation text")):
+        original = path.read_text()
+        path.write_text(original.replace(" happy ", " sad "))  # the same length of windows, other tokens
+        with pytest.raises(FinetuneConfigError, match=re.escape(f"made with a different {what} ({path.resolve()} was edited")):
+            run_finetune(_tiny_run_config(converted, tmp_path, "run", resume="auto", **common), log=lambda text: None)
+        path.write_text(original)
+    monkeypatch.undo()
+    resumed = run_finetune(_tiny_run_config(converted, tmp_path, "run", resume="auto", **common), log=lambda text: None)
+    assert resumed.state.step == 3 and resumed.state.resumed_from  # the texts restored: the same run goes on
+    # a checkpoint without the fingerprint (an older version) still resumes
+    Finetuner._check_resume_settings(tmp_path, {"data": str(data)}, {"data": str(data), "data_sha256": "0" * 64})
+
+
+def test_a_text_folder_fingerprint_covers_the_files_it_reads(tmp_path):
+    from mla_convert.finetune.data import text_fingerprint
+
+    (tmp_path / "texts" / "sub").mkdir(parents=True)
+    (tmp_path / "texts" / "a.txt").write_text("one")
+    (tmp_path / "texts" / "sub" / "b.md").write_text("two")
+    before = text_fingerprint(str(tmp_path / "texts"))
+    (tmp_path / "texts" / "notes.bin").write_text("not read")  # not a text the folder spec reads
+    assert text_fingerprint(str(tmp_path / "texts")) == before
+    (tmp_path / "texts" / "sub" / "b.md").write_text("TWO")
+    assert text_fingerprint(str(tmp_path / "texts")) != before
+    assert text_fingerprint("wikitext:wikitext-2-raw-v1:test") is None and text_fingerprint(None) is None
+
+
 def test_resume_refuses_a_checkpoint_of_another_converted_model(straight_and_resumed, tiny_qwen2, tmp_path):
     """A checkpoint of one conversion resumed on another used to be a torch size-mismatch traceback."""
     _, straight, _, _ = straight_and_resumed

@@ -35,7 +35,7 @@ from ..io.paths import absolute_path, command_line, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
-from .data import WindowCursor, cached_teacher_samples, process_slice, text_windows
+from .data import WindowCursor, cached_teacher_samples, process_slice, text_fingerprint, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
 from .latent import LatentSite, stored_latent_sites, unfold_latent_scales
 from .loss import distillation_loss
@@ -285,6 +285,23 @@ TEACHER_SETTING = "teacher"
 # the settings that name a local file or folder (or a hub spec): recorded and compared as `_local_identity`
 TEXT_SETTINGS = ("data", "eval_data")
 PATH_SETTINGS = TEXT_SETTINGS + (TEACHER_SETTING,)
+TEXT_NAMES = {"data": "training text", "eval_data": "evaluation text"}
+
+
+def fingerprint_key(setting: str) -> str:
+    """Where a checkpoint records the content of the local text `setting` names (`data_sha256`)."""
+    return f"{setting}_sha256"
+
+
+def _changed_setting(key: str, saved: dict, expected: dict) -> str:
+    """One setting a checkpoint was made with otherwise, as the refusal names it."""
+    if key == STUDENT_SETTING:
+        return "the converted model (config.json)"
+    text = next((name for name in TEXT_SETTINGS if key == fingerprint_key(name)), None)
+    if text is not None:
+        return (f"{TEXT_NAMES[text]} ({expected.get(text)} was edited since the checkpoint: its sha256 differs; "
+                "restore the text it was made with)")
+    return f"{key} ({saved[key]!r}, now {expected[key]!r})"
 STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 
 
@@ -377,6 +394,7 @@ class Finetuner:
         self._refuse_output_over_inputs()
         settings = {key: getattr(config, key) for key in RESUME_SETTINGS} | {
             key: _local_identity(getattr(config, key)) for key in TEXT_SETTINGS} | {
+            fingerprint_key(key): text_fingerprint(getattr(config, key)) for key in TEXT_SETTINGS} | {
             TEACHER_SETTING: _local_identity(self.teacher_name),
             "teacher_dtype": str(_torch_dtype(config.teacher_dtype, self.device)) if self.teacher_name else None,
             "num_processes": accelerator.num_processes,
@@ -581,9 +599,10 @@ class Finetuner:
         saved = {key: _local_identity(value) if key in PATH_SETTINGS and isinstance(value, str) else value
                  for key, value in saved.items()}
         changed = sorted(key for key in expected if key in saved and saved[key] != expected[key])
+        changed = [key for key in changed  # another text: that it has other content is no news
+                   if not any(key == fingerprint_key(text) and text in changed for text in TEXT_SETTINGS)]
         if changed:
-            names = ["the converted model (config.json)" if key == STUDENT_SETTING else
-                     f"{key} ({saved[key]!r}, now {expected[key]!r})" for key in changed]
+            names = [_changed_setting(key, saved, expected) for key in changed]
             raise FinetuneConfigError(f"{folder}: the checkpoint was made with a different {', '.join(names)}; "
                                       "a resume continues the same run, so give the same settings (or start a new "
                                       "run in another checkpoint_dir)")
