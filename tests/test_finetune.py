@@ -1342,27 +1342,51 @@ def test_resume_refuses_a_stop_after_it_is_already_past_and_a_missing_folder(str
         run_finetune(_tiny_run_config(converted, tmp_path, "again", resume=str(missing)), log=lambda text: None)
 
 
-@pytest.mark.real_model
-def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stories260k, tmp_path):
-    """lr 1e4 on stories260K: loss 0.24 -> 9.4 and a saved model of perplexity 9057, with exit 0 and no word."""
-    from mla_convert.finetune.trainer import loss_rise
+def test_the_worse_model_warning_trusts_the_evaluation_over_noisy_step_losses():
+    """stories260K, 6 steps of 2 windows, lr 3e-4: held-out perplexity 6.5974 -> 6.4770, yet the console, the report
+    and the card said "the training loss rose from 0.1188 (step 1) to 0.2096 (the last 1 step(s)): the run made the
+    model worse" (single micro-batch losses compared)."""
+    from mla_convert.finetune.trainer import loss_rise, run_warning
 
+    measured = [[step, 0, loss] for step, loss in enumerate([0.1188, 0.0772, 0.2226, 0.0770, 0.1151, 0.2096], 1)]
+    assert run_warning(measured, 6.5974, 6.4770) is None  # the evaluation improved: no claim the model got worse
+    assert loss_rise(measured) is None  # and without it, windows of 3 steps: 0.1395 -> 0.1339 is no rise
+    assert run_warning(measured, 6.4770, 6.5974).startswith(
+        "the evaluation perplexity rose from 6.4770 (before training) to 6.5974: the run made the model worse")
+    rising = [[step, 0, 0.1 * step] for step in range(1, 7)]
+    assert run_warning(rising, 6.5974, 6.4770) is None  # a rising training loss is outweighed by the evaluation
+    assert run_warning(rising, None, None).startswith("the training loss rose from 0.2 (the first 3 steps) to 0.5 (the "
+                                                      "last 3 steps); per-step losses are noisy and no evaluation text")
+    # runs under 6 steps compare windows of 1 or 2 steps: only a rise batch noise does not give counts
     assert loss_rise([[1, 0, 1.0], [2, 0, 1.4]]) is None and loss_rise([[1, 0, 1.0]]) is None
-    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 2.0]]).startswith("the training loss rose from 1 (step 1) to 2")
+    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 2.0]]) is None
+    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 4.0]]).startswith(
+        "the training loss rose from 1 (step 1) to 4 (the last step)")
     noisy = [[step, 0, 0.2 if step == 1 else 0.4] for step in range(1, 11)] + [[step, 0, 0.2] for step in range(11, 21)]
-    assert loss_rise(noisy) is None  # (step 20 alone is no rise over step 1: windows of 2 steps are compared)
+    assert loss_rise(noisy) is None  # (step 20 alone is no rise over step 1: windows of 3 steps are compared)
     assert loss_rise([[step, 0, 1.0 if step <= 10 else 2.0] for step in range(1, 21)]).startswith(
-        "the training loss rose from 1 (the first 2 steps) to 2")
+        "the training loss rose from 1 (the first 3 steps) to 2")
+
+
+@pytest.mark.real_model
+def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stories260k, tinystories_text, tmp_path):
+    """lr 1e4 on stories260K: loss 0.24 -> 9.4 and a saved model of perplexity 9057, with exit 0 and no word.  With an
+    evaluation text the warning names the perplexity it measured, in the console, the report and the card alike."""
     converted = convert(stories260k, tmp_path / "converted", ConvertOptions(
         compression=2, effort="fast", calibration=CalibrationOptions(num_samples=4, seq_len=64))).output
-    lines = []
-    result = run_finetune(_tiny_run_config(converted, tmp_path, "hot", lr=1e4, warmup_steps=0, max_steps=3,
-                                           checkpoint_every=0, seq_len=64, teacher_samples=8, micro_batch_size=4),
-                          log=lines.append)
-    warning = result.finetuning.get("warning")
-    assert warning and warning.startswith("the training loss rose"), result.finetuning["loss_curve"]
-    assert f"warning: {warning}" in lines
-    assert f"**Warning:** {warning}." in (result.output / "README.md").read_text()
+    evaluated = dict(eval_data=str(tinystories_text), eval_context=64, eval_windows=4, eval_teacher=False)
+    for name, start, extra in [("hot", "the training loss rose", {}),
+                               ("hot-eval", "the evaluation perplexity rose from ", evaluated)]:
+        lines = []
+        result = run_finetune(_tiny_run_config(converted, tmp_path, name, lr=1e4, warmup_steps=0, max_steps=3,
+                                               checkpoint_every=0, seq_len=64, teacher_samples=8, micro_batch_size=4,
+                                               **extra), log=lines.append)
+        warning = result.finetuning.get("warning")
+        assert warning and warning.startswith(start), (result.finetuning["loss_curve"], warning)
+        assert f"warning: {warning}" in lines
+        assert f"**Warning:** {warning}." in (result.output / "README.md").read_text()
+        report = json.loads((result.output / "mla_convert.json").read_text())
+        assert report["finetuning"]["warning"] == warning
     # 4 windows x 2 accumulation steps per optimizer step, from 8 samples: no note; 16 would repeat
     assert not any(line.startswith("note: each optimizer step takes") for line in lines)
     lines.clear()
