@@ -357,6 +357,24 @@ def test_distributed_eval_matches_the_project_perplexity(tiny_llama):
     assert shares[0] * shares[1] == pytest.approx(reference, rel=1e-9)
 
 
+def test_a_short_evaluation_text_is_described_by_its_real_window_length(tiny_llama, tmp_path):
+    """A 24-token text with eval_context 64 was reported as "context 64, 1 non-overlapping windows, 23 scored tokens",
+    while `mla-convert eval` says context 24 for the same text."""
+    from transformers import AutoTokenizer
+
+    source, _ = tiny_llama
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(str(save_tiny_tokenizer(tmp_path / "tok", vocab_size=vocab)))
+    text = tmp_path / "short.txt"
+    text.write_text("the cat sat on the mat.")  # one token a character
+    data = EvalWindows.from_text(tokenizer, str(text), 64, 30, label="short.txt")
+    tokens = data.ids.numel()
+    assert tokens < 64
+    assert data.description.startswith(f"short.txt: context {tokens}, 1 non-overlapping windows, {tokens - 1} scored")
+    measured = evaluate_perplexity(_load(source), data.ids, context_length=64, progress=False)
+    assert measured.context_length == tokens  # what `mla-convert eval` reports
+
+
 def test_attention_training_selects_only_attention_parameters(tiny_llama):
     _, converted = tiny_llama
     model = _load(converted)
