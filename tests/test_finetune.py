@@ -357,6 +357,24 @@ def test_distributed_eval_matches_the_project_perplexity(tiny_llama):
     assert shares[0] * shares[1] == pytest.approx(reference, rel=1e-9)
 
 
+def test_a_short_evaluation_text_is_described_by_its_real_window_length(tiny_llama, tmp_path):
+    """A 24-token text with eval_context 64 was reported as "context 64, 1 non-overlapping windows, 23 scored tokens",
+    while `mla-convert eval` says context 24 for the same text."""
+    from transformers import AutoTokenizer
+
+    source, _ = tiny_llama
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(str(save_tiny_tokenizer(tmp_path / "tok", vocab_size=vocab)))
+    text = tmp_path / "short.txt"
+    text.write_text("the cat sat on the mat.")  # one token a character
+    data = EvalWindows.from_text(tokenizer, str(text), 64, 30, label="short.txt")
+    tokens = data.ids.numel()
+    assert tokens < 64
+    assert data.description.startswith(f"short.txt: context {tokens}, 1 non-overlapping windows, {tokens - 1} scored")
+    measured = evaluate_perplexity(_load(source), data.ids, context_length=64, progress=False)
+    assert measured.context_length == tokens  # what `mla-convert eval` reports
+
+
 def test_attention_training_selects_only_attention_parameters(tiny_llama):
     _, converted = tiny_llama
     model = _load(converted)
@@ -908,6 +926,73 @@ def test_the_same_teacher_named_explicitly_resumes(tiny_llama, tmp_path):
     assert resumed.state.step == 3 and resumed.state.resumed_from
 
 
+def _converted_with_tokenizer(tiny_llama, folder: Path) -> Path:
+    """A copy of the tiny converted model with a tokenizer, so that it can train on a text file."""
+    converted = Path(shutil.copytree(tiny_llama[1], folder))
+    save_tiny_tokenizer(converted, vocab_size=json.loads((converted / "config.json").read_text())["vocab_size"])
+    return converted
+
+
+def test_the_same_text_spelled_differently_resumes(tiny_llama, tmp_path, monkeypatch):
+    """`--data mydata.txt` then `--data ./mydata.txt --resume auto` was refused as "a different data"."""
+    source, _ = tiny_llama
+    converted = _converted_with_tokenizer(tiny_llama, tmp_path / "model")
+    (tmp_path / "mydata.txt").write_text("the cat sat on the mat. " * 80)
+    monkeypatch.chdir(tmp_path)
+    common = dict(teacher=str(source), max_steps=3, checkpoint_every=0)
+    run_finetune(_tiny_run_config(converted, tmp_path, "run", data="mydata.txt", stop_after=2, **common),
+                 log=lambda text: None)
+    resumed = run_finetune(_tiny_run_config(converted, tmp_path, "run", data="./mydata.txt", resume="auto", **common),
+                           log=lambda text: None)
+    assert resumed.state.step == 3 and resumed.state.resumed_from
+    # a checkpoint of an older version recorded the path as typed: it still resumes from the same working folder
+    Finetuner._check_resume_settings(tmp_path, {"data": "mydata.txt"}, {"data": str(tmp_path / "mydata.txt")})
+    with pytest.raises(FinetuneConfigError, match="a different data"):
+        Finetuner._check_resume_settings(tmp_path, {"data": "other.txt"}, {"data": str(tmp_path / "mydata.txt")})
+
+
+def test_resume_refuses_a_text_edited_in_place_before_loading_anything(tiny_llama, tmp_path, monkeypatch):
+    """`sed -i` on the training text between the stop and `--resume auto` trained on the new text without a word (the
+    checkpoint recorded only the path); an edited evaluation text is refused too (before and after perplexities would
+    be measured on different windows)."""
+    import mla_convert.io.hf_loading as hf_loading
+
+    source, _ = tiny_llama
+    converted = _converted_with_tokenizer(tiny_llama, tmp_path / "model")
+    data, held = tmp_path / "mydata.txt", tmp_path / "held.txt"
+    data.write_text("the happy cat sat on the mat. " * 80)
+    held.write_text("a happy dog ran in the park. " * 40)
+    common = dict(teacher=str(source), max_steps=3, checkpoint_every=0, data=str(data), eval_data=str(held),
+                  eval_context=32, eval_windows=2, eval_teacher=False)
+    run_finetune(_tiny_run_config(converted, tmp_path, "run", stop_after=2, **common), log=lambda text: None)
+    monkeypatch.setattr(hf_loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    for path, what in ((data, "training text"), (held, "evaluation text")):
+        original = path.read_text()
+        path.write_text(original.replace(" happy ", " sad "))  # the same length of windows, other tokens
+        with pytest.raises(FinetuneConfigError, match=re.escape(f"made with a different {what} ({path.resolve()} was edited")):
+            run_finetune(_tiny_run_config(converted, tmp_path, "run", resume="auto", **common), log=lambda text: None)
+        path.write_text(original)
+    monkeypatch.undo()
+    resumed = run_finetune(_tiny_run_config(converted, tmp_path, "run", resume="auto", **common), log=lambda text: None)
+    assert resumed.state.step == 3 and resumed.state.resumed_from  # the texts restored: the same run goes on
+    # a checkpoint without the fingerprint (an older version) still resumes
+    Finetuner._check_resume_settings(tmp_path, {"data": str(data)}, {"data": str(data), "data_sha256": "0" * 64})
+
+
+def test_a_text_folder_fingerprint_covers_the_files_it_reads(tmp_path):
+    from mla_convert.finetune.data import text_fingerprint
+
+    (tmp_path / "texts" / "sub").mkdir(parents=True)
+    (tmp_path / "texts" / "a.txt").write_text("one")
+    (tmp_path / "texts" / "sub" / "b.md").write_text("two")
+    before = text_fingerprint(str(tmp_path / "texts"))
+    (tmp_path / "texts" / "notes.bin").write_text("not read")  # not a text the folder spec reads
+    assert text_fingerprint(str(tmp_path / "texts")) == before
+    (tmp_path / "texts" / "sub" / "b.md").write_text("TWO")
+    assert text_fingerprint(str(tmp_path / "texts")) != before
+    assert text_fingerprint("wikitext:wikitext-2-raw-v1:test") is None and text_fingerprint(None) is None
+
+
 def test_resume_refuses_a_checkpoint_of_another_converted_model(straight_and_resumed, tiny_qwen2, tmp_path):
     """A checkpoint of one conversion resumed on another used to be a torch size-mismatch traceback."""
     _, straight, _, _ = straight_and_resumed
@@ -1107,6 +1192,8 @@ def test_scoring_on_the_training_text_is_recorded_for_the_card(tiny_llama, tmp_p
     ({"checkpoint_dir": "OUT"}, "checkpoint_dir OUT: inside the output folder"),  # the save failed after training
     ({"checkpoint_dir": "OUT/ck"}, "checkpoint_dir OUT/ck: inside the output folder"),  # deleted by --overwrite's save
     ({"checkpoint_dir": "MODEL/ck"}, "inside the model folder"),  # wrote step folders into the converted model
+    # wrote OUT and OUT.checkpoints into the converted model, which `push MODEL` then uploaded
+    ({"output": "MODEL/sub"}, "output MODEL/sub: inside the model folder MODEL; the fine-tuned folder"),
     ({"max_steps": 1, "warmup_steps": 1}, "warmup_steps (1) must be below max_steps (1)"),  # trained at lr 0
 ])
 def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_path, monkeypatch, change, message):
@@ -1114,6 +1201,7 @@ def test_settings_that_lose_work_or_train_nothing_are_refused(tiny_llama, tmp_pa
     monkeypatch.chdir(tmp_path)
     change = {key: value.replace("MODEL", str(converted)) if isinstance(value, str) else value
               for key, value in change.items()}
+    message = message.replace("MODEL", str(converted))
     with pytest.raises(FinetuneConfigError, match=re.escape(message)):
         FinetuneConfig(**{"model": str(converted), "output": "OUT", "max_steps": 4, "warmup_steps": 0, **change}).validate()
 
@@ -1272,27 +1360,51 @@ def test_resume_refuses_a_stop_after_it_is_already_past_and_a_missing_folder(str
         run_finetune(_tiny_run_config(converted, tmp_path, "again", resume=str(missing)), log=lambda text: None)
 
 
-@pytest.mark.real_model
-def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stories260k, tmp_path):
-    """lr 1e4 on stories260K: loss 0.24 -> 9.4 and a saved model of perplexity 9057, with exit 0 and no word."""
-    from mla_convert.finetune.trainer import loss_rise
+def test_the_worse_model_warning_trusts_the_evaluation_over_noisy_step_losses():
+    """stories260K, 6 steps of 2 windows, lr 3e-4: held-out perplexity 6.5974 -> 6.4770, yet the console, the report
+    and the card said "the training loss rose from 0.1188 (step 1) to 0.2096 (the last 1 step(s)): the run made the
+    model worse" (single micro-batch losses compared)."""
+    from mla_convert.finetune.trainer import loss_rise, run_warning
 
+    measured = [[step, 0, loss] for step, loss in enumerate([0.1188, 0.0772, 0.2226, 0.0770, 0.1151, 0.2096], 1)]
+    assert run_warning(measured, 6.5974, 6.4770) is None  # the evaluation improved: no claim the model got worse
+    assert loss_rise(measured) is None  # and without it, windows of 3 steps: 0.1395 -> 0.1339 is no rise
+    assert run_warning(measured, 6.4770, 6.5974).startswith(
+        "the evaluation perplexity rose from 6.4770 (before training) to 6.5974: the run made the model worse")
+    rising = [[step, 0, 0.1 * step] for step in range(1, 7)]
+    assert run_warning(rising, 6.5974, 6.4770) is None  # a rising training loss is outweighed by the evaluation
+    assert run_warning(rising, None, None).startswith("the training loss rose from 0.2 (the first 3 steps) to 0.5 (the "
+                                                      "last 3 steps); per-step losses are noisy and no evaluation text")
+    # runs under 6 steps compare windows of 1 or 2 steps: only a rise batch noise does not give counts
     assert loss_rise([[1, 0, 1.0], [2, 0, 1.4]]) is None and loss_rise([[1, 0, 1.0]]) is None
-    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 2.0]]).startswith("the training loss rose from 1 (step 1) to 2")
+    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 2.0]]) is None
+    assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 4.0]]).startswith(
+        "the training loss rose from 1 (step 1) to 4 (the last step)")
     noisy = [[step, 0, 0.2 if step == 1 else 0.4] for step in range(1, 11)] + [[step, 0, 0.2] for step in range(11, 21)]
-    assert loss_rise(noisy) is None  # (step 20 alone is no rise over step 1: windows of 2 steps are compared)
+    assert loss_rise(noisy) is None  # (step 20 alone is no rise over step 1: windows of 3 steps are compared)
     assert loss_rise([[step, 0, 1.0 if step <= 10 else 2.0] for step in range(1, 21)]).startswith(
-        "the training loss rose from 1 (the first 2 steps) to 2")
+        "the training loss rose from 1 (the first 3 steps) to 2")
+
+
+@pytest.mark.real_model
+def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stories260k, tinystories_text, tmp_path):
+    """lr 1e4 on stories260K: loss 0.24 -> 9.4 and a saved model of perplexity 9057, with exit 0 and no word.  With an
+    evaluation text the warning names the perplexity it measured, in the console, the report and the card alike."""
     converted = convert(stories260k, tmp_path / "converted", ConvertOptions(
         compression=2, effort="fast", calibration=CalibrationOptions(num_samples=4, seq_len=64))).output
-    lines = []
-    result = run_finetune(_tiny_run_config(converted, tmp_path, "hot", lr=1e4, warmup_steps=0, max_steps=3,
-                                           checkpoint_every=0, seq_len=64, teacher_samples=8, micro_batch_size=4),
-                          log=lines.append)
-    warning = result.finetuning.get("warning")
-    assert warning and warning.startswith("the training loss rose"), result.finetuning["loss_curve"]
-    assert f"warning: {warning}" in lines
-    assert f"**Warning:** {warning}." in (result.output / "README.md").read_text()
+    evaluated = dict(eval_data=str(tinystories_text), eval_context=64, eval_windows=4, eval_teacher=False)
+    for name, start, extra in [("hot", "the training loss rose", {}),
+                               ("hot-eval", "the evaluation perplexity rose from ", evaluated)]:
+        lines = []
+        result = run_finetune(_tiny_run_config(converted, tmp_path, name, lr=1e4, warmup_steps=0, max_steps=3,
+                                               checkpoint_every=0, seq_len=64, teacher_samples=8, micro_batch_size=4,
+                                               **extra), log=lines.append)
+        warning = result.finetuning.get("warning")
+        assert warning and warning.startswith(start), (result.finetuning["loss_curve"], warning)
+        assert f"warning: {warning}" in lines
+        assert f"**Warning:** {warning}." in (result.output / "README.md").read_text()
+        report = json.loads((result.output / "mla_convert.json").read_text())
+        assert report["finetuning"]["warning"] == warning
     # 4 windows x 2 accumulation steps per optimizer step, from 8 samples: no note; 16 would repeat
     assert not any(line.startswith("note: each optimizer step takes") for line in lines)
     lines.clear()

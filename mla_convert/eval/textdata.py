@@ -123,8 +123,10 @@ def _read_jsonl(path: Path, text_column: str, max_chars: int | None) -> str:
     return ROW_SEPARATOR.join(rows)
 
 
-def _read_folder(folder: Path, text_column: str, max_chars: int | None) -> str:
-    files = sorted(
+def folder_text_files(folder: Path) -> list[Path]:
+    """The files a folder spec reads, in the order it joins them (others, e.g. a fine-tuning checkpoint's fingerprint
+    of the text, must see the same ones)."""
+    return sorted(
         (
             file
             for file in folder.rglob("*")
@@ -134,6 +136,10 @@ def _read_folder(folder: Path, text_column: str, max_chars: int | None) -> str:
         ),
         key=lambda file: file.relative_to(folder).as_posix(),
     )
+
+
+def _read_folder(folder: Path, text_column: str, max_chars: int | None) -> str:
+    files = folder_text_files(folder)
     if not files:
         raise TextDataError(f"{folder}: folder holds no *.txt, *.md or *.jsonl files")
     parts: list[str] = []

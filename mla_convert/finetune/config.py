@@ -180,6 +180,7 @@ class FinetuneConfig:
                 if checkpoints.is_relative_to(real_path(absolute_path(str(folder)))):  # the save replaces OUTPUT whole
                     problems.append(f"checkpoint_dir {self.checkpoint_dir}: inside the {name} folder {folder}; "
                                     "checkpoints go beside it (the default: OUTPUT.checkpoints)")
+        problems += self._output_inside_model_problems()
         if self.checkpoint_dir or self.output:
             problems += folder_to_create_problems(self.checkpoint_path, "checkpoint_dir")
         if self.warmup_steps >= self.max_steps:  # (a 1-step run with warmup trained at lr 0 and said it trained)
@@ -200,6 +201,18 @@ class FinetuneConfig:
         if self.max_chars is not None and self.max_chars < 1:  # 0 read the whole text in training, 64K in the check
             problems.append(f"max_chars: must be at least 1 (got {self.max_chars})")
         return problems
+
+    def _output_inside_model_problems(self) -> list[str]:
+        """An output inside the converted model folder (and its default checkpoints beside it, also inside) would be
+        read and uploaded as part of that model (`mla-convert push MODEL` sent them along).  The output being the
+        model itself is refused at setup, with --overwrite, as an output that would delete an input."""
+        if not (self.output and self.model):
+            return []
+        output, model = (real_path(absolute_path(str(name))) for name in (self.output, self.model))
+        if output == model or not output.is_relative_to(model):
+            return []
+        return [f"output {self.output}: inside the model folder {self.model}; the fine-tuned folder (and its default "
+                f"checkpoints, OUTPUT.checkpoints) goes beside it (e.g. {model.name}-ft)"]
 
 
 # --------------------------------------------------------------------------- settings that cannot act

@@ -8,6 +8,7 @@ number of processes (each process takes its own slice of every global batch).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +72,28 @@ def text_windows(tokenizer, spec: str, seq_len: int, text_column: str = "text", 
     if ids.numel() < seq_len:
         raise FinetuneDataError(f"{spec}: {ids.numel()} tokens, fewer than one window of seq_len {seq_len}")
     return pack_windows(ids, seq_len, ids.numel() // seq_len)  # (num_windows, seq_len)
+
+
+def text_fingerprint(spec: str | None) -> str | None:
+    """sha256 of the local text `spec` names: a file's bytes, or a folder's text files (each with its relative path);
+    None for no text or a datasets spec.  Why: a checkpoint records the text by its path, and a text edited in place
+    keeps its path, so a resume trained on other text than the run it claimed to continue.  The whole file counts,
+    also past max_chars (an edit there is refused too: simpler than hashing what a reader kept)."""
+    from ..eval.textdata import folder_text_files
+
+    if spec is None or not Path(spec).expanduser().exists():
+        return None
+    path = Path(spec).expanduser()
+    files = [path] if path.is_file() else folder_text_files(path)
+    digest = hashlib.sha256()
+    for file in files:
+        if file != path:
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- teacher samples

@@ -32,6 +32,7 @@ class EvalWindows:
 
         ids = tokenize_text(tokenizer, load_text(spec, text_column=text_column))
         windows = plan_windows(int(ids.numel()), context, context, max_windows)
+        context = min(context, int(ids.numel()))  # a text shorter than a window is one window of itself, as `eval` says
         scored = sum(w.num_scored for w in windows)
         return cls(ids, windows, f"{label or portable_path(str(spec))}: context {context}, {len(windows)} non-overlapping windows, "
                                  f"{scored} scored tokens, token-weighted NLL")

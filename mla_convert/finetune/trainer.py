@@ -35,7 +35,7 @@ from ..io.paths import absolute_path, command_line, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from .config import FinetuneConfig, FinetuneConfigError
-from .data import WindowCursor, cached_teacher_samples, process_slice, text_windows
+from .data import WindowCursor, cached_teacher_samples, process_slice, text_fingerprint, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
 from .latent import LatentSite, stored_latent_sites, unfold_latent_scales
 from .loss import distillation_loss
@@ -171,9 +171,9 @@ def teacher_path(config: FinetuneConfig, report: dict) -> str:
     return str((Path(config.model) / recorded).resolve())
 
 
-def _teacher_identity(name: str | None) -> str | None:
-    """The teacher as a resume compares it: a local folder by its absolute path (the same teacher given from
-    another working folder), a hub id as given."""
+def _local_identity(name: str | None) -> str | None:
+    """A teacher or text as a resume compares it: a local file or folder by its absolute real path (the same one
+    given from another working folder, or as `./t.txt` for `t.txt`), a hub id or datasets spec as given."""
     if name is None:
         return None
     path = absolute_path(name)
@@ -241,25 +241,52 @@ def checkpoint_folders(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
-# the last steps' mean loss this many times the first step's: the run made the model worse, not better
+# the last steps' mean loss this many times the first steps': the run made the model worse, not better
 LOSS_RISE_FACTOR = 1.5
+# ... over windows of at least this many steps; shorter windows (a run under 6 steps) need a rise batch noise does not
+# give: one micro-batch's loss is noisy (stories260K, 2 windows of 64 tokens a step: 0.119 at step 1, 0.210 at step 6,
+# 0.077 between, while the held-out perplexity improved 6.60 -> 6.48), while a ruinous rate multiplies it (lr 1e4:
+# 0.24 -> 9.4 in 3 steps)
+LOSS_WINDOW_STEPS = 3
+LOSS_RISE_FACTOR_SHORT = 3.0
 
 
 def loss_rise(losses: list) -> str | None:
-    """What to tell the user when training made the loss worse (a learning rate far too high: the loss stays finite
-    and the model is saved ruined, e.g. lr 1e4 on stories260K: loss 0.24 -> 9.4, perplexity 9057), else None.
-    `losses`: rows [step, tokens, loss, ...]; the mean of the last tenth of the steps against the mean of the first
-    tenth (at least one step each: two batches, so the factor leaves room for batch noise)."""
-    if len(losses) < 2:
+    """What to tell the user when the training loss rose (a learning rate far too high: the loss stays finite and the
+    model is saved ruined, e.g. lr 1e4 on stories260K: loss 0.24 -> 9.4, perplexity 9057), else None.
+    `losses`: rows [step, tokens, loss, ...]; the mean of the last tenth of the steps (at least 3, at most half) against
+    the mean of the first.  Only a run without an evaluation before and after is judged by it (`run_warning`), so it
+    says what was measured, not that the model is worse."""
+    count = min(max(LOSS_WINDOW_STEPS, len(losses) // 10), len(losses) // 2)
+    if count < 1:
         return None
-    count = max(1, len(losses) // 10)
     first = sum(row[2] for row in losses[:count]) / count
     last = sum(row[2] for row in losses[-count:]) / count
-    if not last > LOSS_RISE_FACTOR * first:
+    factor = LOSS_RISE_FACTOR if count >= LOSS_WINDOW_STEPS else LOSS_RISE_FACTOR_SHORT
+    if not last > factor * first:
         return None
-    steps = "step 1" if count == 1 else f"the first {count} steps"
-    return (f"the training loss rose from {first:.4g} ({steps}) to {last:.4g} (the last {count} step(s)): the "
-            "run made the model worse; lower the learning rate")
+    steps = ("step 1", "the last step") if count == 1 else (f"the first {count} steps", f"the last {count} steps")
+    return (f"the training loss rose from {first:.4g} ({steps[0]}) to {last:.4g} ({steps[1]}); per-step losses are "
+            "noisy and no evaluation text measured the model before and after training (give --eval-data to check "
+            "it): if it is worse, lower the learning rate")
+
+
+def perplexity_rise(before: float, after: float) -> str | None:
+    """What to tell the user when the evaluation perplexity rose over the run, else None (it is measured on the same
+    windows before and after: no noise to allow for)."""
+    if not after > before:
+        return None
+    return (f"the evaluation perplexity rose from {before:.4f} (before training) to {after:.4f}: the run made the model "
+            "worse on the evaluation text; lower the learning rate, or train on text closer to it")
+
+
+def run_warning(losses: list, before: float | None, after: float | None) -> str | None:
+    """The warning of a run that made its model worse, else None.  A perplexity measured before and after decides
+    when there is one: the per-step training losses are single batches, and their noise once read as "the run made
+    the model worse" while the held-out perplexity improved."""
+    if before is not None and after is not None:
+        return perplexity_rise(before, after)
+    return loss_rise(losses)
 
 
 def downsample(rows: list, count: int = 20) -> list:
@@ -282,6 +309,26 @@ TRAINING_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam
 EVAL_SETTINGS = ("eval_data", "eval_context", "eval_windows")
 RESUME_SETTINGS = DATA_SETTINGS + TRAINING_SETTINGS + EVAL_SETTINGS
 TEACHER_SETTING = "teacher"
+# the settings that name a local file or folder (or a hub spec): recorded and compared as `_local_identity`
+TEXT_SETTINGS = ("data", "eval_data")
+PATH_SETTINGS = TEXT_SETTINGS + (TEACHER_SETTING,)
+TEXT_NAMES = {"data": "training text", "eval_data": "evaluation text"}
+
+
+def fingerprint_key(setting: str) -> str:
+    """Where a checkpoint records the content of the local text `setting` names (`data_sha256`)."""
+    return f"{setting}_sha256"
+
+
+def _changed_setting(key: str, saved: dict, expected: dict) -> str:
+    """One setting a checkpoint was made with otherwise, as the refusal names it."""
+    if key == STUDENT_SETTING:
+        return "the converted model (config.json)"
+    text = next((name for name in TEXT_SETTINGS if key == fingerprint_key(name)), None)
+    if text is not None:
+        return (f"{TEXT_NAMES[text]} ({expected.get(text)} was edited since the checkpoint: its sha256 differs; "
+                "restore the text it was made with)")
+    return f"{key} ({saved[key]!r}, now {expected[key]!r})"
 STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 
 
@@ -373,7 +420,9 @@ class Finetuner:
         self.teacher_name = teacher_path(config, self.report) if config.needs_teacher else None
         self._refuse_output_over_inputs()
         settings = {key: getattr(config, key) for key in RESUME_SETTINGS} | {
-            TEACHER_SETTING: _teacher_identity(self.teacher_name),
+            key: _local_identity(getattr(config, key)) for key in TEXT_SETTINGS} | {
+            fingerprint_key(key): text_fingerprint(getattr(config, key)) for key in TEXT_SETTINGS} | {
+            TEACHER_SETTING: _local_identity(self.teacher_name),
             "teacher_dtype": str(_torch_dtype(config.teacher_dtype, self.device)) if self.teacher_name else None,
             "num_processes": accelerator.num_processes,
             STUDENT_SETTING: hashlib.sha256((self.converted / "config.json").read_bytes()).hexdigest()}
@@ -572,11 +621,15 @@ class Finetuner:
 
     @staticmethod
     def _check_resume_settings(folder: Path, saved: dict, expected: dict) -> None:
-        """Refuse a checkpoint made with other settings (those it does not record, from older versions, pass)."""
+        """Refuse a checkpoint made with other settings (those it does not record, from older versions, pass).  Paths
+        are compared as the files they name: older checkpoints recorded them as typed, relative to the working folder."""
+        saved = {key: _local_identity(value) if key in PATH_SETTINGS and isinstance(value, str) else value
+                 for key, value in saved.items()}
         changed = sorted(key for key in expected if key in saved and saved[key] != expected[key])
+        changed = [key for key in changed  # another text: that it has other content is no news
+                   if not any(key == fingerprint_key(text) and text in changed for text in TEXT_SETTINGS)]
         if changed:
-            names = ["the converted model (config.json)" if key == STUDENT_SETTING else
-                     f"{key} ({saved[key]!r}, now {expected[key]!r})" for key in changed]
+            names = [_changed_setting(key, saved, expected) for key in changed]
             raise FinetuneConfigError(f"{folder}: the checkpoint was made with a different {', '.join(names)}; "
                                       "a resume continues the same run, so give the same settings (or start a new "
                                       "run in another checkpoint_dir)")
@@ -749,8 +802,7 @@ class Finetuner:
         config, state = self.config, self.state
         seconds = state.seconds + (time.time() - self.started)
         losses = state.losses
-        before = state.evals[0][2] if state.evals and state.evals[0][0] == 0 else None
-        after = state.evals[-1][2] if state.evals and state.evals[-1][0] == state.step and state.step > 0 else None
+        before, after = self._perplexities()
         section = {
             "recipe": "recipes/finetune_mla.py",
             "command": self.command or None,
@@ -791,16 +843,23 @@ class Finetuner:
         }
         if save_check is not None:
             section.update(save_check)
-        rose = loss_rise(losses)
-        if rose:
-            section["warning"] = rose
+        worse = run_warning(losses, before, after)
+        if worse:
+            section["warning"] = worse
         return section
+
+    def _perplexities(self) -> tuple[float | None, float | None]:
+        """The evaluation perplexity before training and after its last step (None: not measured)."""
+        state = self.state
+        before = state.evals[0][2] if state.evals and state.evals[0][0] == 0 else None
+        after = state.evals[-1][2] if state.evals and state.evals[-1][0] == state.step and state.step > 0 else None
+        return before, after
 
     def finish(self) -> FinetuneResult:
         accelerator, config = self.accelerator, self.config
-        rose = loss_rise(self.state.losses)
-        if rose:
-            self.log(f"warning: {rose}")
+        worse = run_warning(self.state.losses, *self._perplexities())  # (the report and the card say the same)
+        if worse:
+            self.log(f"warning: {worse}")
         probe = self._probe_ids()
         unwrapped = accelerator.unwrap_model(self.student)
         unwrapped.eval()
