@@ -309,6 +309,7 @@ TRAINING_SETTINGS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam
 EVAL_SETTINGS = ("eval_data", "eval_context", "eval_windows")
 RESUME_SETTINGS = DATA_SETTINGS + TRAINING_SETTINGS + EVAL_SETTINGS
 TEACHER_SETTING = "teacher"
+STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 # the settings that name a local file or folder (or a hub spec): recorded and compared as `_local_identity`
 TEXT_SETTINGS = ("data", "eval_data")
 PATH_SETTINGS = TEXT_SETTINGS + (TEACHER_SETTING,)
@@ -329,7 +330,6 @@ def _changed_setting(key: str, saved: dict, expected: dict) -> str:
         return (f"{TEXT_NAMES[text]} ({expected.get(text)} was edited since the checkpoint: its sha256 differs; "
                 "restore the text it was made with)")
     return f"{key} ({saved[key]!r}, now {expected[key]!r})"
-STUDENT_SETTING = "student_config_sha256"  # the converted model's config.json: a 2x checkpoint cannot resume an 8x run
 
 
 # --------------------------------------------------------------------------- the run
