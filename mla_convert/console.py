@@ -106,7 +106,7 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     if summary.get("mean_attention_error") is not None:
         rows.append(("attention output error (mean, relative)", f"{summary['mean_attention_error']:.3f}"))
     rows += [
-        ("RoPE grid", report["rope"]["grid"]),
+        ("RoPE grid", report["rope"]["grid"] + (f"; {report['rope']['note']}" if report["rope"].get("note") else "")),
         ("calibration", report["calibration"]["description"]),
         ("time", f"{summary['seconds']:.1f} s"),
         ("peak memory (RSS)", human_bytes(summary["peak_rss_bytes"])),

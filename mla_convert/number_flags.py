@@ -10,6 +10,7 @@ to list beside the problems it finds itself (or to raise alone, when it collects
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +45,15 @@ def number_parser(kind: type):
 
 
 def number_kind(annotation: Any) -> type | None:
-    """int or float for `int`, `Optional[float]`, ...; None for any other flag (bool is not a number here)."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if len(args) == 1 else annotation
-    return base if base in NUMBER_KINDS else None
+    """int or float for `int` or `Optional[float]`; None for any other flag (bool is not a number here, and a list of
+    numbers is not one number)."""
+    if annotation in NUMBER_KINDS:
+        return annotation
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        base = next(a for a in args if a is not type(None))
+        return base if base in NUMBER_KINDS else None
+    return None
 
 
 def make_number_flags_lenient(signature: inspect.Signature) -> None:

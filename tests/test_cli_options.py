@@ -310,8 +310,18 @@ def test_every_number_flag_refuses_text_as_one_error_line(name, tmp_path):
     for flag in flags:
         result = CliRunner().invoke(cli.app, [name, *positional, *required, flag, "1.5x"])
         assert result.exit_code == 2 and "Traceback" not in result.output, (flag, result.output)
-        assert f"error: {flag}: '1.5x' is not " in result.output, (flag, result.output)
+        assert result.output.count(f"error: {flag}: '1.5x' is not ") == 1, (flag, result.output)
     assert not any(tmp_path.iterdir()), "a refused run wrote something"
+
+
+def test_only_a_single_int_or_float_is_a_number_flag():
+    """A list of numbers is not one number: a scalar parser would have read `--x 1 --x 2` wrongly."""
+    from typing import Optional
+
+    from mla_convert.number_flags import number_kind
+
+    assert [number_kind(kind) for kind in (int, float, Optional[int], float | None)] == [int, float, int, float]
+    assert [number_kind(kind) for kind in (bool, str, list[int], Optional[str], tuple[float, float])] == [None] * 5
 
 
 def test_number_flags_that_are_not_numbers_are_listed_with_every_other_problem(tmp_path):

@@ -454,6 +454,11 @@ def test_every_settings_problem_is_reported_in_one_run(tmp_path):
             parse_config([*model, "--output", "o", *argv])
         return str(error.value).splitlines()
 
+    # a missing local training or evaluation text is listed with the others (the evaluation text was read only once
+    # the model had loaded, after training)
+    assert sorted(refused("--data", str(tmp_path / "nope.txt"), "--eval-data", "./nope-eval.txt", "--lr", "-1")) == [
+        f"--data: {tmp_path / 'nope.txt'}: no such file or folder", "--eval-data: ./nope-eval.txt: no such file or folder",
+        "lr: must be positive (got -1.0)"]
     # a flag's value of the wrong type stopped argparse: the unknown flag beside it was lost
     assert refused("--bogus", "1", "--max-steps", "abc", "--verify-save", "maybe") == [
         "unrecognized arguments: --bogus 1 (see --help)", "--max-steps: invalid int value: 'abc'",
@@ -1374,7 +1379,7 @@ def test_the_worse_model_warning_trusts_the_evaluation_over_noisy_step_losses():
     rising = [[step, 0, 0.1 * step] for step in range(1, 7)]
     assert run_warning(rising, 6.5974, 6.4770) is None  # a rising training loss is outweighed by the evaluation
     assert run_warning(rising, None, None).startswith("the training loss rose from 0.2 (the first 3 steps) to 0.5 (the "
-                                                      "last 3 steps); per-step losses are noisy and no evaluation text")
+                                                      "last 3 steps); per-step losses are noisy, and no evaluation measured")
     # runs under 6 steps compare windows of 1 or 2 steps: only a rise batch noise does not give counts
     assert loss_rise([[1, 0, 1.0], [2, 0, 1.4]]) is None and loss_rise([[1, 0, 1.0]]) is None
     assert loss_rise([[1, 0, 1.0], [2, 0, 0.5], [3, 0, 2.0]]) is None

@@ -574,18 +574,31 @@ def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its
         result = convert(source, tmp_path / target, fast_options(target=target, compression=2))
         rope = json.loads((result.output / "config.json").read_text())["rope_parameters"]
         if target == "transformers":
-            assert rope["rope_type"] == "llama3"
+            assert rope["rope_type"] == "llama3" and result.report["rope"]["note"] is None
             continue
+        # the report, the summary and the card say the scaling is not declared (config.json alone said "default")
+        assert result.report["rope"]["note"].startswith("the source's llama3 frequency scaling is not declared")
+        assert "llama3 frequency scaling is not declared" in (result.output / "README.md").read_text()
         assert rope == {"rope_type": "default", "rope_theta": result.report["rope"]["rope_parameters"]["rope_theta"]}
         assert result.report["rope"]["max_relative_frequency_error"] < 1e-6  # the config computes the chosen grid
         error = result.report["summary"]["mean_attention_error"]
         assert 0 < error < 1, error  # an approximation (slots at the unscaled grid), measured and reported
         ids = torch.randint(0, 256, (1, 24))
         assert torch.isfinite(logits_of(result.output, ids)).all()
-    # an oracle: llama3 scaling by a factor of 1 changes no frequency, and the export equals the plain grid's
-    unit = {**LLAMA3_ROPE, "factor": 1.0}
-    frame, _ = grid_frame(unit, 8, rope_inv_freq(unit, 8), llama3_scaling=False)
-    assert frame_positions(rope_inv_freq(unit, 8), frame).tolist() == pytest.approx([0, 1, 2, 3], abs=1e-9)
+    # an oracle: llama3 scaling by a factor of 1 changes no frequency, so every frequency sits on its own index, exactly
+    # (from logs of float32 frequencies the last came out up to 2e-5 below h/2 - 1, where no grid of h/2 slots fits:
+    # `convert --target llama.cpp -d 64` of such a head_dim-64 source crashed on an empty list of grids)
+    from mla_convert.convert.rope import candidate_grids
+
+    for head_dim, theta in ((8, 1e4), (32, 1e4), (64, 1e4), (128, 1e4), (128, 5e5)):
+        unit = {**LLAMA3_ROPE, "factor": 1.0, "rope_theta": theta}
+        frame, _ = grid_frame(unit, head_dim, rope_inv_freq(unit, head_dim), llama3_scaling=False)
+        positions = frame_positions(rope_inv_freq(unit, head_dim), frame)
+        assert positions.tolist() == list(range(head_dim // 2)), (head_dim, theta)
+        assert candidate_grids(float(positions.max()) + 1, head_dim // 2), (head_dim, theta)
+    unit_source = save_source(tmp_path / "unit", rope_parameters={**LLAMA3_ROPE, "factor": 1.0}, num_layers=1)
+    result = convert(unit_source, tmp_path / "unit-llama.cpp", fast_options(target="llama.cpp", kv_lora_rank=64, rope_dim=64))
+    assert result.report["rope"]["grid"] == "offset 0, step 1, 32 slots"
 
 
 def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tied_llama):

@@ -22,7 +22,7 @@ from ..source.shapes import MLAShape
 from ..units import dtype_bytes, dtype_name
 from .layer import LayerReport
 from .memory import peak_rss_bytes
-from .rope import RopeGrid
+from .rope import RopeGrid, declaration_note
 
 REPORT_FILE = "mla_convert.json"
 
@@ -134,7 +134,8 @@ def build_report(facts: ConversionFacts) -> dict:
         "calibration": {"description": facts.calibration_description, "tokens": facts.calibration_tokens,
                         "token_ids_sha256": facts.calibration_fingerprint, "datasets": [dataset] if dataset else []},
         "rope": {"grid": facts.grid.describe(), "offset": facts.grid.offset, "step": facts.grid.step,
-                 "rope_parameters": facts.rope_parameters, "candidates": facts.grid_table},
+                 "rope_parameters": facts.rope_parameters, "candidates": facts.grid_table,
+                 "note": declaration_note(source.rope_parameters, facts.rope_parameters)},
         "cache": {
             "source_values_per_token_layer": src_values,
             "mla_values_per_token_layer": mla_values,

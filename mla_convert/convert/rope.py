@@ -82,12 +82,26 @@ def grid_frame(source_params: dict, head_dim: int, source_inv_freq: torch.Tensor
     return source_inv_freq, source_params
 
 
+def declaration_note(source_params: dict, export_params: dict) -> str | None:
+    """What the export's config does not say about the source's RoPE (None: it declares the source's type)."""
+    source_type, export_type = source_params.get("rope_type", "default"), export_params.get("rope_type", "default")
+    if source_type != "llama3" or export_type == "llama3":
+        return None
+    return ("the source's llama3 frequency scaling is not declared: the target's engine ignores it, so the shared RoPE "
+            "key rotates at default-RoPE frequencies placed where the source's scaled ones fall (what that costs is in "
+            "the attention error; docs/engines.md)")
+
+
 def frame_positions(source_inv_freq: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
     """Each source frequency's (fractional) index on the geometric `frame`: j itself on the source's own grid."""
     omega, frame = source_inv_freq.detach().double().cpu(), frame.detach().double().cpu()
     if torch.equal(omega, frame) or len(frame) < 2:
         return torch.arange(len(omega), dtype=torch.float64)
-    return (frame[0].log() - omega.log()) / (frame[0].log() - frame[1].log())  # (h/2,)
+    positions = (frame[0].log() - omega.log()) / (frame[0].log() - frame[1].log())  # (h/2,)
+    # an unscaled frequency is its own index: float32 frequencies put the last one up to ~2e-5 below h/2 - 1, where
+    # no grid of h/2 slots fits (convert crashed with rope_dim = head_dim)
+    whole = positions.round()
+    return torch.where((positions - whole).abs() < 1e-4, whole, positions)
 
 
 def deepseek_rope_parameters(source_params: dict, grid: RopeGrid, head_dim: int) -> dict:

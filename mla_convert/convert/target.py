@@ -124,8 +124,8 @@ class Target:
     # the RoPE grid may start past the source's first frequency (exported as a `linear` factor); False where the
     # engine computes a linear factor otherwise than transformers (engines.ROPE_FAILURES)
     rope_offsets: bool = True
-    # the engine applies a source's llama3 frequency scaling; False: only grids on the frequencies that scaling leaves
-    # alone, exported as default RoPE (`rope.unscaled_frequencies`; the engine's failure: engines.ROPE_FAILURES)
+    # the engine applies a source's llama3 frequency scaling; False: the slots sit on the unscaled grid where the scaled
+    # frequencies fall, exported as default RoPE (`rope.grid_frame`; the engine's failure: engines.ROPE_FAILURES)
     llama3_scaling: bool = True
 
     @property

@@ -251,7 +251,10 @@ def inert_settings(config: FinetuneConfig, names, as_flags: bool = True) -> list
         column = config.text_column if "text_column" in given else "text"
         split = config.split if "split" in given else None
         found.extend(problem.replace("--text-column", spelled("text_column")).replace("--split", spelled("split"))
-                     for problem in text_option_problems(config.data, column, split))
+                     for problem in text_option_problems(config.data, column, split, flag=spelled("data")))
+    if config.eval_data is not None:  # (a missing local file: with the other problems, not once the model has loaded)
+        found.extend(problem for problem in text_option_problems(config.eval_data, flag=spelled("eval_data"))
+                     if problem.endswith("no such file or folder"))
     return found
 
 

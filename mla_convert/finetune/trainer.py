@@ -267,8 +267,8 @@ def loss_rise(losses: list) -> str | None:
         return None
     steps = ("step 1", "the last step") if count == 1 else (f"the first {count} steps", f"the last {count} steps")
     return (f"the training loss rose from {first:.4g} ({steps[0]}) to {last:.4g} ({steps[1]}); per-step losses are "
-            "noisy and no evaluation text measured the model before and after training (give --eval-data to check "
-            "it): if it is worse, lower the learning rate")
+            "noisy, and no evaluation measured the model both before and after this run (--eval-data does, at the end "
+            "of a complete run): if it is worse, lower the learning rate")
 
 
 def perplexity_rise(before: float, after: float) -> str | None:

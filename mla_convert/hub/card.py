@@ -327,7 +327,7 @@ def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
     if rope:
         lines.append(
             f"- Rotary position information lives in a separate {rope}-dimensional key (`qk_rope_head_dim`) that all "
-            "heads share, as in DeepSeek-V2/V3."
+            "heads share, as in DeepSeek-V2/V3." + (f" Note: {note}." if (note := _get(report, "rope", "note")) else "")
         )
     method = options.get("method")
     if method:
