@@ -363,7 +363,8 @@ def test_generation_config_settings_the_runtime_lacks_are_named(tmp_path):
     from mla_convert.runtime.errors import GenerationSettingsError
 
     for text, message in (('{"repetition_penalty": 0, "no_repeat_ngram_size": -1}',
-                           "repetition_penalty 0: must be a number above 0; no_repeat_ngram_size -1: must be a whole"),
+                           # one line each (they were joined by "; ")
+                           "repetition_penalty 0: must be a number above 0\n.*: no_repeat_ngram_size -1: must be a whole"),
                           ("{not json", "generation_config.json: It looks like")):
         (tmp_path / "generation_config.json").write_text(text)
         with pytest.raises(GenerationSettingsError, match=message):

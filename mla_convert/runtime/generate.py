@@ -92,7 +92,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     settings = model.generation_settings if generation_config else GenerationSettings()
     problems = settings.sampling_problems(temperature, top_p) if do_sample else []
     if problems:
-        raise GenerationSettingsError("; ".join(problems))
+        raise GenerationSettingsError("\n".join(problems))  # one line each
     temperature = settings.temperature if temperature is None else temperature
     top_p = settings.top_p if top_p is None else top_p
     chain = settings.processors(do_sample)

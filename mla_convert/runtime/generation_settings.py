@@ -101,14 +101,14 @@ class GenerationSettings:
         problems = [f"{name} {values[name]!r}: {rule}" for name, (valid, rule) in VALID.items()
                     if name in ALWAYS_APPLIED and not valid(values[name])]
         if problems:  # transformers' processors would refuse them with a traceback at the first token
-            raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
+            raise GenerationSettingsError("\n".join(f"{path}: {problem}" for problem in problems))  # a line each
         ignored = {name: getattr(config, name, None) for name in NOT_APPLIED}
         ignored = {name: value for name, value in ignored.items() if value is not None and value != NOT_APPLIED[name]}
         lengths = {name: getattr(config, name, None) for name in ("max_new_tokens", "max_length")}
         problems = [f"{name} {value!r}: must be a whole number, 1 or more" for name, value in lengths.items()
                     if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1)]
         if problems:
-            raise GenerationSettingsError(f"{path}: " + "; ".join(problems))
+            raise GenerationSettingsError("\n".join(f"{path}: {problem}" for problem in problems))  # a line each
         return cls(**values, not_applied=ignored, eos_token_ids=token_id_tuple(config.eos_token_id, path), **lengths)
 
     def new_tokens(self, given: int | None) -> int:

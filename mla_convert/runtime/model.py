@@ -118,7 +118,7 @@ class AbsorbedMLAModel:
 
         problems = device_problems(str(device), flag="device")
         if problems:  # one clear line, not torch's "not compiled with CUDA" assertion at the first tensor
-            raise RuntimeModelError("; ".join(problems))
+            raise RuntimeModelError("\n".join(problems))
         self.device = torch.device(device)
         self.dtype = compute_dtype(dtype, folder.stored_dtype)
         # what the folder's generation_config.json asks generate() for (a repetition penalty, sampling defaults)
