@@ -601,6 +601,21 @@ def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its
     assert result.report["rope"]["grid"] == "offset 0, step 1, 32 slots"
 
 
+def test_a_scaled_frequency_joins_the_slot_nearest_where_it_sits_on_the_frame():
+    """On the unscaled frame, llama3's slow frequency j sits at j + 0.90: it must join slot j + 1 (0.1 index away),
+    not slot j (its index, 0.9 away: what the planner did when positions were indices)."""
+    from mla_convert.convert.rope import RopeGrid, RopeStats, grid_frame, plan_layer
+    from mla_convert.source.model import rope_inv_freq
+
+    scaled = rope_inv_freq(LLAMA3_ROPE, 8)  # (4,): 1, ~0.05 (between the bands), 0.01 / 8, 0.001 / 8
+    frame, _ = grid_frame(LLAMA3_ROPE, 8, scaled, llama3_scaling=False)
+    stats = RopeStats(key_cov=torch.eye(4, dtype=torch.complex128), query_energy=torch.ones(1, 4),
+                      distance_profile=torch.full((1, 64), 1 / 64))
+    plan = plan_layer(stats, RopeGrid(0.0, 1.0, 4), scaled, num_kv_heads=1, frame=frame)
+    assert 2 in plan.members[3] and 2 not in plan.members[2], plan.members
+    assert plan.slot_inv_freq.tolist() == pytest.approx(frame.tolist())  # the slots rotate at the plain grid
+
+
 def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tied_llama):
     """A grid that starts past the source's first frequency exports as a linear RoPE factor, which llama.cpp b11434
     scales attention for where transformers does not: --target llama.cpp (and all) rank only grids from offset 0, so
