@@ -373,6 +373,10 @@ def test_a_short_evaluation_text_is_described_by_its_real_window_length(tiny_lla
     assert data.description.startswith(f"short.txt: context {tokens}, 1 non-overlapping windows, {tokens - 1} scored")
     measured = evaluate_perplexity(_load(source), data.ids, context_length=64, progress=False)
     assert measured.context_length == tokens  # what `mla-convert eval` reports
+    # fewer windows than eval_windows asked for: said, not silently capped
+    assert data.shortfall_note(30) == ("eval_windows 30: the evaluation text holds 1 window(s) of this context; all of "
+                                       "them are scored")
+    assert data.shortfall_note(1) is None
 
 
 def test_attention_training_selects_only_attention_parameters(tiny_llama):

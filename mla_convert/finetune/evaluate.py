@@ -41,6 +41,14 @@ class EvalWindows:
     def num_scored(self) -> int:
         return sum(w.num_scored for w in self.windows)
 
+    def shortfall_note(self, requested: int) -> str | None:
+        """What to tell the user when the text holds fewer windows than eval_windows asks for (they were all used,
+        silently: the report said 60 where 1000 were asked)."""
+        if len(self.windows) >= requested:
+            return None
+        return (f"eval_windows {requested}: the evaluation text holds {len(self.windows)} window(s) of this context; "
+                "all of them are scored")
+
 
 @torch.no_grad()
 def evaluate_perplexity_distributed(model, data: EvalWindows, device: torch.device, process_index: int = 0,

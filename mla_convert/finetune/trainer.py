@@ -462,6 +462,9 @@ class Finetuner:
                 raise FinetuneError("evaluation needs a tokenizer; none found in the converted folder or the teacher")
             self.eval_data = EvalWindows.from_text(self.tokenizer, config.eval_data, config.eval_context, config.eval_windows,
                                                    label=self._label(config.eval_data))
+            shortfall = self.eval_data.shortfall_note(config.eval_windows)
+            if shortfall:
+                self.log(f"note: {shortfall}")
 
         # --- optimizer, schedule
         decay, no_decay = [], []
