@@ -1057,6 +1057,22 @@ def test_an_interrupt_during_the_final_evaluation_keeps_a_checkpoint_the_resume_
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_a_signal_during_the_last_step_finishes_the_run_and_says_so(tiny_llama, tmp_path):
+    """A signal that came during the last optimizer step was ignored without a word: the run went on to save."""
+    _, converted = tiny_llama
+    lines = []
+
+    def signal_at_the_last_step(line: str) -> None:
+        lines.append(line)
+        if line.startswith("step 6/6"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = run_finetune(_tiny_run_config(converted, tmp_path, "out", checkpoint_every=0), log=signal_at_the_last_step)
+    assert result.output == tmp_path / "out" and result.interrupted_by is None and result.state.step == 6
+    assert "note: SIGINT came during the last step: the run finishes (final evaluation and save) instead of stopping " \
+           "with a checkpoint" in lines, lines
+
+
 @pytest.mark.parametrize("change, message", [
     ({"save_dtype": "fp16"}, "save_dtype: 'fp16'"),  # refused only at the save, after training
     # for a serving export too, so the reason is not only "convert with a serving --target"

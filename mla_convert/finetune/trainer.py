@@ -792,6 +792,9 @@ class Finetuner:
             bar.update(1)
             # a stop on a checkpoint step keeps that checkpoint (writing it twice would rewrite a complete one)
             signum = self._agreed_stop(stop)
+            if signum is not None and state.step >= config.max_steps:  # (it was ignored without a word)
+                self.log(f"note: {signal.Signals(signum).name} came during the last step: the run finishes (final "
+                         "evaluation and save) instead of stopping with a checkpoint")
             if signum is not None and state.step < config.max_steps:
                 folder = saved or self.save_checkpoint()
                 return FinetuneResult(None, state, self.finetuning_section(), checkpoint=folder, interrupted_by=signum)
