@@ -2,7 +2,7 @@
 
 typer (click underneath) stops at the first flag it cannot convert: `convert -r abc --calib-data x --seed 3`
 printed only the `-r` error, and the user learnt of the next problem on the next run.  Here every int/float
-flag of a command is parsed by `parse_number`, which keeps a text that is not a number as `Unparsed`;
+flag of a command is parsed by `number_parser`'s function, which keeps a text that is not a number as `Unparsed`;
 `take_unparsed` then puts the flag's default in its place and returns one line per such flag, for the command
 to list beside the problems it finds itself (or to raise alone, when it collects none).
 """
@@ -74,11 +74,11 @@ def take_unparsed(kwargs: dict, signature: inspect.Signature) -> list[str]:
         if isinstance(value, Unparsed):
             info = signature.parameters[name].default
             kwargs[name] = info.default
-            problems.append(value.problem(_flag_name(name, info)))
+            problems.append(value.problem(long_flag(name, info)))
     return problems
 
 
-def _flag_name(name: str, info: Any) -> str:
+def long_flag(name: str, info: Any) -> str:
     """The long flag a user types for a parameter (`--kv-lora-rank` for kv_lora_rank, or its declared name)."""
     declared = [flag for decl in info.param_decls or () for flag in decl.split("/") if flag.startswith("--")]
     return declared[0] if declared else "--" + name.replace("_", "-")

@@ -358,13 +358,13 @@ FLAG_PROBLEMS = "flag_problems"
 
 def _given_on_command_line(context: Any, flags: list[_Flag]) -> dict[tuple[str, ...], str]:
     """The flags the user typed (field path -> the flag's name), read from the command's context ({} without one)."""
+    from .number_flags import long_flag
+
     if context is None:
         return {}
     given = {}
     for flag in flags:
         source = context.get_parameter_source(flag.parameter.name)
         if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
-            option = flag.parameter.default
-            names = [name for decl in option.param_decls for name in decl.split("/") if name.startswith("--")]
-            given[flag.path] = names[0] if names else flag.parameter.name
+            given[flag.path] = long_flag(flag.parameter.name, flag.parameter.default)
     return given

@@ -176,8 +176,7 @@ def _local_identity(name: str | None) -> str | None:
     given from another working folder, or as `./t.txt` for `t.txt`), a hub id or datasets spec as given."""
     if name is None:
         return None
-    path = absolute_path(name)
-    return str(path.resolve()) if path.exists() else name
+    return str(real_path(name)) if absolute_path(name).exists() else name
 
 
 def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
