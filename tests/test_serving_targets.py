@@ -544,12 +544,14 @@ def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its
     """llama.cpp b11434's DeepSeek path rotates at a llama3 export's unscaled frequencies (measured 70.8 % off), so
     --target llama.cpp refused every llama3 source (Llama 3.x).  Now its slots sit on the unscaled (default) grid
     where the source's scaled frequencies fall, and the export declares default RoPE, which llama.cpp computes as
-    transformers does.  The transformers target keeps llama3 RoPE; vLLM is told nothing new (it keeps llama3)."""
+    transformers does.  The transformers target keeps llama3 RoPE; vLLM 0.32.0, which runs a llama3 declaration as
+    DeepSeek YaRN (measured 32 % off), gets the default-RoPE export too."""
     from mla_convert.convert.rope import frame_positions, grid_frame
     from mla_convert.source.model import rope_inv_freq
 
     assert not T.TARGETS["llama.cpp"].llama3_scaling and not T.TARGETS["all"].llama3_scaling
-    assert T.TARGETS["transformers"].llama3_scaling and T.TARGETS["vllm"].llama3_scaling
+    assert not T.TARGETS["vllm"].llama3_scaling  # vLLM 0.32.0 runs a llama3 declaration as DeepSeek YaRN (measured)
+    assert T.TARGETS["transformers"].llama3_scaling
     # where the scaled frequencies sit on the unscaled grid: the fast ones on their own index, the slow ones (divided
     # by the factor) ln(8) / ln(theta^(2/h)) = 0.90 indices further, the one between the bands in between
     scaled = rope_inv_freq(LLAMA3_ROPE, 8)
@@ -624,7 +626,8 @@ def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tie
 
     assert {grid.offset for grid in candidate_grids(32, 16, offsets=False)} == {0.0}
     assert len(candidate_grids(32, 16)) > len(candidate_grids(32, 16, offsets=False))
-    assert not T.TARGETS["llama.cpp"].rope_offsets and not T.TARGETS["all"].rope_offsets and T.TARGETS["vllm"].rope_offsets
+    assert not T.TARGETS["llama.cpp"].rope_offsets and not T.TARGETS["all"].rope_offsets
+    assert not T.TARGETS["vllm"].rope_offsets  # vLLM 0.32.0 runs a linear declaration as DeepSeek YaRN (measured)
     for target, offsets in (("transformers", True), ("llama.cpp", False)):
         result = convert(tied_llama, tmp_path / target, fast_options(kv_lora_rank=128, rope_dim=32, target=target))
         starts = {row["grid"].split(",")[0] for row in result.report["rope"]["candidates"]}
@@ -634,19 +637,24 @@ def test_llama_cpp_exports_get_grids_from_the_first_frequency_only(tmp_path, tie
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0}])
-def test_llama_cpp_targets_refuse_a_source_whose_rope_llama_cpp_computes_wrongly(tmp_path, rope):
+def test_serving_targets_refuse_a_source_whose_rope_their_engines_compute_wrongly(tmp_path, rope):
     """--target llama.cpp exported a linear source as it was, and llama.cpp b11434 ran the export 20 % off
-    transformers' perplexity (measured): the targets that promise llama.cpp refuse it before converting.  The
+    transformers' perplexity (measured); --target vllm did too, and vLLM 0.32.0 runs any non-default RoPE as
+    DeepSeek YaRN (measured): the serving targets refuse it before converting, naming each engine.  The
     transformers target converts it, and a linear factor of 1 is the default RoPE.  (A llama3 source is exported as
     default RoPE instead: the next test.)"""
     source = save_source(tmp_path / "src", rope_parameters={"rope_theta": 1e4, **rope}, max_position_embeddings=256)
-    for target in ("llama.cpp", "all"):
-        with pytest.raises(PreflightError, match=re.escape(f"--target {target}: this source's RoPE {rope['rope_type']}: "
-                                                            "llama.cpp b11434")) as refused:
+    # one line per engine of the target that computes it wrongly (all: both)
+    engines = {"llama.cpp": ["llama.cpp b11434"], "vllm": ["vLLM 0.32.0"], "all": ["vLLM 0.32.0", "llama.cpp b11434"]}
+    for target, names in engines.items():
+        with pytest.raises(PreflightError) as refused:
             convert(source, tmp_path / target, fast_options(compression=2, target=target))
-        assert "measured 2026-12-03" in str(refused.value) and not (tmp_path / target).exists()
+        lines = [line for line in str(refused.value).splitlines() if f"--target {target}: this source's RoPE" in line]
+        assert [line.split(f"RoPE {rope['rope_type']}: ")[1][:len(name)] for line, name in zip(lines, names)] == names
+        assert len(lines) == len(names) and all("measured 2026-12-03" in line for line in lines), lines
+        assert not (tmp_path / target).exists()
     # inspect says so: its table of targets, and --estimate refuses what convert refuses
-    from mla_convert.convert.engines import rope_problem
+    from mla_convert.convert.engines import rope_problems
     from mla_convert.options import ConvertOptions
     from mla_convert.source.config import SourceConfig
     from mla_convert.source.inspect import estimate_source_problems, target_rows
@@ -654,6 +662,7 @@ def test_llama_cpp_targets_refuse_a_source_whose_rope_llama_cpp_computes_wrongly
     config = SourceConfig.from_folder(source)
     rows = {name: shapes for name, shapes, _ in target_rows(config)}
     assert rows["llama.cpp"].startswith(f"none: convert refuses this source's RoPE {rope['rope_type']}")
+    assert rows["vllm"].startswith(f"none: convert refuses this source's RoPE {rope['rope_type']}")
     assert rows["transformers"].startswith("any")
     (problem,) = estimate_source_problems(config, ConvertOptions(target="llama.cpp", compression=2.0))
     assert problem.startswith("--target llama.cpp: this source's RoPE")
@@ -662,5 +671,5 @@ def test_llama_cpp_targets_refuse_a_source_whose_rope_llama_cpp_computes_wrongly
         refused_cli = run_cli("inspect", source, "--target", "llama.cpp", "-c", "2", *flags)
         assert refused_cli.returncode == 2 and "--target llama.cpp: this source's RoPE" in refused_cli.stderr, \
             refused_cli.stdout + refused_cli.stderr
-    assert rope_problem(T.target_of("llama.cpp"), {"rope_type": "linear", "factor": 1.0}) is None
-    assert rope_problem(T.target_of("vllm"), rope) is None and rope_problem(T.target_of("transformers"), rope) is None
+    assert rope_problems(T.target_of("llama.cpp"), {"rope_type": "linear", "factor": 1.0}) == []
+    assert rope_problems(T.target_of("transformers"), rope) == []

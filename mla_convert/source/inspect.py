@@ -83,16 +83,16 @@ def inspect_shapes(
 
 def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
     """(target, the shapes it allows for this source, their KV ratios and the llama.cpp q8_0 KV-cache rule) per target."""
-    from ..convert.engines import rope_problem
+    from ..convert.engines import rope_problems
     from ..convert.target import TARGETS
 
     rows = []
     for target in TARGETS.values():
         allowed = target_shapes(source, target)
-        refused = rope_problem(target, source.rope_parameters)
+        refused = rope_problems(target, source.rope_parameters)
         if refused:  # convert refuses this source for the target whatever the shape
-            rows.append((target.name, f"none: convert refuses this source's {refused.split(':')[0]} (its engine computes "
-                                      "it wrongly, measured)", "-"))
+            rows.append((target.name, f"none: convert refuses this source's {refused[0].split(':')[0]} (the target's engine "
+                                      "computes it wrongly, measured)", "-"))
             continue
         if allowed is None:
             shapes = f"any: kv_lora_rank <= {source.max_kv_lora_rank}, even rope_dim <= {source.max_rope_dim}"
