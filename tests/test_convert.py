@@ -361,6 +361,8 @@ def test_sequential_and_source_calibration_differ_only_above_the_first_layer(tmp
         (dict(kv_lora_rank="8", rope_dim=4), "--kv-lora-rank '8': must be int"),
         (dict(compression=2, calibration=CalibrationOptions(seq_len="32")), "--calib-seq-len '32': must be int"),
         (dict(compression=2, calibration=None), "calibration None: must be CalibrationOptions"),
+        # a misspelled target was a KeyError from `target_of` (found by the API/sweep probe)
+        (dict(compression=2, target="vLLM"), "^--target 'vLLM': choose one of transformers, vllm, llama.cpp, all$"),
     ],
 )
 def test_impossible_requests_fail_before_any_work(tmp_path, options, message):

@@ -156,6 +156,21 @@ def test_evaluation_settings_are_refused_before_any_work(tiny_source, tiny_text,
     assert not (tmp_path / "out").exists()
 
 
+def test_a_misspelled_target_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
+    """`--target foo` (or `vLLM`) was a KeyError traceback from `target_of`, raised by the eval-dtype check before the
+    settings were validated (found by the API/sweep probe)."""
+    from mla_convert.options import ConvertOptions
+
+    message = "--target 'foo': choose one of transformers, vllm, llama.cpp, all"
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, calibration=TINY_CALIBRATION,
+                  options=ConvertOptions(target="foo"))
+    assert refused.value.problems == [message]
+    run = _cli_sweep(tiny_source, "--data", tiny_text, "--out-dir", tmp_path / "out", "--target", "foo", "--ratios", "2")
+    assert run.exit_code == 2 and run.stderr.splitlines() == [f"error: {message}"], run.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):
     """`--data ""` was the current folder: sweep scored every .txt/.md in it."""
     (tmp_path / "notes.md").write_text("not evaluation text " * 200, encoding="utf-8")

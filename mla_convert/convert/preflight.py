@@ -448,7 +448,9 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     mla = None
     dtype = source.torch_dtype
     try:
-        dtype = export_dtype(options.dtype, source, serving=T.target_of(options.target).serving)
+        # (a misspelled --target is one of the problems already: it is not also blamed for an fp16 it may allow)
+        misspelled = target is None and options.target is not None
+        dtype = export_dtype(options.dtype, source, serving=misspelled or T.target_of(target).serving)
     except PreflightError as error:
         problems += error.problems
     except MLAConvertError as error:

@@ -689,7 +689,9 @@ def run_sweep(
                  if value is not None and value < low]
     # every point is a converted model (fp16 underflows its latent unless a serving --target rewrote it); the device
     # must exist before the slow calibration
-    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=not target_of(base.target).serving)
+    # (a misspelled --target is refused by each export's pre-flight, below; here it only must not raise a KeyError)
+    serving = base.target in TARGETS and target_of(base.target).serving
+    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=not serving)
     problems += device_problems(eval_device)
     problems += text_option_problems(data, text_column)
     out = None if out_dir is None else absolute_path(out_dir)  # a quoted `~/sweep` means the home folder
