@@ -442,14 +442,55 @@ def test_a_killed_sweep_removes_its_scratch_models(tiny_source, tiny_text, tmp_p
                "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/svd-*")):
         assert process.poll() is None, process.stderr.read()[-2000:]
         time.sleep(0.05)
-    assert list(scratch_root.glob("mla-convert-sweep-*/*")), "the sweep never started a conversion"
+    assert list(scratch_root.glob("mla-convert-sweep-*/svd-*")), "the sweep never started a conversion"
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode != 0 and "Traceback" not in err
     assert not list(scratch_root.glob("mla-convert-sweep-*")), sorted(p.name for p in scratch_root.iterdir())
+
+
+@pytest.mark.slow
+def test_a_sigkilled_sweeps_models_folder_is_removed_by_the_next_sweep(tiny_source, tiny_text, tmp_path, monkeypatch):
+    """SIGKILL left `mla-convert-sweep-*` (converted models) in the temp folder forever: the leftover cleaner knew only
+    the statistics folders, and the sweep's folder had no owner lock (found by the API/sweep probe)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    command = [sys.executable, "-m", "mla_convert", "sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir",
+               str(tmp_path / "killed"), "--ratios", ",".join(f"{2 + r / 10:g}" for r in range(150)), "--methods", "svd",
+               "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
+    process = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(scratch_root)}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/svd-*")):
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    [left] = scratch_root.glob("mla-convert-sweep-*")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_root))
+    messages = _Messages()
+    run_sweep(tiny_source, [2], tiny_text, None, context_length=64, max_windows=1, methods=["svd"],
+              calibration=TINY_CALIBRATION, progress=messages)
+    assert list(scratch_root.iterdir()) == []
+    assert f"removed {left.name}, left behind in {scratch_root} by an interrupted run" in messages.seen
+
+
+class _Messages(Progress):
+    def __init__(self):
+        self.seen = []
+
+    def message(self, text):
+        self.seen.append(text)
 
 
 # --------------------------------------------------------------------------- the command line
@@ -575,7 +616,7 @@ def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tin
                "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/svd-*")):
         assert process.poll() is None, process.stderr.read()[-2000:]
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)

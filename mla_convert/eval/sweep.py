@@ -43,6 +43,8 @@ from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
 from ..io.resolve import needs_download
+from ..io.signals import signals_deferred
+from ..io.writer import SWEEP_SCRATCH_PREFIX, claim_scratch_folder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
@@ -717,8 +719,7 @@ def run_sweep(
     if keep_models:
         keep_root = (out / "models") if out is not None else Path(models_dir)
     # (a --models-dir that is not a folder is among the problems: the source is still checked, in the temp folder)
-    scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-",
-                                          dir=models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
+    scratch, scratch_lock = _claimed_scratch(models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
     try:
         try:
             converter = Converter(source, base, _NotesOnce(progress))
@@ -736,6 +737,7 @@ def run_sweep(
                                        keep_root if keep_root and keep_root.exists() else Path(scratch.name))
             if problems:
                 raise PreflightError(list(dict.fromkeys(problems)))
+            _clean_stale_scratch(Path(scratch.name).parent, progress)
             if base.calibration.data is not None:
                 load_text(base.calibration.data, text_column=base.calibration.text_column, max_chars=1000)
             progress.phase("reading and tokenizing the evaluation text")
@@ -823,7 +825,26 @@ def run_sweep(
                         result.save(out, stem)
     finally:
         scratch.cleanup()
+        if scratch_lock is not None:
+            scratch_lock.close()
     return result
+
+
+def _claimed_scratch(parent: str | os.PathLike | None):
+    """The folder converted models stay in until scored, and the lock that marks it as in use.
+
+    A SIGKILLed sweep cannot remove it (it may hold whole models); the lock, which the kernel drops with the process,
+    lets the next run tell it from a live sweep's folder and remove it (`clean_stale_scratch_folders`).
+    """
+    with signals_deferred():  # the folder and its lock appear together, or not at all
+        scratch = tempfile.TemporaryDirectory(prefix=SWEEP_SCRATCH_PREFIX, dir=parent)
+        return scratch, claim_scratch_folder(scratch.name)
+
+
+def _clean_stale_scratch(parent: Path, progress: Progress) -> None:
+    """Scratch folders killed runs left where this sweep keeps its own (the temp folder, or --models-dir)."""
+    for name in clean_stale_scratch_folders(parent):
+        progress.message(f"removed {name}, left behind in {parent} by an interrupted run")
 
 
 def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
