@@ -171,6 +171,14 @@ def test_a_misspelled_target_is_refused_before_any_work(tiny_source, tiny_text, 
     assert not (tmp_path / "out").exists()
 
 
+def test_kept_models_without_a_place_are_refused_before_any_work(tiny_source, tiny_text):
+    """run_sweep(keep_models=True) with neither out_dir nor models_dir was a TypeError (Path(None)) for a local source;
+    the problem was collected but raised early only for a hub source (found by the API/sweep probe)."""
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, "2", tiny_text, keep_models=True, context_length=64, calibration=TINY_CALIBRATION)
+    assert refused.value.problems == ["--keep-models: say where to keep them (an output folder or a models folder)"]
+
+
 def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):
     """`--data ""` was the current folder: sweep scored every .txt/.md in it."""
     (tmp_path / "notes.md").write_text("not evaluation text " * 200, encoding="utf-8")

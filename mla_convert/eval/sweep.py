@@ -715,8 +715,8 @@ def run_sweep(
     if problems and needs_download(source):
         raise PreflightError(problems)  # checking a hub source means downloading it first
 
-    keep_root = None
-    if keep_models:
+    keep_root = None  # (kept with no place to keep them: among the problems, raised with the source's below)
+    if keep_models and (out is not None or models_dir is not None):
         keep_root = (out / "models") if out is not None else Path(models_dir)
     # (a --models-dir that is not a folder is among the problems: the source is still checked, in the temp folder)
     scratch, scratch_lock = _claimed_scratch(models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
