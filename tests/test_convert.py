@@ -373,6 +373,32 @@ def test_impossible_requests_fail_before_any_work(tmp_path, options, message):
     assert not list(tmp_path.glob("*.mla-convert-partial"))
 
 
+def test_api_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tmp_path):
+    """convert(None, out), convert(src, None) and options passed as a dict were a TypeError from Path(None) and an
+    AttributeError deep inside (found by the API/sweep probe)."""
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    for args, message in [((None, tmp_path / "out"), "source None: must be a path (str or os.PathLike)"),
+                          ((source, None), "output None: must be a path (str or os.PathLike)"),
+                          ((source, tmp_path / "out", {"compression": 2}),
+                           "options {'compression': 2}: must be ConvertOptions or None")]:
+        with pytest.raises(PreflightError) as refused:
+            convert(*args)
+        assert refused.value.problems == [message]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_path_for_the_calibration_text_and_a_shard_size_in_bytes_are_taken():
+    """CalibrationOptions(data=Path(...)) was refused as "must be str" (run_sweep and run_eval take a Path), and
+    max_shard_size=1_000_000 as "must be str" although the error itself offers "bytes" (found by the API/sweep probe)."""
+    from pathlib import Path
+
+    from mla_convert.options import option_problems
+
+    options = ConvertOptions(max_shard_size=1_000_000, calibration=CalibrationOptions(data=Path("stories.txt")))
+    assert option_problems(options) == [] and options.calibration.data == "stories.txt"  # recorded as the CLI's str
+    assert option_problems(ConvertOptions(max_shard_size=True)) == ["--max-shard-size True: must be str or int"]
+
+
 def test_existing_output_is_refused_without_overwrite(tmp_path):
     source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
     (tmp_path / "out").mkdir()

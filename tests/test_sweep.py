@@ -105,6 +105,16 @@ def test_ratios_and_methods_are_parsed_or_refused_in_one_line():
     assert canonical_methods("svd,activation-aware,weight") == ["weight", "output"]
     with pytest.raises(SweepError, match="not a method"):
         canonical_methods(["activation-aware", "pca"])
+    # from the Python API (found by the API/sweep probe): one number is one ratio (it was "'int' object is not
+    # iterable"); a word in a list is named (it was float's ValueError)
+    assert parse_ratios(2) == [2.0] and parse_ratios(["2", 4.5]) == [2.0, 4.5]
+    for bad, message in [(["2", "x"], "--ratios ['2', 'x']: 'x' is not a number; give numbers, e.g. [2, 4, 8] or '2,4,8'"),
+                         (None, "--ratios None: give numbers, e.g. [2, 4, 8] or '2,4,8'")]:
+        with pytest.raises(SweepError) as error:
+            parse_ratios(bad)
+        assert str(error.value) == message
+    with pytest.raises(SweepError, match=r"^--methods 3: give method names"):
+        canonical_methods(3)
 
 
 def test_impossible_ratio_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
@@ -177,6 +187,15 @@ def test_kept_models_without_a_place_are_refused_before_any_work(tiny_source, ti
     with pytest.raises(PreflightError) as refused:
         run_sweep(tiny_source, "2", tiny_text, keep_models=True, context_length=64, calibration=TINY_CALIBRATION)
     assert refused.value.problems == ["--keep-models: say where to keep them (an output folder or a models folder)"]
+
+
+def test_api_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tiny_source, tiny_text, tmp_path):
+    """options={...}, context_length="64" and the like failed deep inside (found by the API/sweep probe)."""
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", options={"compression": 2}, context_length="64")
+    assert refused.value.problems == ["options {'compression': 2}: must be ConvertOptions or None",
+                                      "context_length '64': must be int or None"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ from ..io.reader import CheckpointReader
 from ..io.resolve import resolve_model_path, revision_problems
 from ..io.signals import signals_deferred
 from ..io.writer import CheckpointWriter, claim_scratch_folder, clean_stale_scratch_folders
-from ..options import CalibrationOptions, ConvertOptions
+from ..options import CalibrationOptions, ConvertOptions, argument_problems, path_argument
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedRows, StreamedSourceModel
 from ..source.shapes import MLAShape
@@ -363,9 +363,13 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
     `caller_problems`: what the caller found wrong with its own settings (the CLI's flags); pre-flight still
     runs, so that one PreflightError names those and the source's and output's problems together.
     """
+    caller_problems = list(caller_problems)
+    wrong_types = argument_problems(source=path_argument(source), output=path_argument(output),
+                                    options=(options, (ConvertOptions, type(None)), "ConvertOptions or None"))
+    if wrong_types:
+        raise PreflightError(caller_problems + wrong_types)
     options = options or ConvertOptions()
     output = absolute_path(output)  # `.`, `out/` and `~/out` name the folder itself
-    caller_problems = list(caller_problems)
     if not output.name:
         raise PreflightError(caller_problems + [f"{output}: is the root folder; give the path of a folder to create"])
     try:  # problems with the output path are reported together with those of the source

@@ -419,6 +419,19 @@ def load_tokenizer_for_eval(*folders: Path):
     raise EvaluationError(f"no tokenizer found in {', '.join(str(f) for f in folders if f is not None)}")
 
 
+def _refuse_wrong_types(model, data, baseline, json_path, **numbers) -> None:
+    """run_eval's arguments of the wrong type, named (`context_length="512"` was a TypeError from a comparison)."""
+    from ..errors import PreflightError
+    from ..options import argument_problems, int_argument, path_argument
+
+    problems = argument_problems(model=path_argument(model), data=path_argument(data),
+                                 baseline=path_argument(baseline, optional=True),
+                                 json_path=path_argument(json_path, optional=True),
+                                 **{name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()})
+    if problems:
+        raise PreflightError(problems)
+
+
 def run_eval(
     model: str | os.PathLike,
     data: str | os.PathLike,
@@ -455,6 +468,9 @@ def run_eval(
     """
     from .checks import eval_preflight
 
+    if _plan is None:
+        _refuse_wrong_types(model, data, baseline, json_path, context_length=context_length, stride=stride,
+                            max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, max_chars=max_chars)
     plan = _plan or eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
                                    device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
                                    batch_size=batch_size, json_path=json_path, revision=revision,

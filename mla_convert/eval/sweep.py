@@ -45,7 +45,7 @@ from ..io.paths import absolute_path
 from ..io.resolve import needs_download
 from ..io.signals import signals_deferred
 from ..io.writer import SWEEP_SCRATCH_PREFIX, claim_scratch_folder, clean_stale_scratch_folders
-from ..options import CalibrationOptions, ConvertOptions
+from ..options import CalibrationOptions, ConvertOptions, argument_problems, int_argument, path_argument
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from .checks import DEFAULT_CONTEXT, dtype_problems, text_option_problems
@@ -82,7 +82,7 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
             except ValueError:
                 raise SweepError(f"--ratios {text!r}: {part!r} is not a number; write e.g. 2,4,8") from None
     else:
-        ratios = [float(r) for r in text]
+        ratios = _numbers(text)
     if not ratios:
         raise SweepError("--ratios: give at least one KV-cache ratio, e.g. 2,4,8")
     bad = [r for r in ratios if not (math.isfinite(r) and r >= 1)]
@@ -91,13 +91,39 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
     return sorted(set(ratios))
 
 
+def _numbers(ratios: Iterable[float] | float) -> list[float]:
+    """Ratios given as numbers (the Python API): a list of them, or one (`run_sweep(source, 2, ...)`); anything else is
+    refused naming the parameter (it was a TypeError "'int' object is not iterable", or float's ValueError)."""
+    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
+        return [float(ratios)]
+    try:
+        items = list(ratios)
+    except TypeError:
+        raise SweepError(f"--ratios {ratios!r}: give numbers, e.g. [2, 4, 8] or '2,4,8'") from None
+    bad = [item for item in items if isinstance(item, bool) or not isinstance(item, (int, float, str))
+           or isinstance(item, str) and not _is_number(item)]
+    if bad:
+        raise SweepError(f"--ratios {ratios!r}: {bad[0]!r} is not a number; give numbers, e.g. [2, 4, 8] or '2,4,8'")
+    return [float(item) for item in items]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def canonical_methods(methods: str | Iterable[str]) -> list[str]:
     """Method names (aliases allowed, e.g. `svd` = `weight`) -> the converter's names, order kept, duplicates dropped."""
     if isinstance(methods, str):
         methods = [m.strip() for m in methods.split(",") if m.strip()]
+    elif not isinstance(methods, Iterable):
+        raise SweepError(f"--methods {methods!r}: give method names, e.g. ['activation-aware', 'svd']")
     out: list[str] = []
     for name in methods:
-        if name not in METHOD_ALIASES:
+        if not isinstance(name, str) or name not in METHOD_ALIASES:
             raise SweepError(f"--methods: {name!r} is not a method; choose from activation-aware, input, svd")
         if METHOD_ALIASES[name] not in out:
             out.append(METHOD_ALIASES[name])
@@ -675,6 +701,10 @@ def run_sweep(
     """
     progress = progress or Progress()
     problems = list(caller_problems)
+    wrong_types = _wrong_argument_types(source, data, out_dir, models_dir, options, calibration, stem,
+                                        context_length=context_length, max_windows=max_windows, batch_size=batch_size)
+    if wrong_types:  # the checks below could not even compare them
+        raise PreflightError(problems + wrong_types)
     try:
         ratios = parse_ratios(ratios)
     except SweepError as error:
@@ -845,6 +875,17 @@ def _clean_stale_scratch(parent: Path, progress: Progress) -> None:
     """Scratch folders killed runs left where this sweep keeps its own (the temp folder, or --models-dir)."""
     for name in clean_stale_scratch_folders(parent):
         progress.message(f"removed {name}, left behind in {parent} by an interrupted run")
+
+
+def _wrong_argument_types(source, data, out_dir, models_dir, options, calibration, stem, **numbers) -> list[str]:
+    """run_sweep's arguments of the wrong type, each named (a dict for options was an AttributeError deep inside)."""
+    return argument_problems(
+        source=path_argument(source), data=path_argument(data), out_dir=path_argument(out_dir, optional=True),
+        models_dir=path_argument(models_dir, optional=True),
+        options=(options, (ConvertOptions, type(None)), "ConvertOptions or None"),
+        calibration=(calibration, (CalibrationOptions, type(None)), "CalibrationOptions or None"),
+        stem=(stem, (str,), "str"),
+        **{name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()})
 
 
 def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
