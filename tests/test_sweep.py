@@ -198,6 +198,16 @@ def test_api_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tiny_s
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stem_with_a_folder_in_it_is_refused(tiny_source, tiny_text, tmp_path):
+    """stem="../escape" wrote escape.md etc. beside out_dir, outside it (found by the API/sweep probe)."""
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", stem="../escape", context_length=64,
+                  calibration=TINY_CALIBRATION, methods=["svd"])
+    assert refused.value.problems == ["stem '../escape': must be a plain file name (the results are <stem>.md, .csv, "
+                                      ".json and .png in out_dir)"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
 def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):
     """`--data ""` was the current folder: sweep scored every .txt/.md in it."""
     (tmp_path / "notes.md").write_text("not evaluation text " * 200, encoding="utf-8")

@@ -705,6 +705,7 @@ def run_sweep(
                                         context_length=context_length, max_windows=max_windows, batch_size=batch_size)
     if wrong_types:  # the checks below could not even compare them
         raise PreflightError(problems + wrong_types)
+    problems += _stem_problems(stem)
     try:
         ratios = parse_ratios(ratios)
     except SweepError as error:
@@ -886,6 +887,13 @@ def _wrong_argument_types(source, data, out_dir, models_dir, options, calibratio
         calibration=(calibration, (CalibrationOptions, type(None)), "CalibrationOptions or None"),
         stem=(stem, (str,), "str"),
         **{name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()})
+
+
+def _stem_problems(stem: str) -> list[str]:
+    """The files are `<out_dir>/<stem>.md` etc.: a stem with a folder in it (`../escape`) wrote outside out_dir."""
+    if stem and stem not in (".", "..") and Path(stem).name == stem and "/" not in stem and os.sep not in stem:
+        return []
+    return [f"stem {stem!r}: must be a plain file name (the results are <stem>.md, .csv, .json and .png in out_dir)"]
 
 
 def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
