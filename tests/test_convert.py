@@ -431,6 +431,21 @@ def test_an_export_cannot_ask_for_calibration_its_converter_did_not_run(tmp_path
     assert result.report["options"]["calibration"]["num_samples"] == 4
 
 
+def test_an_export_after_close_is_refused(tmp_path):
+    """`Converter.export` after `close()` silently calibrated all over again, into a statistics folder nothing would
+    remove (found by the API/sweep probe)."""
+    from mla_convert.convert.pipeline import Converter
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    converter = Converter(source, fast_options(kv_lora_rank=16, rope_dim=8))
+    converter.close()
+    with pytest.raises(PreflightError) as refused:
+        converter.export(tmp_path / "out")
+    assert refused.value.problems == ["the Converter is closed (its calibration statistics are removed and its source "
+                                      "closed); make a new Converter to convert again"]
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- real model
 @pytest.mark.real_model
 def test_stories260k_two_x_conversion_quality(stories260k, tinystories_text, tmp_path):
