@@ -361,6 +361,13 @@ def test_json_never_replaces_an_input_or_a_foreign_file(tiny_pair, tmp_path):
     assert json.loads(earlier.read_text())["settings"]["context_length"] == 32
 
 
+def test_run_eval_without_progress_draws_no_loading_bar(tiny_pair, capfd):
+    """progress=False still wrote transformers' "Loading weights" bar to stderr (found by the API/sweep probe)."""
+    source, converted, text = tiny_pair
+    run_eval(converted, text, baseline=source, context_length=32, max_windows=1, progress=False)
+    assert capfd.readouterr().err == ""
+
+
 def test_run_eval_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tiny_pair):
     """`context_length="512"` was a TypeError from comparing a str with an int (found by the API/sweep probe)."""
     from mla_convert.errors import PreflightError

@@ -419,6 +419,15 @@ def load_tokenizer_for_eval(*folders: Path):
     raise EvaluationError(f"no tokenizer found in {', '.join(str(f) for f in folders if f is not None)}")
 
 
+def _load_bars(progress: bool):
+    """transformers' "Loading weights" bars only where run_eval shows progress: `progress=False` wrote them to stderr."""
+    import contextlib
+
+    from ..io.hf_loading import without_load_progress_bars
+
+    return contextlib.nullcontext() if progress else without_load_progress_bars()
+
+
 def _refuse_wrong_types(model, data, baseline, json_path, **numbers) -> None:
     """run_eval's arguments of the wrong type, named (`context_length="512"` was a TypeError from a comparison)."""
     from ..errors import PreflightError
@@ -489,10 +498,11 @@ def run_eval(
         notes.append(f"the evaluation text has {tokens} tokens"
                      + (f" (--max-tokens {max_tokens})" if max_tokens is not None and max_tokens < len(tokenized) else "")
                      + f", fewer than the context {context_length}: one window of {tokens} tokens")
-    model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
-    baseline_obj = None
-    if baseline is not None:
-        baseline_obj, _ = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
+    with _load_bars(progress):
+        model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
+        baseline_obj = None
+        if baseline is not None:
+            baseline_obj, _ = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
     if labels is not None:  # what the user typed (a hub id, a relative path), not where it was resolved to
         model, baseline = labels[0] or model, labels[1] or baseline
     options = dict(
