@@ -405,6 +405,19 @@ def _fake_result(perplexities: dict[tuple[str, float], float | None]) -> SweepRe
                        {"description": "8 x 64 tokens"})
 
 
+def test_the_plot_title_counts_the_windows_as_sweep_md_does():
+    """The title said "31 x 512-token windows" where sweep.md said "30 ... of 512 tokens and 1 of 177" (found by the
+    API/sweep probe)."""
+    import dataclasses
+
+    result = _fake_result({("output", 2): 11.0})
+    scored = dataclasses.replace(result.source_point.result, num_windows=31, num_tokens=30 * 512 + 177, context_length=512)
+    result = dataclasses.replace(result, context_length=512,
+                                 source_point=dataclasses.replace(result.source_point, result=scored))
+    assert plot_title(result) == "fake-model: perplexity vs KV-cache size\nwiki.txt, 30 x 512-token windows and 1 of 177 tokens"
+    assert "30 non-overlapping windows of 512 tokens and 1 of 177" in result.describe_protocol()
+
+
 def test_failed_point_is_reported_not_plotted(tmp_path):
     result = _fake_result({("output", 2): 11.0, ("weight", 2): 15.0, ("output", 8): 40.0, ("weight", 8): None})
     files = result.save(tmp_path, stem="fake")

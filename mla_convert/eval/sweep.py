@@ -515,9 +515,13 @@ def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]
 
 def plot_title(result: SweepResult) -> str:
     """The plot's default title: model, text and its windows (the context, or the text's length when it is shorter)."""
-    windows = result.num_windows
-    return (f"{result.model_name}: perplexity vs KV-cache size\n"
-            f"{Path(result.data).name}, {windows} x {result.context_length}-token window{'s' if windows != 1 else ''}")
+    full, rest = divmod(result.source_point.result.num_tokens, result.context_length)  # as sweep.md counts them
+    if not full:
+        windows = f"1 x {rest}-token window"
+    else:
+        windows = (f"{full} x {result.context_length}-token window{'s' if full != 1 else ''}"
+                   + (f" and 1 of {rest} tokens" if rest else ""))  # it said "31 x 512" of 30 and one of 177
+    return f"{result.model_name}: perplexity vs KV-cache size\n{Path(result.data).name}, {windows}"
 
 
 def top_axis_label(result: SweepResult) -> str:
