@@ -630,6 +630,38 @@ def test_a_sweep_interrupted_after_calibration_says_calibration_ran(tiny_source,
     assert load_sweep(tmp_path / "out" / "sweep.json").calibration_passes == 1
 
 
+def test_a_sweep_interrupted_before_it_measured_anything_leaves_no_folder(tiny_source, tiny_text, tmp_path):
+    """Interrupted while scoring the source, a --keep-models sweep had made out/ and out/models/ and the CLI said
+    "nothing written in out" (found by the API/sweep probe): the folders are made when something goes into them."""
+    progress = _CtrlCAt(lambda call, name: call == "advance" and name == "perplexity: source")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+                  calibration=TINY_CALIBRATION, progress=progress, keep_models=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_sweep_lists_the_plot_it_wrote(tiny_source, tiny_text, tmp_path, monkeypatch):
+    """Interrupted after the source was scored, the CLI listed sweep.md, .csv and .json but not the sweep.png it had
+    written (found by the API/sweep probe)."""
+    from typer.testing import CliRunner
+
+    import mla_convert.eval.sweep as sweep_module
+    from mla_convert import cli
+
+    out = tmp_path / "out"
+
+    def cut_off(*args, **kwargs):
+        out.mkdir()
+        for name in ("sweep.md", "sweep.csv", "sweep.json", "sweep.png"):
+            (out / name).write_text("this sweep's first point")
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(sweep_module, "run_sweep", cut_off)
+    result = CliRunner().invoke(cli.app, ["sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir", str(out)])
+    listed = ", ".join(str(out / name) for name in ("sweep.md", "sweep.csv", "sweep.json", "sweep.png"))
+    assert result.exit_code == 130 and f"the points measured before it are in {listed}" in " ".join(result.output.split())
+
+
 def test_the_log_says_interrupted_not_done_for_a_phase_cut_off():
     """RichProgress printed `done: <phase>` for whatever phase was running when Ctrl-C came (convert's log too)."""
     import io as text_io

@@ -785,9 +785,8 @@ def run_sweep(
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
             if out is not None:
                 _note_unlisted_models(out / "models", methods, ratios, progress)
-            for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
-                if folder is not None:
-                    folder.mkdir(parents=True, exist_ok=True)
+            # out_dir is made by the first save, the models folder by the first kept model: neither is left behind,
+            # empty, by a sweep refused above or interrupted before it measured anything ("nothing written in" it)
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
                              f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
 
@@ -844,6 +843,8 @@ def run_sweep(
                         if out is not None:
                             result.save(out, stem)
                         continue
+                    if keep_root is not None:
+                        keep_root.mkdir(parents=True, exist_ok=True)
                     folder = (keep_root or Path(scratch.name)) / _folder_name(method, ratio)
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
