@@ -535,6 +535,16 @@ def test_a_sigkilled_sweeps_models_folder_is_removed_by_the_next_sweep(tiny_sour
     assert f"removed {left.name}, left behind in {scratch_root} by an interrupted run" in messages.seen
 
 
+def test_the_statistics_estimate_is_said_once_for_one_calibration(tiny_source, tiny_text, tmp_path):
+    """Each point's disk line repeated "calibration statistics about ... in /tmp", which are computed (and need room)
+    once (found by the API/sweep probe)."""
+    messages = _Messages()
+    run_sweep(tiny_source, [2, 4], tiny_text, None, context_length=64, max_windows=1, methods=["svd"],
+              calibration=TINY_CALIBRATION, progress=messages)
+    disk = [text for text in messages.seen if text.startswith("disk: ")]
+    assert len(disk) == 3 and [("calibration statistics about" in text) for text in disk] == [True, False, False], disk
+
+
 class _Messages(Progress):
     def __init__(self):
         self.seen = []

@@ -138,7 +138,7 @@ class Converter:
         quiet = bool(self.setting_problems)
         try:
             shape = run_preflight(self.config, self.reader, Path(output), options or self.options,
-                                  (lambda line: None) if quiet else self.progress.message)
+                                  (lambda line: None) if quiet else self.progress.message, calibrated=self.store is not None)
         except PreflightError as error:
             raise PreflightError(self.setting_problems + error.problems) from error
         if self.setting_problems:

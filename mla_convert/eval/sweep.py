@@ -38,6 +38,7 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress, Progress
 from ..convert.pipeline import Converter
+from ..convert.preflight import estimated_statistics_bytes
 from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
@@ -819,6 +820,10 @@ def run_sweep(
             )
 
             started = time.time()
+            # said once, before the one pass that writes them (each export's disk line says only its output's size)
+            progress.message(f"disk: calibration statistics about "
+                             f"{human_bytes(estimated_statistics_bytes(converter.config, base.calibration))} in "
+                             f"{tempfile.gettempdir()}")
             converter.calibrate()
             result.calibration = {"description": converter.calibration_description,
                                   "tokens": int(converter.ids.numel()),
