@@ -465,9 +465,9 @@ def sweep(
         problems.append(f"{', '.join(idle)}: acts only with --keep-models (the kept models' cards)")
     install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
-    # the table, CSV and JSON (the plot only once the source is scored), where run_sweep writes them (a quoted ~ too)
-    files = SweepFiles.at(absolute_path(out_dir)).paths()[:3]
-    earlier = _file_identity(files[-1])  # an earlier sweep's (--overwrite): not what this run measured
+    # the table, CSV, JSON and plot, where run_sweep writes them (a quoted ~ too)
+    files = SweepFiles.at(absolute_path(out_dir)).paths()
+    earlier = _file_identity(files[2])  # an earlier sweep's JSON (--overwrite): not what this run measured
     try:
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
@@ -476,8 +476,9 @@ def sweep(
             options=options, overwrite=overwrite, caller_problems=problems,
         )
     except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
-        now = _file_identity(files[-1])
-        _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(map(str, files))}"
+        now = _file_identity(files[2])
+        written = [str(path) for path in files if path.exists()]  # the plot too, once the source was scored
+        _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(written)}"
                      if now is not None and now != earlier else
                      f"nothing was measured; the earlier sweep's files in {out_dir} are unchanged" if now is not None else
                      f"nothing was measured; nothing written in {out_dir}")

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +26,12 @@ TARGETS = ("transformers", "vllm", "llama.cpp", "all")
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None, short: str | None = None,
            choices: tuple[str, ...] | None = None, minimum: float | None = None, maximum: float | None = None,
-           positive: bool = False, why: str | None = None, default_factory: Callable | None = None) -> Any:
-    """A dataclass field that is also a command-line flag (`why`: the reason for its range, shown with a range error)."""
+           positive: bool = False, why: str | None = None, default_factory: Callable | None = None,
+           also: tuple[type, ...] = ()) -> Any:
+    """A dataclass field that is also a command-line flag (`why`: the reason for its range, shown with a range error;
+    `also`: types the Python API may give besides the annotated one, e.g. a shard size in bytes as an int)."""
     metadata = {"help": help, "flag": flag, "short": short, "choices": choices, "minimum": minimum,
-                "maximum": maximum, "positive": positive, "why": why}
+                "maximum": maximum, "positive": positive, "why": why, "also": also}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -53,6 +56,12 @@ class CalibrationOptions:
                                 flag="--calib-error-samples", minimum=1, maximum=1 << 20)
     chunk: int = option(4, "Windows pushed through a layer at once (memory vs speed).", flag="--calib-chunk",
                         minimum=1, maximum=1 << 20)
+
+    def __post_init__(self):
+        # a pathlib.Path from the Python API, as run_sweep and run_eval take their texts (it was refused as "must be
+        # str"); stored as the str the command line gives, which the report records
+        if isinstance(self.data, os.PathLike):
+            self.data = os.fspath(self.data)
 
 
 @dataclass
@@ -102,7 +111,8 @@ class ConvertOptions:
     kv_balance_search: Optional[bool] = option(None, "Search the K/V balance of the activation-aware factorization per "
                                                "layer by measured attention error (5 factorizations per layer; "
                                                "default: from --effort).", flag="--kv-balance-search")
-    max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest output shard, e.g. 5GB or 500MB.", flag="--max-shard-size")
+    max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest output shard, e.g. 5GB or 500MB.", flag="--max-shard-size",
+                                 also=(int,))  # bytes, as save_pretrained takes them
     overwrite: bool = option(False, "Replace an existing output folder written by mla-convert.", flag="--overwrite")
     force: bool = option(False, "With --overwrite: also replace a folder that is not an mla-convert output, or a symlink "
                          "(the link itself, never its target).", flag="--force")
@@ -152,8 +162,8 @@ def option_problems(options: Any, types_only: bool = False) -> list[str]:
         expected = _base_type(hints[spec.name])
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            problems.append(f"{flag} {value!r}: must be {expected.__name__}")
+        if not isinstance(value, (expected, *meta.get("also", ()))) or (expected is not bool and isinstance(value, bool)):
+            problems.append(f"{flag} {value!r}: must be {' or '.join(t.__name__ for t in (expected, *meta.get('also', ())))}")
             continue
         if types_only:
             continue
@@ -234,6 +244,29 @@ def ineffective_flag_problems(options: ConvertOptions, given: dict[tuple[str, ..
     """One line for each flag in `given` (field path -> flag as typed) that cannot act with the other settings."""
     return [f"{flag}: acts only with {needs}" for path, flag in given.items()
             if path in ACTS_ONLY_WITH for acts, needs in [ACTS_ONLY_WITH[path]] if not acts(options)]
+
+
+def argument_problems(**arguments: tuple[Any, tuple[type, ...], str]) -> list[str]:
+    """Python-API arguments of the wrong type (`name=(value, types, what it must be)`), one line each naming the
+    parameter: refused before the work they would fail deep inside (Path(None), a dict's AttributeError where
+    ConvertOptions belongs, a str compared with an int).  A bool is no int here."""
+    return [f"{name} {value!r}: must be {what}" for name, (value, types, what) in arguments.items()
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types)]
+
+
+PATH_TYPES = (str, os.PathLike)
+
+
+def path_argument(value: Any, optional: bool = False) -> tuple[Any, tuple[type, ...], str]:
+    """`argument_problems`' entry for a path (or hub id) parameter."""
+    if optional:
+        return value, (*PATH_TYPES, type(None)), "a path (str or os.PathLike) or None"
+    return value, PATH_TYPES, "a path (str or os.PathLike)"
+
+
+def int_argument(value: Any, optional: bool = True) -> tuple[Any, tuple[type, ...], str]:
+    """`argument_problems`' entry for a whole-number parameter."""
+    return (value, (int, type(None)), "int or None") if optional else (value, (int,), "int")
 
 
 def _base_type(annotation: Any) -> type:

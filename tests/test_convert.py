@@ -361,6 +361,8 @@ def test_sequential_and_source_calibration_differ_only_above_the_first_layer(tmp
         (dict(kv_lora_rank="8", rope_dim=4), "--kv-lora-rank '8': must be int"),
         (dict(compression=2, calibration=CalibrationOptions(seq_len="32")), "--calib-seq-len '32': must be int"),
         (dict(compression=2, calibration=None), "calibration None: must be CalibrationOptions"),
+        # a misspelled target was a KeyError from `target_of` (found by the API/sweep probe)
+        (dict(compression=2, target="vLLM"), "^--target 'vLLM': choose one of transformers, vllm, llama.cpp, all$"),
     ],
 )
 def test_impossible_requests_fail_before_any_work(tmp_path, options, message):
@@ -369,6 +371,32 @@ def test_impossible_requests_fail_before_any_work(tmp_path, options, message):
         convert(source, tmp_path / "out", fast_options(**options))
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob("*.mla-convert-partial"))
+
+
+def test_api_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tmp_path):
+    """convert(None, out), convert(src, None) and options passed as a dict were a TypeError from Path(None) and an
+    AttributeError deep inside (found by the API/sweep probe)."""
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    for args, message in [((None, tmp_path / "out"), "source None: must be a path (str or os.PathLike)"),
+                          ((source, None), "output None: must be a path (str or os.PathLike)"),
+                          ((source, tmp_path / "out", {"compression": 2}),
+                           "options {'compression': 2}: must be ConvertOptions or None")]:
+        with pytest.raises(PreflightError) as refused:
+            convert(*args)
+        assert refused.value.problems == [message]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_path_for_the_calibration_text_and_a_shard_size_in_bytes_are_taken():
+    """CalibrationOptions(data=Path(...)) was refused as "must be str" (run_sweep and run_eval take a Path), and
+    max_shard_size=1_000_000 as "must be str" although the error itself offers "bytes" (found by the API/sweep probe)."""
+    from pathlib import Path
+
+    from mla_convert.options import option_problems
+
+    options = ConvertOptions(max_shard_size=1_000_000, calibration=CalibrationOptions(data=Path("stories.txt")))
+    assert option_problems(options) == [] and options.calibration.data == "stories.txt"  # recorded as the CLI's str
+    assert option_problems(ConvertOptions(max_shard_size=True)) == ["--max-shard-size True: must be str or int"]
 
 
 def test_existing_output_is_refused_without_overwrite(tmp_path):
@@ -401,6 +429,21 @@ def test_an_export_cannot_ask_for_calibration_its_converter_did_not_run(tmp_path
         assert not (tmp_path / "b").exists()
         result = converter.export(tmp_path / "a", dataclasses.replace(options, kv_lora_rank=12))  # shape may differ
     assert result.report["options"]["calibration"]["num_samples"] == 4
+
+
+def test_an_export_after_close_is_refused(tmp_path):
+    """`Converter.export` after `close()` silently calibrated all over again, into a statistics folder nothing would
+    remove (found by the API/sweep probe)."""
+    from mla_convert.convert.pipeline import Converter
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    converter = Converter(source, fast_options(kv_lora_rank=16, rope_dim=8))
+    converter.close()
+    with pytest.raises(PreflightError) as refused:
+        converter.export(tmp_path / "out")
+    assert refused.value.problems == ["the Converter is closed (its calibration statistics are removed and its source "
+                                      "closed); make a new Converter to convert again"]
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- real model

@@ -361,6 +361,26 @@ def test_json_never_replaces_an_input_or_a_foreign_file(tiny_pair, tmp_path):
     assert json.loads(earlier.read_text())["settings"]["context_length"] == 32
 
 
+def test_run_eval_without_progress_draws_no_loading_bar(tiny_pair, capfd):
+    """progress=False still wrote transformers' "Loading weights" bar to stderr (found by the API/sweep probe)."""
+    source, converted, text = tiny_pair
+    run_eval(converted, text, baseline=source, context_length=32, max_windows=1, progress=False)
+    assert capfd.readouterr().err == ""
+
+
+def test_run_eval_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tiny_pair):
+    """`context_length="512"` was a TypeError from comparing a str with an int (found by the API/sweep probe)."""
+    from mla_convert.errors import PreflightError
+
+    source, _, text = tiny_pair
+    with pytest.raises(PreflightError) as refused:
+        run_eval(source, text, context_length="512", batch_size=None, progress=False)
+    assert refused.value.problems == ["context_length '512': must be int or None", "batch_size None: must be int"]
+    with pytest.raises(PreflightError) as refused:
+        run_eval(None, text, progress=False)
+    assert refused.value.problems == ["model None: must be a path (str or os.PathLike)"]
+
+
 def test_a_missing_text_file_is_listed_with_the_other_problems(tiny_pair, tmp_path):
     """eval and sweep read --data only after every other check had passed: `--data /typo.txt --context 0` named the
     context, and the missing file one run later (sweep: after a "failed: reading the evaluation text" line)."""

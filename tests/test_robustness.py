@@ -416,6 +416,11 @@ def _(ws):
     return ["--method", "pca"]
 
 
+@case("bad-target", "unknown --target (a misspelling: vLLM)", "--target vLLM", "--target 'vLLM'", "choose one of")
+def _(ws):
+    return ["--target", "vLLM"]
+
+
 @case("all-at-once", "several bad options together", "-r 0 -d 7 --calib-samples 0 --max-shard-size 5parsecs --device banana",
       "--kv-lora-rank 0", "--rope-dim 7", "--calib-samples 0", "--max-shard-size", "--device")
 def _(ws):

@@ -332,6 +332,9 @@ def test_inspect_cli_user_errors_exit_2(tmp_path):
     (["--estimate", "--q-lora-rank", "577"], ["--q-lora-rank 577: larger than the source allows"]),
     (["--estimate", "--calib-seq-len", "100000"], ["--calib-seq-len 100000: longer than the source's max_position_embeddings"]),
     (["--estimate", "--calib-data", "no-such-text.txt"], ["--calib-data: no-such-text.txt: no such file or folder"]),
+    # a misspelled target: the one line convert and sweep print too (they raised a KeyError)
+    (["--target", "vLLM"], ["--target 'vLLM': choose one of transformers, vllm, llama.cpp, all"]),
+    (["--estimate", "--target", "ALL"], ["--target 'ALL': choose one of transformers, vllm, llama.cpp, all"]),
 ])
 def test_inspect_refuses_what_would_print_nonsense(smollm2_config_folder, tmp_path, args, messages):
     """Negative cache sizes, or a cost prediction (21.6 h for 100K-token windows) for a conversion that cannot run."""

@@ -105,6 +105,16 @@ def test_ratios_and_methods_are_parsed_or_refused_in_one_line():
     assert canonical_methods("svd,activation-aware,weight") == ["weight", "output"]
     with pytest.raises(SweepError, match="not a method"):
         canonical_methods(["activation-aware", "pca"])
+    # from the Python API (found by the API/sweep probe): one number is one ratio (it was "'int' object is not
+    # iterable"); a word in a list is named (it was float's ValueError)
+    assert parse_ratios(2) == [2.0] and parse_ratios(["2", 4.5]) == [2.0, 4.5]
+    for bad, message in [(["2", "x"], "--ratios ['2', 'x']: 'x' is not a number; give numbers, e.g. [2, 4, 8] or '2,4,8'"),
+                         (None, "--ratios None: give numbers, e.g. [2, 4, 8] or '2,4,8'")]:
+        with pytest.raises(SweepError) as error:
+            parse_ratios(bad)
+        assert str(error.value) == message
+    with pytest.raises(SweepError, match=r"^--methods 3: give method names"):
+        canonical_methods(3)
 
 
 def test_impossible_ratio_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
@@ -154,6 +164,48 @@ def test_evaluation_settings_are_refused_before_any_work(tiny_source, tiny_text,
         run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
                   calibration=TINY_CALIBRATION, **settings)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_misspelled_target_is_refused_before_any_work(tiny_source, tiny_text, tmp_path):
+    """`--target foo` (or `vLLM`) was a KeyError traceback from `target_of`, raised by the eval-dtype check before the
+    settings were validated (found by the API/sweep probe)."""
+    from mla_convert.options import ConvertOptions
+
+    message = "--target 'foo': choose one of transformers, vllm, llama.cpp, all"
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, calibration=TINY_CALIBRATION,
+                  options=ConvertOptions(target="foo"))
+    assert refused.value.problems == [message]
+    run = _cli_sweep(tiny_source, "--data", tiny_text, "--out-dir", tmp_path / "out", "--target", "foo", "--ratios", "2")
+    assert run.exit_code == 2 and run.stderr.splitlines() == [f"error: {message}"], run.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_kept_models_without_a_place_are_refused_before_any_work(tiny_source, tiny_text):
+    """run_sweep(keep_models=True) with neither out_dir nor models_dir was a TypeError (Path(None)) for a local source;
+    the problem was collected but raised early only for a hub source (found by the API/sweep probe)."""
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, "2", tiny_text, keep_models=True, context_length=64, calibration=TINY_CALIBRATION)
+    assert refused.value.problems == ["--keep-models: say where to keep them (an output folder or a models folder)"]
+
+
+def test_api_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tiny_source, tiny_text, tmp_path):
+    """options={...}, context_length="64" and the like failed deep inside (found by the API/sweep probe)."""
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", options={"compression": 2}, context_length="64")
+    assert refused.value.problems == ["options {'compression': 2}: must be ConvertOptions or None",
+                                      "context_length '64': must be int or None"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stem_with_a_folder_in_it_is_refused(tiny_source, tiny_text, tmp_path):
+    """stem="../escape" wrote escape.md etc. beside out_dir, outside it (found by the API/sweep probe)."""
+    with pytest.raises(PreflightError) as refused:
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", stem="../escape", context_length=64,
+                  calibration=TINY_CALIBRATION, methods=["svd"])
+    assert refused.value.problems == ["stem '../escape': must be a plain file name (the results are <stem>.md, .csv, "
+                                      ".json and .png in out_dir)"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
 def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):
@@ -353,6 +405,19 @@ def _fake_result(perplexities: dict[tuple[str, float], float | None]) -> SweepRe
                        {"description": "8 x 64 tokens"})
 
 
+def test_the_plot_title_counts_the_windows_as_sweep_md_does():
+    """The title said "31 x 512-token windows" where sweep.md said "30 ... of 512 tokens and 1 of 177" (found by the
+    API/sweep probe)."""
+    import dataclasses
+
+    result = _fake_result({("output", 2): 11.0})
+    scored = dataclasses.replace(result.source_point.result, num_windows=31, num_tokens=30 * 512 + 177, context_length=512)
+    result = dataclasses.replace(result, context_length=512,
+                                 source_point=dataclasses.replace(result.source_point, result=scored))
+    assert plot_title(result) == "fake-model: perplexity vs KV-cache size\nwiki.txt, 30 x 512-token windows and 1 of 177 tokens"
+    assert "30 non-overlapping windows of 512 tokens and 1 of 177" in result.describe_protocol()
+
+
 def test_failed_point_is_reported_not_plotted(tmp_path):
     result = _fake_result({("output", 2): 11.0, ("weight", 2): 15.0, ("output", 8): 40.0, ("weight", 8): None})
     files = result.save(tmp_path, stem="fake")
@@ -427,14 +492,65 @@ def test_a_killed_sweep_removes_its_scratch_models(tiny_source, tiny_text, tmp_p
                "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/svd-*")):
         assert process.poll() is None, process.stderr.read()[-2000:]
         time.sleep(0.05)
-    assert list(scratch_root.glob("mla-convert-sweep-*/*")), "the sweep never started a conversion"
+    assert list(scratch_root.glob("mla-convert-sweep-*/svd-*")), "the sweep never started a conversion"
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode != 0 and "Traceback" not in err
     assert not list(scratch_root.glob("mla-convert-sweep-*")), sorted(p.name for p in scratch_root.iterdir())
+
+
+@pytest.mark.slow
+def test_a_sigkilled_sweeps_models_folder_is_removed_by_the_next_sweep(tiny_source, tiny_text, tmp_path, monkeypatch):
+    """SIGKILL left `mla-convert-sweep-*` (converted models) in the temp folder forever: the leftover cleaner knew only
+    the statistics folders, and the sweep's folder had no owner lock (found by the API/sweep probe)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    command = [sys.executable, "-m", "mla_convert", "sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir",
+               str(tmp_path / "killed"), "--ratios", ",".join(f"{2 + r / 10:g}" for r in range(150)), "--methods", "svd",
+               "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
+    process = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(scratch_root)}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/svd-*")):
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    [left] = scratch_root.glob("mla-convert-sweep-*")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_root))
+    messages = _Messages()
+    run_sweep(tiny_source, [2], tiny_text, None, context_length=64, max_windows=1, methods=["svd"],
+              calibration=TINY_CALIBRATION, progress=messages)
+    assert list(scratch_root.iterdir()) == []
+    assert f"removed {left.name}, left behind in {scratch_root} by an interrupted run" in messages.seen
+
+
+def test_the_statistics_estimate_is_said_once_for_one_calibration(tiny_source, tiny_text, tmp_path):
+    """Each point's disk line repeated "calibration statistics about ... in /tmp", which are computed (and need room)
+    once (found by the API/sweep probe)."""
+    messages = _Messages()
+    run_sweep(tiny_source, [2, 4], tiny_text, None, context_length=64, max_windows=1, methods=["svd"],
+              calibration=TINY_CALIBRATION, progress=messages)
+    disk = [text for text in messages.seen if text.startswith("disk: ")]
+    assert len(disk) == 3 and [("calibration statistics about" in text) for text in disk] == [True, False, False], disk
+
+
+class _Messages(Progress):
+    def __init__(self):
+        self.seen = []
+
+    def message(self, text):
+        self.seen.append(text)
 
 
 # --------------------------------------------------------------------------- the command line
@@ -524,6 +640,38 @@ def test_a_sweep_interrupted_after_calibration_says_calibration_ran(tiny_source,
     assert load_sweep(tmp_path / "out" / "sweep.json").calibration_passes == 1
 
 
+def test_a_sweep_interrupted_before_it_measured_anything_leaves_no_folder(tiny_source, tiny_text, tmp_path):
+    """Interrupted while scoring the source, a --keep-models sweep had made out/ and out/models/ and the CLI said
+    "nothing written in out" (found by the API/sweep probe): the folders are made when something goes into them."""
+    progress = _CtrlCAt(lambda call, name: call == "advance" and name == "perplexity: source")
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2, methods=["svd"],
+                  calibration=TINY_CALIBRATION, progress=progress, keep_models=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_sweep_lists_the_plot_it_wrote(tiny_source, tiny_text, tmp_path, monkeypatch):
+    """Interrupted after the source was scored, the CLI listed sweep.md, .csv and .json but not the sweep.png it had
+    written (found by the API/sweep probe)."""
+    from typer.testing import CliRunner
+
+    import mla_convert.eval.sweep as sweep_module
+    from mla_convert import cli
+
+    out = tmp_path / "out"
+
+    def cut_off(*args, **kwargs):
+        out.mkdir()
+        for name in ("sweep.md", "sweep.csv", "sweep.json", "sweep.png"):
+            (out / name).write_text("this sweep's first point")
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(sweep_module, "run_sweep", cut_off)
+    result = CliRunner().invoke(cli.app, ["sweep", str(tiny_source), "--data", str(tiny_text), "--out-dir", str(out)])
+    listed = ", ".join(str(out / name) for name in ("sweep.md", "sweep.csv", "sweep.json", "sweep.png"))
+    assert result.exit_code == 130 and f"the points measured before it are in {listed}" in " ".join(result.output.split())
+
+
 def test_the_log_says_interrupted_not_done_for_a_phase_cut_off():
     """RichProgress printed `done: <phase>` for whatever phase was running when Ctrl-C came (convert's log too)."""
     import io as text_io
@@ -560,7 +708,7 @@ def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tin
                "--context", "64", "--max-windows", "2", "--calib-samples", "2", "--calib-seq-len", "32"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/*")):
+    while time.time() < deadline and not list(scratch_root.glob("mla-convert-sweep-*/svd-*")):
         assert process.poll() is None, process.stderr.read()[-2000:]
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)

@@ -33,7 +33,7 @@ from ..io.reader import CheckpointReader
 from ..io.resolve import resolve_model_path, revision_problems
 from ..io.signals import signals_deferred
 from ..io.writer import CheckpointWriter, claim_scratch_folder, clean_stale_scratch_folders
-from ..options import CalibrationOptions, ConvertOptions
+from ..options import CalibrationOptions, ConvertOptions, argument_problems, path_argument
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedRows, StreamedSourceModel
 from ..source.shapes import MLAShape
@@ -127,6 +127,7 @@ class Converter:
         self.rope_stats: list = []
         self.calibration_seconds = 0.0
         self._stats_lock = None  # flock marking the statistics folder as in use
+        self.closed = False  # `close` removed the statistics: an export would silently calibrate all over again
         self.calibration_phases: dict[str, float] = {}  # wall time per calibration phase (shared by every export)
         self.calibration_cpu: dict[str, float] = {}  # and process CPU time
         self.calibration_windows: dict[str, list[float]] = {}  # and when (Unix time: first start, last end)
@@ -137,7 +138,7 @@ class Converter:
         quiet = bool(self.setting_problems)
         try:
             shape = run_preflight(self.config, self.reader, Path(output), options or self.options,
-                                  (lambda line: None) if quiet else self.progress.message)
+                                  (lambda line: None) if quiet else self.progress.message, calibrated=self.store is not None)
         except PreflightError as error:
             raise PreflightError(self.setting_problems + error.problems) from error
         if self.setting_problems:
@@ -148,6 +149,7 @@ class Converter:
         """Calibration windows and the per-layer statistics pass (once per Converter)."""
         if self.setting_problems:  # (an API caller that skipped `preflight`)
             raise PreflightError(self.setting_problems)
+        self._refuse_if_closed()
         if self.store is not None:
             return
         started = time.time()
@@ -185,6 +187,7 @@ class Converter:
                export_dtype: torch.dtype | None = None, command: str | None = None) -> ConversionResult:
         """Choose the RoPE grid, convert every layer and write the DeepseekV3 folder at `output`."""
         options = options or self.options
+        self._refuse_if_closed()  # (before pre-flight, which would read the closed source's headers again)
         # calibration runs once per Converter, with its own settings: an export asking for others would get these
         # and record the ones it asked for
         differing = [name for name in ("calibration", "device") if getattr(options, name) != getattr(self.options, name)]
@@ -337,7 +340,13 @@ class Converter:
         row_bytes = max(1, info.nbytes // max(1, info.shape[0]))
         writer.add_rows(target_name, info.shape, dtype, rows, rows_per_chunk=max(1, COPY_BLOCK_BYTES // row_bytes))
 
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise PreflightError(["the Converter is closed (its calibration statistics are removed and its source "
+                                  "closed); make a new Converter to convert again"])
+
     def close(self) -> None:
+        self.closed = True
         if self._stats_lock is not None:
             self._stats_lock.close()
             self._stats_lock = None
@@ -363,9 +372,13 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
     `caller_problems`: what the caller found wrong with its own settings (the CLI's flags); pre-flight still
     runs, so that one PreflightError names those and the source's and output's problems together.
     """
+    caller_problems = list(caller_problems)
+    wrong_types = argument_problems(source=path_argument(source), output=path_argument(output),
+                                    options=(options, (ConvertOptions, type(None)), "ConvertOptions or None"))
+    if wrong_types:
+        raise PreflightError(caller_problems + wrong_types)
     options = options or ConvertOptions()
     output = absolute_path(output)  # `.`, `out/` and `~/out` name the folder itself
-    caller_problems = list(caller_problems)
     if not output.name:
         raise PreflightError(caller_problems + [f"{output}: is the root folder; give the path of a folder to create"])
     try:  # problems with the output path are reported together with those of the source

@@ -379,16 +379,22 @@ def shared_disk_problems(output: Path, needed: int, statistics: int) -> list[str
 
 
 def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: torch.dtype, source: Path,
-                     calibration, target: str | None = None) -> tuple[list[str], str]:
-    """Free-space problems for the output and the temp folder, and a one-line estimate to show the user."""
+                     calibration, target: str | None = None, calibrated: bool = False) -> tuple[list[str], str]:
+    """Free-space problems for the output and the temp folder, and a one-line estimate to show the user.
+
+    `calibrated`: the statistics are already written (a sweep's later exports): they need no more room, and the
+    estimate does not repeat them for every point."""
     needed, statistics = storage_needs(shape, mla, dtype, source, calibration, target)
-    problems = disk_problems(output, needed) + scratch_problems(statistics)
+    if calibrated:
+        statistics = 0
+    problems = disk_problems(output, needed) + (scratch_problems(statistics) if statistics else [])
     if not problems:  # each fits alone; on one disk they must fit together
         problems = shared_disk_problems(output, needed, statistics)
     summary = f"disk: the output needs about {human_bytes(needed)}"
     if output.parent.exists():
         summary += f" ({human_bytes(shutil.disk_usage(output.parent).free)} free in {output.parent})"
-    summary += f"; calibration statistics about {human_bytes(statistics)} in {tempfile.gettempdir()}"
+    if statistics:
+        summary += f"; calibration statistics about {human_bytes(statistics)} in {tempfile.gettempdir()}"
     return problems, summary
 
 
@@ -421,10 +427,11 @@ def export_dtype(name: str, source: SourceConfig, serving: bool = False) -> torc
 
 
 def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, options: ConvertOptions,
-                  message: Callable[[str], None]) -> tuple[MLAShape, torch.dtype]:
+                  message: Callable[[str], None], calibrated: bool = False) -> tuple[MLAShape, torch.dtype]:
     """Every problem at once (`PreflightError`), or the MLA shape and export dtype.
 
     Reads only headers and the file system; `message` receives what was cleaned up and the disk estimate.
+    `calibrated`: the calibration statistics are already written (`storage_problems`).
     """
     from ..hub.card import card_option_problems  # the Hub's metadata rules live with the card (import cycle)
 
@@ -448,7 +455,9 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     mla = None
     dtype = source.torch_dtype
     try:
-        dtype = export_dtype(options.dtype, source, serving=T.target_of(options.target).serving)
+        # (a misspelled --target is one of the problems already: it is not also blamed for an fp16 it may allow)
+        misspelled = target is None and options.target is not None
+        dtype = export_dtype(options.dtype, source, serving=misspelled or T.target_of(target).serving)
     except PreflightError as error:
         problems += error.problems
     except MLAConvertError as error:
@@ -473,7 +482,7 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
     storage_summary = None
     if output_ok and mla is not None:
         storage, storage_summary = storage_problems(output, source, mla, dtype, reader.folder, options.calibration,
-                                                    target)
+                                                    target, calibrated)
         problems += storage
     if problems:
         raise PreflightError(list(dict.fromkeys(problems)))

@@ -419,6 +419,28 @@ def load_tokenizer_for_eval(*folders: Path):
     raise EvaluationError(f"no tokenizer found in {', '.join(str(f) for f in folders if f is not None)}")
 
 
+def _load_bars(progress: bool):
+    """transformers' "Loading weights" bars only where run_eval shows progress: `progress=False` wrote them to stderr."""
+    import contextlib
+
+    from ..io.hf_loading import without_load_progress_bars
+
+    return contextlib.nullcontext() if progress else without_load_progress_bars()
+
+
+def _refuse_wrong_types(model, data, baseline, json_path, **numbers) -> None:
+    """run_eval's arguments of the wrong type, named (`context_length="512"` was a TypeError from a comparison)."""
+    from ..errors import PreflightError
+    from ..options import argument_problems, int_argument, path_argument
+
+    problems = argument_problems(model=path_argument(model), data=path_argument(data),
+                                 baseline=path_argument(baseline, optional=True),
+                                 json_path=path_argument(json_path, optional=True),
+                                 **{name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()})
+    if problems:
+        raise PreflightError(problems)
+
+
 def run_eval(
     model: str | os.PathLike,
     data: str | os.PathLike,
@@ -455,6 +477,9 @@ def run_eval(
     """
     from .checks import eval_preflight
 
+    if _plan is None:
+        _refuse_wrong_types(model, data, baseline, json_path, context_length=context_length, stride=stride,
+                            max_windows=max_windows, max_tokens=max_tokens, batch_size=batch_size, max_chars=max_chars)
     plan = _plan or eval_preflight(model, baseline, context_length, allow_long_context=allow_long_context, dtype=dtype,
                                    device=device, stride=stride, max_windows=max_windows, max_tokens=max_tokens,
                                    batch_size=batch_size, json_path=json_path, revision=revision,
@@ -473,10 +498,11 @@ def run_eval(
         notes.append(f"the evaluation text has {tokens} tokens"
                      + (f" (--max-tokens {max_tokens})" if max_tokens is not None and max_tokens < len(tokenized) else "")
                      + f", fewer than the context {context_length}: one window of {tokens} tokens")
-    model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
-    baseline_obj = None
-    if baseline is not None:
-        baseline_obj, _ = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
+    with _load_bars(progress):
+        model_obj, _ = load_model_for_eval(model, device, dtype, revision, allow_pickle)
+        baseline_obj = None
+        if baseline is not None:
+            baseline_obj, _ = load_model_for_eval(baseline, device, dtype, revision, allow_pickle)
     if labels is not None:  # what the user typed (a hub id, a relative path), not where it was resolved to
         model, baseline = labels[0] or model, labels[1] or baseline
     options = dict(

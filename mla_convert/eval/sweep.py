@@ -38,12 +38,15 @@ import torch
 
 from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress, Progress
 from ..convert.pipeline import Converter
+from ..convert.preflight import estimated_statistics_bytes
 from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
 from ..io.resolve import needs_download
-from ..options import CalibrationOptions, ConvertOptions
+from ..io.signals import signals_deferred
+from ..io.writer import SWEEP_SCRATCH_PREFIX, claim_scratch_folder, clean_stale_scratch_folders
+from ..options import CalibrationOptions, ConvertOptions, argument_problems, int_argument, path_argument
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from .checks import DEFAULT_CONTEXT, dtype_problems, text_option_problems
@@ -80,7 +83,7 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
             except ValueError:
                 raise SweepError(f"--ratios {text!r}: {part!r} is not a number; write e.g. 2,4,8") from None
     else:
-        ratios = [float(r) for r in text]
+        ratios = _numbers(text)
     if not ratios:
         raise SweepError("--ratios: give at least one KV-cache ratio, e.g. 2,4,8")
     bad = [r for r in ratios if not (math.isfinite(r) and r >= 1)]
@@ -89,13 +92,39 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
     return sorted(set(ratios))
 
 
+def _numbers(ratios: Iterable[float] | float) -> list[float]:
+    """Ratios given as numbers (the Python API): a list of them, or one (`run_sweep(source, 2, ...)`); anything else is
+    refused naming the parameter (it was a TypeError "'int' object is not iterable", or float's ValueError)."""
+    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
+        return [float(ratios)]
+    try:
+        items = list(ratios)
+    except TypeError:
+        raise SweepError(f"--ratios {ratios!r}: give numbers, e.g. [2, 4, 8] or '2,4,8'") from None
+    bad = [item for item in items if isinstance(item, bool) or not isinstance(item, (int, float, str))
+           or isinstance(item, str) and not _is_number(item)]
+    if bad:
+        raise SweepError(f"--ratios {ratios!r}: {bad[0]!r} is not a number; give numbers, e.g. [2, 4, 8] or '2,4,8'")
+    return [float(item) for item in items]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def canonical_methods(methods: str | Iterable[str]) -> list[str]:
     """Method names (aliases allowed, e.g. `svd` = `weight`) -> the converter's names, order kept, duplicates dropped."""
     if isinstance(methods, str):
         methods = [m.strip() for m in methods.split(",") if m.strip()]
+    elif not isinstance(methods, Iterable):
+        raise SweepError(f"--methods {methods!r}: give method names, e.g. ['activation-aware', 'svd']")
     out: list[str] = []
     for name in methods:
-        if name not in METHOD_ALIASES:
+        if not isinstance(name, str) or name not in METHOD_ALIASES:
             raise SweepError(f"--methods: {name!r} is not a method; choose from activation-aware, input, svd")
         if METHOD_ALIASES[name] not in out:
             out.append(METHOD_ALIASES[name])
@@ -487,9 +516,13 @@ def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]
 
 def plot_title(result: SweepResult) -> str:
     """The plot's default title: model, text and its windows (the context, or the text's length when it is shorter)."""
-    windows = result.num_windows
-    return (f"{result.model_name}: perplexity vs KV-cache size\n"
-            f"{Path(result.data).name}, {windows} x {result.context_length}-token window{'s' if windows != 1 else ''}")
+    full, rest = divmod(result.source_point.result.num_tokens, result.context_length)  # as sweep.md counts them
+    if not full:
+        windows = f"1 x {rest}-token window"
+    else:
+        windows = (f"{full} x {result.context_length}-token window{'s' if full != 1 else ''}"
+                   + (f" and 1 of {rest} tokens" if rest else ""))  # it said "31 x 512" of 30 and one of 177
+    return f"{result.model_name}: perplexity vs KV-cache size\n{Path(result.data).name}, {windows}"
 
 
 def top_axis_label(result: SweepResult) -> str:
@@ -673,6 +706,11 @@ def run_sweep(
     """
     progress = progress or Progress()
     problems = list(caller_problems)
+    wrong_types = _wrong_argument_types(source, data, out_dir, models_dir, options, calibration, stem,
+                                        context_length=context_length, max_windows=max_windows, batch_size=batch_size)
+    if wrong_types:  # the checks below could not even compare them
+        raise PreflightError(problems + wrong_types)
+    problems += _stem_problems(stem)
     try:
         ratios = parse_ratios(ratios)
     except SweepError as error:
@@ -689,7 +727,9 @@ def run_sweep(
                  if value is not None and value < low]
     # every point is a converted model (fp16 underflows its latent unless a serving --target rewrote it); the device
     # must exist before the slow calibration
-    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=not target_of(base.target).serving)
+    # (a misspelled --target is refused by each export's pre-flight, below; here it only must not raise a KeyError)
+    serving = base.target in TARGETS and target_of(base.target).serving
+    problems += dtype_problems(eval_dtype, [], flag="eval_dtype", converted=not serving)
     problems += device_problems(eval_device)
     problems += text_option_problems(data, text_column)
     out = None if out_dir is None else absolute_path(out_dir)  # a quoted `~/sweep` means the home folder
@@ -711,12 +751,11 @@ def run_sweep(
     if problems and needs_download(source):
         raise PreflightError(problems)  # checking a hub source means downloading it first
 
-    keep_root = None
-    if keep_models:
+    keep_root = None  # (kept with no place to keep them: among the problems, raised with the source's below)
+    if keep_models and (out is not None or models_dir is not None):
         keep_root = (out / "models") if out is not None else Path(models_dir)
     # (a --models-dir that is not a folder is among the problems: the source is still checked, in the temp folder)
-    scratch = tempfile.TemporaryDirectory(prefix="mla-convert-sweep-",
-                                          dir=models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
+    scratch, scratch_lock = _claimed_scratch(models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
     try:
         try:
             converter = Converter(source, base, _NotesOnce(progress))
@@ -734,6 +773,7 @@ def run_sweep(
                                        keep_root if keep_root and keep_root.exists() else Path(scratch.name))
             if problems:
                 raise PreflightError(list(dict.fromkeys(problems)))
+            _clean_stale_scratch(Path(scratch.name).parent, progress)
             if base.calibration.data is not None:
                 load_text(base.calibration.data, text_column=base.calibration.text_column, max_chars=1000)
             progress.phase("reading and tokenizing the evaluation text")
@@ -746,9 +786,8 @@ def run_sweep(
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
             if out is not None:
                 _note_unlisted_models(out / "models", methods, ratios, progress)
-            for folder in (out, keep_root):  # created only now: nothing is left behind by a sweep refused above
-                if folder is not None:
-                    folder.mkdir(parents=True, exist_ok=True)
+            # out_dir is made by the first save, the models folder by the first kept model: neither is left behind,
+            # empty, by a sweep refused above or interrupted before it measured anything ("nothing written in" it)
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
                              f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
 
@@ -781,6 +820,10 @@ def run_sweep(
             )
 
             started = time.time()
+            # said once, before the one pass that writes them (each export's disk line says only its output's size)
+            progress.message(f"disk: calibration statistics about "
+                             f"{human_bytes(estimated_statistics_bytes(converter.config, base.calibration))} in "
+                             f"{tempfile.gettempdir()}")
             converter.calibrate()
             result.calibration = {"description": converter.calibration_description,
                                   "tokens": int(converter.ids.numel()),
@@ -805,6 +848,8 @@ def run_sweep(
                         if out is not None:
                             result.save(out, stem)
                         continue
+                    if keep_root is not None:
+                        keep_root.mkdir(parents=True, exist_ok=True)
                     folder = (keep_root or Path(scratch.name)) / _folder_name(method, ratio)
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
@@ -821,7 +866,44 @@ def run_sweep(
                         result.save(out, stem)
     finally:
         scratch.cleanup()
+        if scratch_lock is not None:
+            scratch_lock.close()
     return result
+
+
+def _claimed_scratch(parent: str | os.PathLike | None):
+    """The folder converted models stay in until scored, and the lock that marks it as in use.
+
+    A SIGKILLed sweep cannot remove it (it may hold whole models); the lock, which the kernel drops with the process,
+    lets the next run tell it from a live sweep's folder and remove it (`clean_stale_scratch_folders`).
+    """
+    with signals_deferred():  # the folder and its lock appear together, or not at all
+        scratch = tempfile.TemporaryDirectory(prefix=SWEEP_SCRATCH_PREFIX, dir=parent)
+        return scratch, claim_scratch_folder(scratch.name)
+
+
+def _clean_stale_scratch(parent: Path, progress: Progress) -> None:
+    """Scratch folders killed runs left where this sweep keeps its own (the temp folder, or --models-dir)."""
+    for name in clean_stale_scratch_folders(parent):
+        progress.message(f"removed {name}, left behind in {parent} by an interrupted run")
+
+
+def _wrong_argument_types(source, data, out_dir, models_dir, options, calibration, stem, **numbers) -> list[str]:
+    """run_sweep's arguments of the wrong type, each named (a dict for options was an AttributeError deep inside)."""
+    return argument_problems(
+        source=path_argument(source), data=path_argument(data), out_dir=path_argument(out_dir, optional=True),
+        models_dir=path_argument(models_dir, optional=True),
+        options=(options, (ConvertOptions, type(None)), "ConvertOptions or None"),
+        calibration=(calibration, (CalibrationOptions, type(None)), "CalibrationOptions or None"),
+        stem=(stem, (str,), "str"),
+        **{name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()})
+
+
+def _stem_problems(stem: str) -> list[str]:
+    """The files are `<out_dir>/<stem>.md` etc.: a stem with a folder in it (`../escape`) wrote outside out_dir."""
+    if stem and stem not in (".", "..") and Path(stem).name == stem and "/" not in stem and os.sep not in stem:
+        return []
+    return [f"stem {stem!r}: must be a plain file name (the results are <stem>.md, .csv, .json and .png in out_dir)"]
 
 
 def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:

@@ -403,7 +403,9 @@ def write_failure_errno(error: BaseException | None) -> int | None:
 
 # --------------------------------------------------------------------------- scratch folders
 SCRATCH_LOCK = ".mla-convert-lock"
-SCRATCH_PREFIXES = ("mla-convert-stats-",)
+# the calibration statistics, and a sweep's converted models until each is scored (both may be large)
+SWEEP_SCRATCH_PREFIX = "mla-convert-sweep-"
+SCRATCH_PREFIXES = ("mla-convert-stats-", SWEEP_SCRATCH_PREFIX)
 
 
 def claim_scratch_folder(folder: str | os.PathLike):
@@ -426,7 +428,8 @@ def claim_scratch_folder(folder: str | os.PathLike):
 
 
 def clean_stale_scratch_folders(parent: str | os.PathLike | None = None) -> list[str]:
-    """Remove scratch folders (calibration statistics) that killed runs left in the temp folder."""
+    """Remove scratch folders (calibration statistics, a sweep's models) that killed runs left in `parent` (default: the
+    temp folder)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover
