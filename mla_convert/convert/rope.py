@@ -70,7 +70,7 @@ def grid_frame(source_params: dict, head_dim: int, source_inv_freq: torch.Tensor
     """(frame, its RoPE parameters): the geometric grid a `RopeGrid`'s positions count in.
 
     Normally the source's own frequencies.  For a llama3 source and a target whose engine ignores llama3 scaling
-    (`Target.llama3_scaling`), the unscaled grid theta^(-2j/h), a default RoPE: the scaled (slow) frequencies sit on
+    (`Target.llama3_scaling`: llama.cpp ignores it, vLLM misreads it), the unscaled grid theta^(-2j/h), a default RoPE: the scaled (slow) frequencies sit on
     it at fractional positions (`frame_positions`), so slots go where the source really rotates, the planner weighs
     what each slot misses, and the export declares default RoPE, which such an engine computes as transformers does.
     """
@@ -87,9 +87,10 @@ def declaration_note(source_params: dict, export_params: dict) -> str | None:
     source_type, export_type = source_params.get("rope_type", "default"), export_params.get("rope_type", "default")
     if source_type != "llama3" or export_type == "llama3":
         return None
-    return ("the source's llama3 frequency scaling is not declared: the target's engine ignores it, so the shared RoPE "
-            "key rotates at default-RoPE frequencies placed where the source's scaled ones fall (what that costs is in "
-            "the attention error; docs/engines.md)")
+    return ("the source's llama3 frequency scaling is not declared: the target's engines would not compute it as "
+            "declared (llama.cpp ignores it, vLLM runs it as YaRN), so the shared RoPE key rotates at default-RoPE "
+            "frequencies placed where the source's scaled ones fall (what that costs is in the attention error; "
+            "docs/engines.md)")
 
 
 def frame_positions(source_inv_freq: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
