@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import numbers
 import os
 import typing
 from collections.abc import Callable
@@ -265,8 +266,8 @@ def path_argument(value: Any, optional: bool = False) -> tuple[Any, tuple[type, 
 
 
 def int_argument(value: Any, optional: bool = True) -> tuple[Any, tuple[type, ...], str]:
-    """`argument_problems`' entry for a whole-number parameter."""
-    return (value, (int, type(None)), "int or None") if optional else (value, (int,), "int")
+    """`argument_problems`' entry for a whole-number parameter: any `numbers.Integral` (numpy's integers too)."""
+    return (value, (numbers.Integral, type(None)), "int or None") if optional else (value, (numbers.Integral,), "int")
 
 
 def _base_type(annotation: Any) -> type:

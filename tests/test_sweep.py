@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import string
 from pathlib import Path
 
@@ -198,6 +199,19 @@ def test_api_arguments_of_the_wrong_type_are_refused_naming_the_parameter(tiny_s
     assert not (tmp_path / "out").exists()
 
 
+def test_numpy_numbers_are_numbers_to_the_api():
+    """The type checks added for the API refused numpy's numbers (np.arange(2, 9) as ratios, np.int64(512) as a
+    context length), which the API took before (found by the review of the API fixes)."""
+    import numpy as np
+
+    from mla_convert.options import argument_problems, int_argument
+
+    assert parse_ratios(np.array([2, 4])) == [2.0, 4.0] == parse_ratios([np.int64(4), np.float32(2)])
+    assert parse_ratios(np.int64(2)) == [2.0]
+    assert argument_problems(context_length=int_argument(np.int64(512)), batch_size=int_argument(np.int32(2), False)) == []
+    assert argument_problems(context_length=int_argument(512.0)) == ["context_length 512.0: must be int or None"]
+
+
 def test_a_stem_with_a_folder_in_it_is_refused(tiny_source, tiny_text, tmp_path):
     """stem="../escape" wrote escape.md etc. beside out_dir, outside it (found by the API/sweep probe)."""
     with pytest.raises(PreflightError) as refused:
@@ -206,6 +220,9 @@ def test_a_stem_with_a_folder_in_it_is_refused(tiny_source, tiny_text, tmp_path)
     assert refused.value.problems == ["stem '../escape': must be a plain file name (the results are <stem>.md, .csv, "
                                       ".json and .png in out_dir)"]
     assert sorted(path.name for path in tmp_path.iterdir()) == []
+    with pytest.raises(PreflightError, match=re.escape(f"stem {'a' + chr(0) + 'b'!r}: must be a plain file name")):
+        run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", stem="a\0b", context_length=64,
+                  calibration=TINY_CALIBRATION, methods=["svd"])
 
 
 def test_an_empty_data_spec_is_refused_before_any_work(tiny_source, tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ import gc
 import io
 import json
 import math
+import numbers
 import os
 import re
 import shutil
@@ -95,13 +96,13 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
 def _numbers(ratios: Iterable[float] | float) -> list[float]:
     """Ratios given as numbers (the Python API): a list of them, or one (`run_sweep(source, 2, ...)`); anything else is
     refused naming the parameter (it was a TypeError "'int' object is not iterable", or float's ValueError)."""
-    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
+    if isinstance(ratios, numbers.Real) and not isinstance(ratios, bool):  # (numpy's numbers too)
         return [float(ratios)]
     try:
         items = list(ratios)
     except TypeError:
         raise SweepError(f"--ratios {ratios!r}: give numbers, e.g. [2, 4, 8] or '2,4,8'") from None
-    bad = [item for item in items if isinstance(item, bool) or not isinstance(item, (int, float, str))
+    bad = [item for item in items if isinstance(item, bool) or not isinstance(item, (numbers.Real, str))
            or isinstance(item, str) and not _is_number(item)]
     if bad:
         raise SweepError(f"--ratios {ratios!r}: {bad[0]!r} is not a number; give numbers, e.g. [2, 4, 8] or '2,4,8'")
@@ -900,8 +901,10 @@ def _wrong_argument_types(source, data, out_dir, models_dir, options, calibratio
 
 
 def _stem_problems(stem: str) -> list[str]:
-    """The files are `<out_dir>/<stem>.md` etc.: a stem with a folder in it (`../escape`) wrote outside out_dir."""
-    if stem and stem not in (".", "..") and Path(stem).name == stem and "/" not in stem and os.sep not in stem:
+    """The files are `<out_dir>/<stem>.md` etc.: a stem with a folder in it (`../escape`) wrote outside out_dir, and
+    one with a NUL byte crashed the save after the whole sweep."""
+    if (stem and stem not in (".", "..") and Path(stem).name == stem and "/" not in stem and os.sep not in stem
+            and "\0" not in stem):
         return []
     return [f"stem {stem!r}: must be a plain file name (the results are <stem>.md, .csv, .json and .png in out_dir)"]
 
