@@ -570,6 +570,7 @@ def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its
 
     config = SourceConfig.from_folder(source)
     assert target_rope_problems(config, "all") == [] == target_rope_problems(config, "llama.cpp")  # (no vLLM width fits it)
+    assert target_rope_problems(config, "vllm") == []
     rows = {name: shapes for name, shapes, _ in target_rows(config)}  # inspect's table said "convert refuses" here
     assert rows["llama.cpp"].startswith("any") and "refuses" not in rows["all"], rows
     for target in ("llama.cpp", "transformers"):
@@ -598,6 +599,12 @@ def test_a_llama3_source_is_exported_as_default_rope_for_engines_that_ignore_its
         positions = frame_positions(rope_inv_freq(unit, head_dim), frame)
         assert positions.tolist() == list(range(head_dim // 2)), (head_dim, theta)
         assert candidate_grids(float(positions.max()) + 1, head_dim // 2), (head_dim, theta)
+    # vLLM: a source one of its widths fits (256+64) exports default RoPE, and says so
+    wide = save_source(tmp_path / "wide", rope_parameters=LLAMA3_ROPE, max_position_embeddings=256, head_dim=64,
+                       num_heads=4, num_kv_heads=4, hidden_size=256, num_layers=1)
+    served = convert(wide, tmp_path / "vllm", fast_options(target="vllm", kv_lora_rank=256, rope_dim=64))
+    assert json.loads((served.output / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+    assert served.report["rope"]["note"].startswith("the source's llama3 frequency scaling is not declared")
     unit_source = save_source(tmp_path / "unit", rope_parameters={**LLAMA3_ROPE, "factor": 1.0}, num_layers=1)
     result = convert(unit_source, tmp_path / "unit-llama.cpp", fast_options(target="llama.cpp", kv_lora_rank=64, rope_dim=64))
     assert result.report["rope"]["grid"] == "offset 0, step 1, 32 slots"
@@ -644,7 +651,7 @@ def test_serving_targets_refuse_a_source_whose_rope_their_engines_compute_wrongl
     transformers target converts it, and a linear factor of 1 is the default RoPE.  (A llama3 source is exported as
     default RoPE instead: the next test.)"""
     source = save_source(tmp_path / "src", rope_parameters={"rope_theta": 1e4, **rope}, max_position_embeddings=256)
-    # one line per engine of the target that computes it wrongly (all: both)
+    # one line per engine of the target that cannot run it as declared (all: both)
     engines = {"llama.cpp": ["llama.cpp b11434"], "vllm": ["vLLM 0.32.0"], "all": ["vLLM 0.32.0", "llama.cpp b11434"]}
     for target, names in engines.items():
         with pytest.raises(PreflightError) as refused:
@@ -673,3 +680,10 @@ def test_serving_targets_refuse_a_source_whose_rope_their_engines_compute_wrongl
             refused_cli.stdout + refused_cli.stderr
     assert rope_problems(T.target_of("llama.cpp"), {"rope_type": "linear", "factor": 1.0}) == []
     assert rope_problems(T.target_of("transformers"), rope) == []
+    # the advice for a source no vLLM width fits names only targets that would not refuse it (it said "or llama.cpp")
+    from mla_convert.source.shapes import pick_target_shape
+
+    small = save_source(tmp_path / "small", rope_parameters={"rope_theta": 1e4, **rope}, max_position_embeddings=256,
+                        head_dim=8, num_heads=4, num_kv_heads=2, hidden_size=32, num_layers=1)
+    with pytest.raises(PreflightError, match=r"no shape this target serves fits this source .*; use --target transformers$"):
+        pick_target_shape(SourceConfig.from_folder(small), "all")

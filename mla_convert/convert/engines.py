@@ -44,8 +44,9 @@ LLAMA_CPP_LITE_LAYERS = (26, 27)
 # 2026-12-02, stories260K (24+8) and SmolLM2 (144+48) with --target llama.cpp export default RoPE, and a rope_dim
 # equal to the source's head_dim (the 256+64 SmolLM2 and Qwen2 records) always does; the synthetic 512+64 vLLM
 # record was not reconverted.
-# ROPE_FAILURES: RoPE types an engine computes wrongly in a DeepSeek export, whatever the shape (the cause is in the
-# engine, and a transformers model changed to do what the engine does reproduces its perplexity to 2e-4).  Runs:
+# ROPE_FAILURES: RoPE types an engine cannot run as declared in a DeepSeek export, whatever the shape: it computes them
+# otherwise (a transformers model changed to do what the engine does reproduces its perplexity to 2e-4) or does not
+# load the export.  Runs:
 # docs/engines-results-2026-12-03-rope/ (llama.cpp: stories260K with its RoPE edited, 24+8; vLLM: SmolLM2-135M with
 # its RoPE edited, 256+64; f32 weights; docs/engines.md).
 VLLM_YARN = ("vLLM 0.32.0's DeepSeek attention runs every RoPE type other than default as DeepSeek YaRN "
@@ -67,7 +68,7 @@ ROPE_FAILURES = {
 
 def rope_problems(target: T.Target, rope_parameters: dict | None) -> list[str]:
     """Why `target` cannot export a source with these RoPE parameters, one line per engine of the target that is
-    measured to compute that RoPE wrongly (empty: no such failure is known).  A linear factor of 1 is the default
+    measured not to run that RoPE as declared (empty: no such failure is known).  A linear factor of 1 is the default
     RoPE; a llama3 source is exported as default RoPE for a target whose engines ignore or misread llama3 scaling
     (`Target.llama3_scaling`)."""
     params = rope_parameters or {}

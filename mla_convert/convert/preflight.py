@@ -292,9 +292,9 @@ def output_problems(output: Path, source: Path, overwrite: bool) -> list[str]:
 
 
 def target_rope_problems(source: SourceConfig, target: str | None) -> list[str]:
-    """A target whose engines compute this source's RoPE wrongly (`engines.ROPE_FAILURES`), one line per engine: the
-    export would keep the source's RoPE type (the serving targets' grids start at the first frequency), so the refusal
-    comes before converting."""
+    """A target whose engines cannot run this source's RoPE as declared (`engines.ROPE_FAILURES`), one line per
+    engine: the export would keep the source's RoPE type (the serving targets' grids start at the first frequency),
+    so the refusal comes before converting."""
     if target not in T.TARGETS:
         return []
     return [f"--target {target}: this source's {rope}; convert with --target transformers"

@@ -92,7 +92,7 @@ def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
         refused = rope_problems(target, source.rope_parameters)
         if refused:  # convert refuses this source for the target whatever the shape
             rows.append((target.name, f"none: convert refuses this source's {refused[0].split(':')[0]} (the target's engine "
-                                      "computes it wrongly, measured)", "-"))
+                                      "cannot run it as declared, measured)", "-"))
             continue
         if allowed is None:
             shapes = f"any: kv_lora_rank <= {source.max_kv_lora_rank}, even rope_dim <= {source.max_rope_dim}"

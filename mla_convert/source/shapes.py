@@ -189,6 +189,15 @@ def describe_shapes(source: SourceConfig, shapes: list[MLAShape]) -> str:
     return ", ".join(f"{m.kv_lora_rank}+{m.rope_dim} ({ratio_of(source, m):.2f}x)" for m in shapes) or "none"
 
 
+def _any_shape_targets(source: SourceConfig) -> list[str]:
+    """The targets that serve any shape and do not refuse this source's RoPE (the advice named llama.cpp for a linear
+    source that --target llama.cpp refuses)."""
+    from ..convert.engines import rope_problems
+    from ..convert.target import TARGETS
+
+    return [t.name for t in TARGETS.values() if t.widths is None and not rope_problems(t, source.rope_parameters)]
+
+
 def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora_rank: int | None = None,
                       rope_dim: int | None = None, compression: float | None = None,
                       q_lora_rank: int | None = None) -> MLAShape:
@@ -212,7 +221,7 @@ def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora
                 f"--target {target.name}: no shape this target serves fits this source (kv_lora_rank + rope_dim must be one of "
                 f"{', '.join(map(str, target.widths))}{target.widths_note}; the source caches "
                 f"{source.kv_values_per_token_layer} values per token and layer, and allows kv_lora_rank <= "
-                f"{source.max_kv_lora_rank}, rope_dim <= {source.max_rope_dim}); use --target transformers or llama.cpp"])
+                f"{source.max_kv_lora_rank}, rope_dim <= {source.max_rope_dim}); use --target {' or '.join(_any_shape_targets(source))}"])
         mla = pick_shape(source, kv_lora_rank, rope_dim, None, q_lora_rank)
         problem = target.width_problem(mla.kv_lora_rank, mla.rope_dim)
         if problem:
