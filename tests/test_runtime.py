@@ -625,3 +625,40 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token(top_p):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))  # (batch, vocab)
     chosen = top_p_sample(logits, 1.0, top_p, torch.Generator().manual_seed(1))
     assert torch.equal(chosen, logits.argmax(dim=-1))
+
+
+def test_generate_refusing_pickles_offers_no_allow_pickle_flag(tiny_folder, tmp_path):
+    """generate reads safetensors only and has no --allow-pickle, but its refusal of a pickled-only folder said
+    "... or pass --allow-pickle to load them" and a folder without weights "(expected ... or, with --allow-pickle,
+    pytorch_model.bin)" (found by the runtime/push probe).  eval, which has the flag, still offers it."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    pickled = Path(shutil.copytree(tiny_folder, tmp_path / "pickled"))
+    state = {}
+    for file in sorted(pickled.glob("*.safetensors")):
+        state.update(load_file(file))
+        file.unlink()
+    for index in pickled.glob("*.safetensors.index.json"):
+        index.unlink()
+    torch.save(state, pickled / "pytorch_model.bin")
+    result = CliRunner().invoke(app, ["generate", str(pickled), "Once upon", "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert (f"error: {pickled}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. "
+            "This command reads safetensors only: convert them to safetensors first") in text, text
+    assert "--allow-pickle" not in text, text
+    (pickled / "pytorch_model.bin").unlink()
+    result = CliRunner().invoke(app, ["generate", str(pickled), "Once upon", "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"error: {pickled}: no weights found (expected model.safetensors or model.safetensors.index.json)" in text, text
+    torch.save(state, pickled / "pytorch_model.bin")
+    (tmp_path / "text.txt").write_text("Once upon a time there was a cat. " * 20)
+    result = CliRunner().invoke(app, ["eval", str(pickled), "--data", str(tmp_path / "text.txt"), "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "Convert them to safetensors first, or pass --allow-pickle to load them with torch.load(weights_only=True)" \
+        in text, text
