@@ -385,7 +385,10 @@ def generate(
                            dtype=None if dtype == "auto" else parse_dtype(dtype))
     for prompt, text in zip(prompts, result.texts):
         console.print(escape(prompt) + "[bold]" + escape(text) + "[/]", highlight=False, soft_wrap=True)
-    err_console.print(f"{result.new_tokens} new tokens in {result.seconds:.2f} s ({result.tokens_per_second:.1f} tokens/s); "
+    # prefill and decode apart: one rate over both read a long prompt's prefill as slow decoding ("0.6 tokens/s")
+    err_console.print(f"prompt {result.prompt_tokens} tokens in {result.prefill_seconds:.2f} s; "
+                      f"{result.new_tokens} new tokens in {result.decode_seconds:.2f} s "
+                      f"({result.decode_tokens_per_second:.1f} tokens/s); "
                       f"latent cache {human_bytes(result.cache_bytes_in_use)} in use of {human_bytes(result.cache_bytes_allocated)} "
                       "allocated (R + D values per token and layer" + (
                           f"; {human_bytes(result.cache_storage_bytes)} with the rows padded to 16 bytes)"

@@ -307,6 +307,28 @@ def test_refuses_a_folder_that_contains_an_unusual_token_verbatim(single, hub):
     assert hub.requests == []
 
 
+def test_dry_run_refuses_a_file_holding_the_token_as_the_push_does(single, monkeypatch, hub):
+    """`push --dry-run` listed notes.txt holding the value of HF_TOKEN as "Would upload" while the real push refused
+    it (found by the runtime/push probe): the dry run scans for the token whenever one is available."""
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    odd = "my-private-gateway-token-42"
+    (single / "notes.txt").write_text(f"pushed with {odd}\n")
+    monkeypatch.setenv("HF_TOKEN", odd)
+    result = CliRunner().invoke(app, ["push", str(single), REPO, "--dry-run"])
+    assert result.exit_code != 0, result.output
+    assert f"error: {single}: notes.txt contains your Hugging Face token; remove it before pushing" in \
+        " ".join(result.output.split()), result.output
+    assert "Would upload" not in result.output
+    with pytest.raises(NotPushableError, match="notes.txt contains your Hugging Face token"):
+        push_to_hub(single, REPO, dry_run=True, token=odd, endpoint=hub.url)
+    (single / "notes.txt").unlink()
+    assert push_to_hub(single, REPO, dry_run=True, endpoint=hub.url).dry_run
+    assert hub.requests == []
+
+
 # ----------------------------------------------------------------------------------- Hub-side failures
 def test_wrong_token_becomes_one_clear_line(single, hub):
     with pytest.raises(HubPushError) as caught:

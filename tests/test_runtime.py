@@ -204,6 +204,10 @@ def test_generate_text_decodes_the_greedy_continuation(stories_mla):
                                                                                                 skip_special_tokens=True)
         assert text.strip() and not text[0].isalnum(), text  # "Once upon a time" + ", there was...", not "timethere"
     assert result.new_tokens == 24 and result.tokens_per_second > 0
+    # prefill and decode timed apart (one rate over both read a long prompt's prefill as slow decoding)
+    assert result.prompt_tokens == sum(map(len, prompts)) and 0 < result.prefill_seconds < result.seconds
+    assert result.decode_seconds == pytest.approx(result.seconds - result.prefill_seconds)
+    assert result.decode_tokens_per_second == pytest.approx(24 / result.decode_seconds)
     cached = sum(len(p) + 12 - 1 for p in prompts)  # both sequences (it used to count the longest alone)
     assert len(set(map(len, prompts))) == 2, "prompts of two lengths, so a sum and a maximum differ"
     assert result.cache_bytes_in_use == cached * 5 * (24 + 8) * 4  # 5 layers, R + D = 24 + 8 values, fp32
@@ -282,17 +286,17 @@ def test_generate_takes_the_files_length_when_no_flag_gives_one(tiny_folder, tmp
     path.write_text(json.dumps({"max_new_tokens": 3, "max_length": 40}))
     result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert result.stderr.startswith("3 new tokens in"), result.stderr
+    assert re.match(r"prompt \d+ tokens in [\d.]+ s; 3 new tokens in ", result.stderr), result.stderr
     result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu", "--max-new-tokens", "5"])
-    assert result.exit_code == 0 and result.stderr.startswith("5 new tokens in"), result.output
+    assert result.exit_code == 0 and re.match(r"prompt \d+ tokens in [\d.]+ s; 5 new tokens in ", result.stderr), result.output
     path.write_text(json.dumps({"max_length": 40}))
     result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu", "--max-new-tokens", "4"])
-    assert result.exit_code == 0 and result.stderr.startswith("4 new tokens in"), result.output
+    assert result.exit_code == 0 and re.match(r"prompt \d+ tokens in [\d.]+ s; 4 new tokens in ", result.stderr), result.output
     result = CliRunner().invoke(app, ["generate", str(made), "Once upon", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     # the 64 is --max-new-tokens' default, not a flag the user gave (the note said "... 64 new tokens per prompt
     # instead (--max-new-tokens)")
-    assert "\n64 new tokens in" in result.stderr, result.stderr  # (the length stays 64)
+    assert "; 64 new tokens in" in result.stderr, result.stderr  # (the length stays 64)
     assert ("note: generation_config.json sets max_length 40 (prompt and new tokens), which mla-convert generate does "
             "not apply: this run generates up to 64 new tokens per prompt, the default of --max-new-tokens") in \
         " ".join(result.stderr.split())
@@ -625,3 +629,59 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token(top_p):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))  # (batch, vocab)
     chosen = top_p_sample(logits, 1.0, top_p, torch.Generator().manual_seed(1))
     assert torch.equal(chosen, logits.argmax(dim=-1))
+
+
+def test_generate_refusing_pickles_offers_no_allow_pickle_flag(tiny_folder, tmp_path):
+    """generate reads safetensors only and has no --allow-pickle, but its refusal of a pickled-only folder said
+    "... or pass --allow-pickle to load them" and a folder without weights "(expected ... or, with --allow-pickle,
+    pytorch_model.bin)" (found by the runtime/push probe).  eval, which has the flag, still offers it."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    pickled = Path(shutil.copytree(tiny_folder, tmp_path / "pickled"))
+    state = {}
+    for file in sorted(pickled.glob("*.safetensors")):
+        state.update(load_file(file))
+        file.unlink()
+    for index in pickled.glob("*.safetensors.index.json"):
+        index.unlink()
+    torch.save(state, pickled / "pytorch_model.bin")
+    result = CliRunner().invoke(app, ["generate", str(pickled), "Once upon", "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert (f"error: {pickled}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. "
+            "This command reads safetensors only: convert them to safetensors first") in text, text
+    assert "--allow-pickle" not in text, text
+    (pickled / "pytorch_model.bin").unlink()
+    result = CliRunner().invoke(app, ["generate", str(pickled), "Once upon", "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"error: {pickled}: no weights found (expected model.safetensors or model.safetensors.index.json)" in text, text
+    torch.save(state, pickled / "pytorch_model.bin")
+    (tmp_path / "text.txt").write_text("Once upon a time there was a cat. " * 20)
+    result = CliRunner().invoke(app, ["eval", str(pickled), "--data", str(tmp_path / "text.txt"), "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "Convert them to safetensors first, or pass --allow-pickle to load them with torch.load(weights_only=True)" \
+        in text, text
+
+
+def test_generate_reports_prefill_and_decode_apart(tiny_folder):
+    """generate printed "N new tokens in S s (X tokens/s)" with S holding the prompt's prefill too, so a long prompt
+    read as slow decoding (1,519-token prompt, 5 tokens: "0.6 tokens/s") (found by the runtime/push probe)."""
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    prompt = "Once upon a time " * 8
+    tokens = len(AutoTokenizer.from_pretrained(str(tiny_folder))(prompt)["input_ids"])
+    result = CliRunner().invoke(app, ["generate", str(tiny_folder), prompt, "--device", "cpu", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.stderr.split())
+    found = re.search(r"prompt (\d+) tokens in ([\d.]+) s; 3 new tokens in ([\d.]+) s \(([\d.]+) tokens/s\); latent cache ",
+                      line)
+    assert found, line
+    assert int(found[1]) == tokens and float(found[4]) > 0

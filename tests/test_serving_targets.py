@@ -441,6 +441,16 @@ def test_a_run_without_weights_or_cache_reads_without_a_stray_space():
     assert "SmolLM2-135M-Instruct 256+64: load-failed (" in describe_run(failed)
 
 
+def test_a_run_names_its_perplexity_difference_as_relative():
+    """The engine lines read "ok (ppl 3.0e-03 from transformers; ...)", which looks like a perplexity; the field is
+    ppl_rel_diff_vs_transformers, a relative difference (found by the runtime/push probe)."""
+    from mla_convert.convert.engines import describe_run
+
+    assert describe_run(RUN) == (
+        "SmolLM2-135M-Instruct 256+64 q8_0/q8_0: ok (perplexity 3.0e-03 (relative) from transformers'; "
+        "converted/source ratio -0.6% of transformers'; greedy 1/4 identical) [llama.cpp b11434 (515e85511), 2026-11-30]")
+
+
 def test_summary_and_card_render_the_record(capsys):
     from rich.console import Console
 

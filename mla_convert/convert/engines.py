@@ -101,7 +101,8 @@ def describe_run(run: dict) -> str:
     what = run["status"]
     facts = []
     if run.get("ppl_rel_diff_vs_transformers") is not None:
-        facts.append(f"ppl {run['ppl_rel_diff_vs_transformers']:.1e} from transformers")
+        # a relative difference, not a perplexity ("ppl 3.0e-03" read as one): worded as README's engine table words it
+        facts.append(f"perplexity {run['ppl_rel_diff_vs_transformers']:.1e} (relative) from transformers'")
     if run.get("ratio_deviation") is not None:
         facts.append(f"converted/source ratio {run['ratio_deviation']:+.1%} of transformers'")
     if run.get("greedy"):

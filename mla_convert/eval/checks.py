@@ -38,8 +38,9 @@ class ModelFacts:
 
 
 def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: bool, problems: list[str],
-                flag: str = "model") -> ModelFacts | None:
-    """Resolve `name` (folder or hub id) and check it; problems are appended, None when it cannot be used."""
+                flag: str = "model", pickle_flag: bool = True) -> ModelFacts | None:
+    """Resolve `name` (folder or hub id) and check it; problems are appended, None when it cannot be used.
+    `pickle_flag`: the command has --allow-pickle (False for generate: its messages must not offer it)."""
     try:
         path = resolve_model_path(name, revision, allow_pickle)
     except MLAConvertError as error:
@@ -49,7 +50,7 @@ def model_facts(name: str | os.PathLike, revision: str | None, allow_pickle: boo
     if found:
         problems += found
         return None
-    found = weights_problems(path, allow_pickle)
+    found = weights_problems(path, allow_pickle, pickle_flag)
     try:
         config = load_config(path)
     except MLAConvertError as error:

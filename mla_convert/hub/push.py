@@ -427,20 +427,26 @@ def push_to_hub(
         card_has_placeholder=not generated and CARD_PLACEHOLDER in card_text,
         report_public=REPORT_FILE in in_memory,
     )
+    from huggingface_hub import get_token
+
+    # The dry run scans for the token too whenever one is available: it listed a file holding it as "Would upload"
+    # while the real push refused it.  (Without a token it has nothing to look for, and needs none.)
+    resolved = token or get_token()
+    if resolved:
+        secret = resolved.encode("utf-8")
+        leaking = _files_containing(folder, [item for item in files if item.path not in in_memory],
+                                    lambda data: secret in data)
+        leaking += [path for path, text in in_memory.items() if secret in text.encode("utf-8")]
+        if leaking:
+            raise NotPushableError(f"{folder}: {', '.join(leaking)} contains your Hugging Face token; remove it before pushing")
     if dry_run:
         return PushResult(dry_run=True, **plan)
 
-    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    resolved = token or get_token()
     if not resolved:
         raise HubPushError(NOT_LOGGED_IN)
-    secret = resolved.encode("utf-8")
-    leaking = _files_containing(folder, [item for item in files if item.path not in in_memory], lambda data: secret in data)
-    leaking += [path for path, text in in_memory.items() if secret in text.encode("utf-8")]
-    if leaking:
-        raise NotPushableError(f"{folder}: {', '.join(leaking)} contains your Hugging Face token; remove it before pushing")
 
     # Exactly the checked list, so the upload can never differ from what dry-run shows.
     operations = [CommitOperationAdd(path_in_repo=item.path, path_or_fileobj=in_memory[item.path].encode("utf-8")

@@ -39,12 +39,13 @@ def _refusals() -> tuple[type[BaseException], ...]:
     return OSError, ValueError, TypeError, KeyError, StrictDataclassError
 
 
-def weights_problems(folder: str | os.PathLike, allow_pickle: bool = False) -> list[str]:
-    """Why the weights of `folder` must not or cannot be loaded (headers only; empty: they can)."""
+def weights_problems(folder: str | os.PathLike, allow_pickle: bool = False, pickle_flag: bool = True) -> list[str]:
+    """Why the weights of `folder` must not or cannot be loaded (headers only; empty: they can).  `pickle_flag`:
+    the command has --allow-pickle, so its messages may offer it."""
     from .reader import CheckpointReader
 
     try:
-        reader = CheckpointReader(folder, allow_pickle=allow_pickle)
+        reader = CheckpointReader(folder, allow_pickle=allow_pickle, pickle_flag=pickle_flag)
     except CheckpointError as error:
         return [str(error)]
     return reader.header_problems()

@@ -152,8 +152,9 @@ class CheckpointReader:
     they are loaded with `torch.load(weights_only=True)` and only when the user asked for it.
     """
 
-    def __init__(self, folder: str | os.PathLike, allow_pickle: bool = False):
+    def __init__(self, folder: str | os.PathLike, allow_pickle: bool = False, pickle_flag: bool = True):
         self.folder = Path(folder)
+        self.pickle_flag = pickle_flag  # the command has --allow-pickle (generate, finetune: safetensors only)
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: no such model folder")
         self.allow_pickle = allow_pickle
@@ -183,9 +184,11 @@ class CheckpointReader:
         pickled = (folder / PICKLE_INDEX).exists() or (folder / PICKLE_SINGLE).exists()
         if pickled:
             if not self.allow_pickle:
+                remedy = ("Convert them to safetensors first, or pass --allow-pickle to load them with torch.load(weights_only=True)"
+                          if self.pickle_flag else
+                          "This command reads safetensors only: convert them to safetensors first")
                 raise PickleRefusedError(
-                    f"{folder}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. "
-                    "Convert them to safetensors first, or pass --allow-pickle to load them with torch.load(weights_only=True)"
+                    f"{folder}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. {remedy}"
                 )
             if (folder / PICKLE_SINGLE).exists():  # (transformers' order again)
                 if (folder / PICKLE_INDEX).exists():
@@ -193,9 +196,9 @@ class CheckpointReader:
                 state = self._load_pickle(PICKLE_SINGLE)
                 return "pickle", {name: PICKLE_SINGLE for name in state}
             return "pickle", self._read_index(folder / PICKLE_INDEX)
-        raise CheckpointError(
-            f"{folder}: no weights found (expected {SAFE_SINGLE}, {SAFE_INDEX} or, with --allow-pickle, {PICKLE_SINGLE})"
-        )
+        expected = (f"{SAFE_SINGLE}, {SAFE_INDEX} or, with --allow-pickle, {PICKLE_SINGLE}" if self.pickle_flag else
+                    f"{SAFE_SINGLE} or {SAFE_INDEX}")
+        raise CheckpointError(f"{folder}: no weights found (expected {expected})")
 
     def _read_index(self, index_path: Path) -> dict[str, str]:
         try:

@@ -52,7 +52,7 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
                         top_p: float | None, device: str | None, dtype: str, page_size: int,
                         allow_long_context: bool, seed: int = 0) -> tuple[list[str], ModelFacts | None]:
     problems: list[str] = []
-    facts = model_facts(model, None, False, problems)
+    facts = model_facts(model, None, False, problems, pickle_flag=False)  # generate has no --allow-pickle
     problems += positive_problems({"--max-new-tokens": max_new_tokens, "--page-size": page_size})
     if temperature is not None and not 0 < temperature < math.inf:
         problems.append(f"--temperature {temperature}: must be a finite number > 0 when sampling")

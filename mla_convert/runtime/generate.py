@@ -17,6 +17,7 @@ never depends on how many other prompts share the batch or when they finish.
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class GenerationOutput:
 
     sequences: list[list[int]]
     cache: PagedLatentCache
+    prefill_seconds: float = 0.0  # from the call to the prefill's logits (the rest of the call: decoding)
 
 
 def _whole_number(value) -> bool:
@@ -109,7 +111,11 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     eos = set(model.eos_token_ids if generation_config else model.config_eos_token_ids)
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
+    started = time.perf_counter()
     logits = model.prefill(cache, seq_ids, prompts)  # (B, vocab)
+    if logits.device.type == "cuda":
+        torch.cuda.synchronize(logits.device)
+    prefill_seconds = time.perf_counter() - started
     while True:
         if chain:  # each sequence's penalties see its own tokens so far, prompt included, as in generate()
             logits = torch.cat([settings.apply(chain, prompts[index] + outputs[index], logits[row : row + 1])
@@ -128,7 +134,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
                 still_active.append(index)
         active = still_active
         if not active:
-            return GenerationOutput(outputs, cache)
+            return GenerationOutput(outputs, cache, prefill_seconds)
         logits = model.decode(cache, [seq_ids[i] for i in active], [outputs[i][-1] for i in active])
 
 
@@ -165,10 +171,21 @@ class TextGeneration:
     cache_bytes_in_use: int  # the latent cache's payload: every sequence's tokens at its end
     cache_bytes_allocated: int  # payload of every slot of every page
     cache_storage_bytes: int = 0  # what was allocated, the rows' 16-byte alignment padding included
+    prompt_tokens: int = 0  # every prompt's tokens together
+    prefill_seconds: float = 0.0  # part of `seconds`: the prompts' prefill
 
     @property
     def tokens_per_second(self) -> float:
+        """New tokens over the whole run, prefill included (not decode throughput: `decode_tokens_per_second`)."""
         return self.new_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def decode_seconds(self) -> float:
+        return max(self.seconds - self.prefill_seconds, 0.0)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.new_tokens / max(self.decode_seconds, 1e-9)
 
 
 def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -187,8 +204,6 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
                   page_size: int = DEFAULT_PAGE_SIZE, decode_backend: str = "auto",
                   dtype: torch.dtype | None = None) -> TextGeneration:
     """Continuations of text prompts, tokenised and detokenised with the folder's own tokenizer."""
-    import time
-
     from ..io.hf_loading import load_tokenizer
 
     if isinstance(prompts, str):  # a string is a sequence too: each character would become a prompt
@@ -209,4 +224,5 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
         texts=[continuation(tokenizer, p, s) for p, s in zip(prompt_ids, output.sequences)],
         new_tokens=sum(len(s) for s in output.sequences), seconds=seconds,
         cache_bytes_in_use=cached_tokens * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated,
-        cache_storage_bytes=output.cache.storage_bytes)
+        cache_storage_bytes=output.cache.storage_bytes, prompt_tokens=sum(map(len, prompt_ids)),
+        prefill_seconds=output.prefill_seconds)
