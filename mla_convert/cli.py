@@ -469,8 +469,9 @@ def sweep(
     install_sigterm_handler()  # a kill cleans up (scratch models in the temp folder) as Ctrl-C does
     progress = RichProgress(err_console, quiet=quiet)
     # the table, CSV, JSON and plot, where run_sweep writes them (a quoted ~ too)
-    files = SweepFiles.at(absolute_path(out_dir)).paths()
-    earlier = _file_identity(files[2])  # an earlier sweep's JSON (--overwrite): not what this run measured
+    sweep_files = SweepFiles.at(absolute_path(out_dir))
+    files = sweep_files.paths()
+    earlier = _file_identity(sweep_files.json)  # an earlier sweep's JSON (--overwrite): not what this run measured
     try:
         result = run_sweep(
             source, ratios, data, out_dir, context_length=context, max_windows=max_windows, methods=methods,
@@ -479,7 +480,7 @@ def sweep(
             options=options, overwrite=overwrite, caller_problems=problems,
         )
     except KeyboardInterrupt as interrupt:  # the scratch models are already removed; the files hold what was measured
-        now = _file_identity(files[2])
+        now = _file_identity(sweep_files.json)
         written = [str(path) for path in files if path.exists()]  # the plot too, once the source was scored
         _interrupted(progress, interrupt, f"the points measured before it are in {', '.join(written)}"
                      if now is not None and now != earlier else

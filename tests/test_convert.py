@@ -444,6 +444,9 @@ def test_an_export_after_close_is_refused(tmp_path):
     assert refused.value.problems == ["the Converter is closed (its calibration statistics are removed and its source "
                                       "closed); make a new Converter to convert again"]
     assert not (tmp_path / "out").exists()
+    with pytest.raises(PreflightError) as refused_preflight:  # (pre-flight alone read the closed source's headers)
+        converter.preflight(tmp_path / "out")
+    assert refused_preflight.value.problems == refused.value.problems
 
 
 # ----------------------------------------------------------------------------- real model

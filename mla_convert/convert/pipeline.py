@@ -135,6 +135,7 @@ class Converter:
     def preflight(self, output: Path, options: ConvertOptions | None = None) -> tuple[MLAShape, torch.dtype]:
         """The shape and dtype to export (PreflightError: every problem, the settings' first).  A run refused for its
         settings prints its errors alone: no notes or disk estimate."""
+        self._refuse_if_closed()  # (it would read the closed source's headers)
         quiet = bool(self.setting_problems)
         try:
             shape = run_preflight(self.config, self.reader, Path(output), options or self.options,
@@ -341,6 +342,8 @@ class Converter:
         writer.add_rows(target_name, info.shape, dtype, rows, rows_per_chunk=max(1, COPY_BLOCK_BYTES // row_bytes))
 
     def _refuse_if_closed(self) -> None:
+        """After `close()` the statistics are deleted and the source's shards closed: working on would silently
+        calibrate again into statistics nothing removes, or read closed files."""
         if self.closed:
             raise PreflightError(["the Converter is closed (its calibration statistics are removed and its source "
                                   "closed); make a new Converter to convert again"])

@@ -866,9 +866,11 @@ def run_sweep(
                     if out is not None:
                         result.save(out, stem)
     finally:
-        scratch.cleanup()
-        if scratch_lock is not None:
-            scratch_lock.close()
+        try:
+            scratch.cleanup()
+        finally:  # (a failed removal must not keep the lock: the folder would then never count as left behind)
+            if scratch_lock is not None:
+                scratch_lock.close()
     return result
 
 
