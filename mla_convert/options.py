@@ -270,6 +270,12 @@ def int_argument(value: Any, optional: bool = True) -> tuple[Any, tuple[type, ..
     return (value, (numbers.Integral, type(None)), "int or None") if optional else (value, (numbers.Integral,), "int")
 
 
+def evaluation_number_arguments(**numbers: Any) -> dict[str, tuple[Any, tuple[type, ...], str]]:
+    """`argument_problems`' entries for the evaluation's whole numbers (run_eval, run_sweep): every one may be None
+    (the default) except batch_size."""
+    return {name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()}
+
+
 def _base_type(annotation: Any) -> type:
     """Optional[int] -> int; int -> int."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]

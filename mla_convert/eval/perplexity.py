@@ -431,12 +431,12 @@ def _load_bars(progress: bool):
 def _refuse_wrong_types(model, data, baseline, json_path, **numbers) -> None:
     """run_eval's arguments of the wrong type, named (`context_length="512"` was a TypeError from a comparison)."""
     from ..errors import PreflightError
-    from ..options import argument_problems, int_argument, path_argument
+    from ..options import argument_problems, evaluation_number_arguments, path_argument
 
     problems = argument_problems(model=path_argument(model), data=path_argument(data),
                                  baseline=path_argument(baseline, optional=True),
                                  json_path=path_argument(json_path, optional=True),
-                                 **{name: int_argument(value, optional=name != "batch_size") for name, value in numbers.items()})
+                                 **evaluation_number_arguments(**numbers))
     if problems:
         raise PreflightError(problems)
 
