@@ -270,6 +270,11 @@ def int_argument(value: Any, optional: bool = True) -> tuple[Any, tuple[type, ..
     return (value, (numbers.Integral, type(None)), "int or None") if optional else (value, (numbers.Integral,), "int")
 
 
+def optional_argument(value: Any, kind: type) -> tuple[Any, tuple[type, ...], str]:
+    """`argument_problems`' entry for a parameter that takes an instance of `kind` (options, calibration) or None."""
+    return value, (kind, type(None)), f"{kind.__name__} or None"
+
+
 def evaluation_number_arguments(**numbers: Any) -> dict[str, tuple[Any, tuple[type, ...], str]]:
     """`argument_problems`' entries for the evaluation's whole numbers (run_eval, run_sweep): every one may be None
     (the default) except batch_size."""

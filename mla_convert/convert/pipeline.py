@@ -33,7 +33,7 @@ from ..io.reader import CheckpointReader
 from ..io.resolve import resolve_model_path, revision_problems
 from ..io.signals import signals_deferred
 from ..io.writer import CheckpointWriter, claim_scratch_folder, clean_stale_scratch_folders
-from ..options import CalibrationOptions, ConvertOptions, argument_problems, path_argument
+from ..options import CalibrationOptions, ConvertOptions, argument_problems, optional_argument, path_argument
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedRows, StreamedSourceModel
 from ..source.shapes import MLAShape
@@ -377,7 +377,7 @@ def convert(source: str | os.PathLike, output: str | os.PathLike, options: Conve
     """
     caller_problems = list(caller_problems)
     wrong_types = argument_problems(source=path_argument(source), output=path_argument(output),
-                                    options=(options, (ConvertOptions, type(None)), "ConvertOptions or None"))
+                                    options=optional_argument(options, ConvertOptions))
     if wrong_types:
         raise PreflightError(caller_problems + wrong_types)
     options = options or ConvertOptions()

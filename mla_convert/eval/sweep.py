@@ -47,7 +47,7 @@ from ..io.paths import absolute_path
 from ..io.resolve import needs_download
 from ..io.signals import signals_deferred
 from ..io.writer import SWEEP_SCRATCH_PREFIX, claim_scratch_folder, clean_stale_scratch_folders
-from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, path_argument
+from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, optional_argument, path_argument
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from .checks import DEFAULT_CONTEXT, dtype_problems, text_option_problems
@@ -896,8 +896,7 @@ def _wrong_argument_types(source, data, out_dir, models_dir, options, calibratio
     return argument_problems(
         source=path_argument(source), data=path_argument(data), out_dir=path_argument(out_dir, optional=True),
         models_dir=path_argument(models_dir, optional=True),
-        options=(options, (ConvertOptions, type(None)), "ConvertOptions or None"),
-        calibration=(calibration, (CalibrationOptions, type(None)), "CalibrationOptions or None"),
+        options=optional_argument(options, ConvertOptions), calibration=optional_argument(calibration, CalibrationOptions),
         stem=(stem, (str,), "str"),
         **evaluation_number_arguments(**numbers))
 
