@@ -30,9 +30,13 @@ from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefused
 from mla_convert.io.reader import CheckpointReader
 from mla_convert.io.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
 from mla_convert.io.writer import (
+    CREATION_GRACE_SECONDS,
     OWNER_FILE,
+    SCRATCH_LOCK,
     SIDECAR_FILES,
     CheckpointWriter,
+    claim_scratch_folder,
+    clean_stale_scratch_folders,
     parse_shard_size,
     partial_path_for,
 )
@@ -332,6 +336,54 @@ def test_partial_folder_whose_owner_is_gone_is_removed_whatever_its_pid_file_say
         writer.add("w", torch.ones(3))
         writer.commit()
     assert (output / "model.safetensors").exists()
+
+
+def _killed_while_creating_scratch(parent: Path, prefix: str, step: str) -> Path:
+    """The folder a run leaves when SIGKILL lands right after `step` of creating its scratch folder."""
+    script = f"""
+import os, signal, tempfile
+from pathlib import Path
+folder = tempfile.mkdtemp(prefix={prefix!r}, dir={str(parent)!r})
+if {step!r} == "lock opened":
+    open(Path(folder) / {SCRATCH_LOCK!r}, "w").close()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -signal.SIGKILL
+    (folder,) = parent.glob(prefix + "*")
+    return folder
+
+
+@pytest.mark.parametrize("prefix", ["mla-convert-stats-", "mla-convert-sweep-"])
+@pytest.mark.parametrize("step", ["folder made", "lock opened"])
+def test_scratch_folder_of_a_run_killed_while_creating_it_is_removed_once_old(tmp_path, prefix, step):
+    """A SIGKILL between making the scratch folder and writing the pid into its lock left a folder the cleaner never
+    judged (no lock file, or an empty one means "being created"): it stayed in the temp folder forever. Such a folder
+    holds nothing, so once it is older than any creation takes it is removed; a young one is left to its owner."""
+    folder = _killed_while_creating_scratch(tmp_path, prefix, step)
+    assert clean_stale_scratch_folders(tmp_path) == [] and folder.exists()  # as young as a folder being created
+    old = time.time() - CREATION_GRACE_SECONDS - 60
+    os.utime(folder, (old, old))
+    assert clean_stale_scratch_folders(tmp_path) == [folder.name] and not folder.exists()
+
+
+def test_old_scratch_folders_that_hold_data_or_a_live_lock_are_kept(tmp_path):
+    """Age alone never removes a folder: one without a lock that holds a file is not known to be ours, one whose lock a
+    live run holds is in use."""
+    unlocked = tmp_path / "mla-convert-stats-unlocked"
+    unlocked.mkdir()
+    (unlocked / "stats.safetensors").write_bytes(b"x")
+    live = tmp_path / "mla-convert-sweep-live"
+    live.mkdir()
+    handle = claim_scratch_folder(live)
+    try:
+        old = time.time() - CREATION_GRACE_SECONDS - 60
+        for folder in (unlocked, live):
+            os.utime(folder, (old, old))
+        assert clean_stale_scratch_folders(tmp_path) == []
+        assert (unlocked / "stats.safetensors").exists() and (live / SCRATCH_LOCK).exists()
+    finally:
+        handle.close()
+    assert clean_stale_scratch_folders(tmp_path) == [live.name]  # its owner gone, the lock names a pid: a leftover
 
 
 def test_existing_output_refused_without_overwrite_and_replaced_with_it(tmp_path):

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -414,7 +415,8 @@ def claim_scratch_folder(folder: str | os.PathLike):
     The handle holds an `flock`, which the kernel drops when the process dies, even by SIGKILL; so
     `clean_stale_scratch_folders` in a later run can tell a leftover from a folder a live run still uses,
     across users and PID namespaces, without trusting PIDs.  The PID is written after the lock is held: an
-    empty lock file means "being created" and is never cleaned.
+    empty lock file means "being created", and is cleaned only when nothing else is in the folder and it has been
+    that way for `CREATION_GRACE_SECONDS` (a run killed mid-creation).
     """
     try:
         import fcntl
@@ -442,13 +444,33 @@ def clean_stale_scratch_folders(parent: str | os.PathLike | None = None) -> list
             try:
                 with open(lock, "r+") as handle:
                     fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    if not handle.read().strip():
+                    if not handle.read().strip() and not _abandoned_while_created(folder):
                         continue  # its owner is still creating it
                     shutil.rmtree(folder, ignore_errors=True)
                     removed.append(folder.name)
-            except OSError:  # no lock file (not ours to judge), held by a live run, or not ours to remove
+            except FileNotFoundError:  # no lock file: not ours to judge, unless a run died creating it
+                if _abandoned_while_created(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(folder.name)
+            except OSError:  # held by a live run, or not ours to remove
                 continue
     return removed
+
+
+# A run creates its scratch folder and locks it within microseconds; one still half-made this long after is a leftover.
+CREATION_GRACE_SECONDS = 600
+
+
+def _abandoned_while_created(folder: Path) -> bool:
+    """Whether `folder` is what a run killed (SIGKILL cannot be deferred) between creating its scratch folder and
+    writing its PID into the lock left behind: nothing but, at most, an empty lock file, untouched for longer than any
+    creation takes. Such a folder holds no data of anyone's, so removing it loses nothing."""
+    try:
+        entries = [entry.name for entry in folder.iterdir()]
+        age = time.time() - folder.stat().st_mtime
+    except OSError:
+        return False
+    return set(entries) <= {SCRATCH_LOCK} and age > CREATION_GRACE_SECONDS
 
 
 def _fsync_tree(folder: Path) -> None:
