@@ -7,7 +7,6 @@ the hidden states on; big per-layer statistics (input second moments) are spille
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import MLAConvertError, OutputWriteError
 from ..eval.sampling import NUCLEUS_CANDIDATES, top_p_sample
-from ..io.writer import write_failure_errno
+from ..io.writer import STATS_SCRATCH_PREFIX, ScratchFolder, write_failure_errno
 from ..options import CalibrationOptions
 from ..source.model import (
     StreamedSourceModel,
@@ -148,8 +147,8 @@ class StatsStore:
     """Per-layer statistics spilled to a temporary folder (the model's layers never all sit in memory)."""
 
     def __init__(self, parent: str | Path | None = None):
-        self._dir = tempfile.TemporaryDirectory(prefix="mla-convert-stats-", dir=parent)
-        self.path = Path(self._dir.name)
+        self._folder = ScratchFolder(STATS_SCRATCH_PREFIX, parent)  # a later run removes it if this one is killed
+        self.path = self._folder.path
 
     def save(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         path = self.path / f"layer-{layer:05d}.safetensors"
@@ -183,7 +182,7 @@ class StatsStore:
         return out
 
     def cleanup(self) -> None:
-        self._dir.cleanup()
+        self._folder.cleanup()
 
 
 @dataclass

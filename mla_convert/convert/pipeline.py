@@ -31,8 +31,7 @@ from ..errors import CheckpointError, ConversionError, MLAConvertError, Prefligh
 from ..io.paths import absolute_path
 from ..io.reader import CheckpointReader
 from ..io.resolve import resolve_model_path, revision_problems
-from ..io.signals import signals_deferred
-from ..io.writer import CheckpointWriter, claim_scratch_folder, clean_stale_scratch_folders
+from ..io.writer import CheckpointWriter, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, optional_argument, path_argument
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedRows, StreamedSourceModel
@@ -126,7 +125,6 @@ class Converter:
         self.calibration_description = ""
         self.rope_stats: list = []
         self.calibration_seconds = 0.0
-        self._stats_lock = None  # flock marking the statistics folder as in use
         self.closed = False  # `close` removed the statistics: an export would silently calibrate all over again
         self.calibration_phases: dict[str, float] = {}  # wall time per calibration phase (shared by every export)
         self.calibration_cpu: dict[str, float] = {}  # and process CPU time
@@ -165,9 +163,7 @@ class Converter:
                        None if calib.data else calib.seq_len - 1)
         self.ids, self.calibration_description = calibration_ids(model, self.source_path, calib, progress=progress.advance)
         model.release()
-        with signals_deferred():  # the folder and its owner lock appear together, or not at all
-            self.store = StatsStore()
-            self._stats_lock = claim_scratch_folder(self.store.path)  # a later run cleans it after a kill
+        self.store = StatsStore()
         progress.phase("calibration statistics", source.num_layers)
         hidden = model.embed(self.ids)
         model.release()
@@ -350,9 +346,6 @@ class Converter:
 
     def close(self) -> None:
         self.closed = True
-        if self._stats_lock is not None:
-            self._stats_lock.close()
-            self._stats_lock = None
         if self.store is not None:
             self.store.cleanup()
             self.store = None

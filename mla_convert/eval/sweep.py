@@ -45,8 +45,7 @@ from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
 from ..io.resolve import needs_download
-from ..io.signals import signals_deferred
-from ..io.writer import SWEEP_SCRATCH_PREFIX, claim_scratch_folder, clean_stale_scratch_folders
+from ..io.writer import SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, optional_argument, path_argument
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
@@ -756,7 +755,8 @@ def run_sweep(
     if keep_models and (out is not None or models_dir is not None):
         keep_root = (out / "models") if out is not None else Path(models_dir)
     # (a --models-dir that is not a folder is among the problems: the source is still checked, in the temp folder)
-    scratch, scratch_lock = _claimed_scratch(models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
+    # converted models stay here until scored; a SIGKILLed sweep's folder (whole models, maybe) is removed by the next run
+    scratch = ScratchFolder(SWEEP_SCRATCH_PREFIX, models_dir if models_dir is not None and Path(models_dir).is_dir() else None)
     try:
         try:
             converter = Converter(source, base, _NotesOnce(progress))
@@ -771,10 +771,10 @@ def run_sweep(
             # everything that can fail cheaply fails before the slow calibration and evaluations
             # (kept models' folder does not exist yet: its exports are checked in the scratch folder)
             problems += _preflight_all(converter, base, ratios, methods,
-                                       keep_root if keep_root and keep_root.exists() else Path(scratch.name))
+                                       keep_root if keep_root and keep_root.exists() else scratch.path)
             if problems:
                 raise PreflightError(list(dict.fromkeys(problems)))
-            _clean_stale_scratch(Path(scratch.name).parent, progress)
+            _clean_stale_scratch(scratch.path.parent, progress)
             if base.calibration.data is not None:
                 load_text(base.calibration.data, text_column=base.calibration.text_column, max_chars=1000)
             progress.phase("reading and tokenizing the evaluation text")
@@ -851,7 +851,7 @@ def run_sweep(
                         continue
                     if keep_root is not None:
                         keep_root.mkdir(parents=True, exist_ok=True)
-                    folder = (keep_root or Path(scratch.name)) / _folder_name(method, ratio)
+                    folder = (keep_root or scratch.path) / _folder_name(method, ratio)
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
                                                keep=keep_root is not None)
@@ -866,23 +866,8 @@ def run_sweep(
                     if out is not None:
                         result.save(out, stem)
     finally:
-        try:
-            scratch.cleanup()
-        finally:  # (a failed removal must not keep the lock: the folder would then never count as left behind)
-            if scratch_lock is not None:
-                scratch_lock.close()
+        scratch.cleanup()
     return result
-
-
-def _claimed_scratch(parent: str | os.PathLike | None):
-    """The folder converted models stay in until scored, and the lock that marks it as in use.
-
-    A SIGKILLed sweep cannot remove it (it may hold whole models); the lock, which the kernel drops with the process,
-    lets the next run tell it from a live sweep's folder and remove it (`clean_stale_scratch_folders`).
-    """
-    with signals_deferred():  # the folder and its lock appear together, or not at all
-        scratch = tempfile.TemporaryDirectory(prefix=SWEEP_SCRATCH_PREFIX, dir=parent)
-        return scratch, claim_scratch_folder(scratch.name)
 
 
 def _clean_stale_scratch(parent: Path, progress: Progress) -> None:

@@ -405,8 +405,9 @@ def write_failure_errno(error: BaseException | None) -> int | None:
 # --------------------------------------------------------------------------- scratch folders
 SCRATCH_LOCK = ".mla-convert-lock"
 # the calibration statistics, and a sweep's converted models until each is scored (both may be large)
+STATS_SCRATCH_PREFIX = "mla-convert-stats-"
 SWEEP_SCRATCH_PREFIX = "mla-convert-sweep-"
-SCRATCH_PREFIXES = ("mla-convert-stats-", SWEEP_SCRATCH_PREFIX)
+SCRATCH_PREFIXES = (STATS_SCRATCH_PREFIX, SWEEP_SCRATCH_PREFIX)
 
 
 def claim_scratch_folder(folder: str | os.PathLike):
@@ -427,6 +428,30 @@ def claim_scratch_folder(folder: str | os.PathLike):
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+class ScratchFolder:
+    """A temp folder of this run (calibration statistics, a sweep's models) that a later run can clean after a kill.
+
+    The folder and its owner lock (`claim_scratch_folder`) appear together, or not at all, as far as Ctrl-C and kill
+    can tell; SIGKILL, which nothing can defer, may leave a half-made one, which `clean_stale_scratch_folders` removes
+    once it is old.  `cleanup()` removes the folder, then releases the lock even if the removal failed (a folder
+    whose lock stayed held would never count as left behind).
+    """
+
+    def __init__(self, prefix: str, parent: str | os.PathLike | None = None):
+        with signals_deferred():
+            self._folder = tempfile.TemporaryDirectory(prefix=prefix, dir=parent)
+            self._lock = claim_scratch_folder(self._folder.name)
+        self.path = Path(self._folder.name)
+
+    def cleanup(self) -> None:
+        try:
+            self._folder.cleanup()
+        finally:
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
 
 
 def clean_stale_scratch_folders(parent: str | os.PathLike | None = None) -> list[str]:
