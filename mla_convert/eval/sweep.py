@@ -318,13 +318,17 @@ class SweepResult:
         return self.cache_dtype_of(self.source_point) if by_role is None else \
             f"the dtype each model was scored in ({by_role})"
 
+    def window_counts(self) -> tuple[int, int]:
+        """(windows of the full context, tokens of a last shorter window or 0): the text's end cuts the last one."""
+        return divmod(self.source_point.result.num_tokens, self.context_length)
+
     def describe_protocol(self) -> str:
         """Two or three sentences saying how the numbers were measured (for the markdown files)."""
         source = self.source_point.result
         # a local text is named by its file name (its path is this machine's, or written portably as $TMPDIR/...)
         local = Path(self.data).exists() or self.data.startswith("$TMPDIR/") or looks_like_path(self.data)
         data = Path(self.data).name if local else self.data
-        full, rest = divmod(source.num_tokens, self.context_length)  # the last window is shorter when the text ends
+        full, rest = self.window_counts()
         if full + bool(rest) == 1:
             windows = f"1 window of {full * self.context_length + rest} tokens"
         else:
@@ -516,7 +520,7 @@ def _label_offset(result: SweepResult, point: SweepPoint) -> tuple[float, float]
 
 def plot_title(result: SweepResult) -> str:
     """The plot's default title: model, text and its windows (the context, or the text's length when it is shorter)."""
-    full, rest = divmod(result.source_point.result.num_tokens, result.context_length)  # as sweep.md counts them
+    full, rest = result.window_counts()  # as sweep.md counts them
     if not full:
         windows = f"1 x {rest}-token window"
     else:
