@@ -104,21 +104,36 @@ def inspect(
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="With --estimate --device cpu: CPU cores the conversion "
                                             "uses (default: this machine's, as torch counts them)."),
     options: ConvertOptions = None,
+    cli_context=None,
 ):
-    """Source attention shape, KV cache before/after for an MLA shape, the shapes each --target allows; --estimate: the cost."""
+    """Source attention shape, KV cache before/after for an MLA shape, the shapes each --target allows; --estimate: the cost.
+
+    On an MLA export (DeepseekV3 config.json): what it caches, the source's cache and the --target it was made for
+    (from its mla_convert.json, when it has one), and the recorded engine runs of exports like it.
+    """
     from .console import print_table
     from .eval.checks import positive_problems
     from .io.resolve import resolve_config_path, revision_problems
-    from .source.config import SourceConfig
-    from .source.inspect import estimate_problems, estimate_source_problems, inspect_shapes, target_rows
+    from .source.config import SourceConfig, is_export_config, read_config_json
+    from .source.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows
     from .units import parse_dtype
 
-    problems = estimate_problems(estimate, device, cpu_cores, options)  # --target's problems among them
+    local_export = _is_local_export(model)
+    # on an export the shape and the conversion flags have nothing to act on; else --target's problems are among these
+    problems = _export_flag_problems(model, cli_context) if local_export else \
+        estimate_problems(estimate, device, cpu_cores, options)
     problems += positive_problems({"--context": context, "--batch": batch}) + revision_problems(revision, model)
     if problems:
         raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
-    source = SourceConfig.from_folder(folder)
+    raw = read_config_json(folder)
+    if is_export_config(raw):  # an MLA export: what it caches, from its config.json and its conversion report
+        problems = [] if local_export else _export_flag_problems(model, cli_context)  # a hub id is known to be one only now
+        if problems:
+            raise PreflightError(problems)
+        _print_export(model, inspect_export(model, parse_dtype(dtype), context, batch, revision), dtype)
+        return
+    source = SourceConfig.from_dict(raw)
     if estimate:  # what `convert` would refuse for this source is not worth a prediction
         local = Path(model).expanduser()
         problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression,
@@ -170,6 +185,91 @@ def inspect(
         print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
         for note in result.notes:
             print_plain(f"note: {note}")
+
+
+# inspect's parameters that act on an MLA export: the cache table's context, batch and dtype, and the hub revision
+EXPORT_INSPECT_PARAMETERS = ("model", "context", "batch", "dtype", "revision")
+
+
+def _is_local_export(model: str) -> bool:
+    """Whether `model` is a local folder whose config.json is an MLA export's (a broken one is left to the checks)."""
+    from .source.config import is_export_config, read_config_json
+
+    path = Path(model).expanduser()
+    try:
+        return (path / "config.json").is_file() and is_export_config(read_config_json(path))
+    except (MLAConvertError, OSError):
+        return False
+
+
+def _typed_flags(context, skip: tuple[str, ...]) -> list[str]:
+    """The flags typed on this command line (or set from the environment), as typed long (--no-sequential for a
+    switch turned off), except the parameters in `skip`; [] without a command line's context."""
+    if context is None:
+        return []
+    flags = []
+    for param in context.command.params:
+        source = context.get_parameter_source(param.name)
+        if param.name in skip or source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        names = param.secondary_opts if getattr(param, "secondary_opts", None) and context.params.get(param.name) is False \
+            else param.opts
+        flags.append(next((name for name in names if name.startswith("--")), names[0]))
+    return flags
+
+
+def _export_flag_problems(model: str, context) -> list[str]:
+    """inspect's flags that cannot act on an MLA export (its shape is fixed; nothing is converted), one line naming them."""
+    flags = _typed_flags(context, EXPORT_INSPECT_PARAMETERS)
+    if not flags:
+        return []
+    return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model (Llama, Mistral, Qwen2); "
+            f"{model} is an MLA export, whose config.json fixes its shape (on an export inspect takes --context, --batch, "
+            "--dtype and --revision)"]
+
+
+def _print_export(model: str, found, dtype: str) -> None:
+    """inspect's answer for an MLA export, each number with the file it comes from."""
+    from .console import print_table
+    from .convert.engines import RUNS_FILE, describe_run
+
+    export, source, report = found.export, found.source, found.report_file
+    shape = f"{export.kv_lora_rank}+{export.rope_dim}"
+    print_plain(f"{model}: MLA export (DeepseekV3), {export.num_layers} layers, {export.num_heads} heads; caches "
+                f"kv_lora_rank {export.kv_lora_rank} + qk_rope_head_dim {export.rope_dim} values per token and layer "
+                "(config.json)")
+    if source is not None:
+        print_plain(f"source ({report}): {source.name}, {source.architecture} ({source.attention_kind}), {source.num_layers} "
+                    f"layers, {source.num_heads} query heads, {source.num_kv_heads} kv heads, head_dim {source.head_dim}")
+    else:
+        print_plain("source: unknown")
+    print_plain(f"made for: --target {found.target} ({report})" if found.target else "made for: unknown")
+    if found.unknown_because:
+        print_plain(f"note: {found.unknown_because}")
+    print_table(console, f"KV cache ({dtype}): source vs MLA {shape}",
+                ("quantity", f"source ({report})" if source is not None else "source", "MLA (config.json)"),
+                found.rows(), right=(1, 2))
+    for note in found.notes():
+        print_plain(f"note: {note}")
+    ratio = found.ratio
+    if ratio is None:
+        print_plain("compression ratio: unknown (the source is unknown)")
+    else:
+        change = f"{ratio:.2f}x smaller KV cache" if ratio >= 1 else \
+            f"{ratio:.2f}x: the MLA cache is {1 / ratio:.2f}x larger than the source's"
+        print_plain(f"compression ratio: {change} (the source's cache from {report}, the export's from config.json)")
+    record = f"mla_convert/convert/{RUNS_FILE.name}"
+    if found.target is None:
+        print_plain(f"engine runs: none shown (the records, {record}, are matched by the --target an export was made "
+                    "for, which is unknown here)")
+    elif found.runs:
+        print_table(console, f"engine runs on record of --target {found.target} exports at {shape} ({record}; runs of "
+                    "the models named, not of this folder)", ("engine", "recorded run"),
+                    [(run["engine"], describe_run(run)) for run in found.runs])
+    else:
+        query = "with" if export.q_lora_rank is not None else "without"
+        print_plain(f"engine runs: none on record of a --target {found.target} export at {shape} ({query} q_lora_rank, "
+                    f"RoPE {export.rope_type}) in {record}: no engine is measured to run it")
 
 
 @app.command()

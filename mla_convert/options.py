@@ -346,7 +346,9 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
     ConvertOptions the command will really run with (sweep: one per --methods entry); a typed flag is refused
     only when it can act in none of them.  Flags that cannot act are refused before the command runs, unless the
     command declares a `flag_problems` parameter: it then receives them (a list of lines) to report together with
-    the problems it finds itself, so that one run names every problem.
+    the problems it finds itself, so that one run names every problem.  A command that declares a `cli_context`
+    parameter receives the command line's context in it (None when called without one), to tell its own typed flags
+    from defaults.
     """
     specs = {name: (value, frozenset()) if isinstance(value, type) else (value[0], frozenset(value[1]))
              for name, value in groups.items()}
@@ -357,7 +359,7 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
         hints = typing.get_type_hints(func)
         declared = inspect.signature(func).parameters
         own = [p.replace(annotation=hints.get(p.name, p.annotation))
-               for p in declared.values() if p.name not in specs and p.name != FLAG_PROBLEMS]
+               for p in declared.values() if p.name not in specs and p.name not in (FLAG_PROBLEMS, _CONTEXT)]
         generated = {name: _flags(cls, exclude) for name, (cls, exclude) in specs.items()}
         taken = [p.name for p in own] + [f.parameter.name for flags in generated.values() for f in flags]
         clashes = {name for name in taken if taken.count(name) > 1}
@@ -384,6 +386,8 @@ def cli_options(variants: Callable[[dict, ConvertOptions], list[ConvertOptions]]
                 kwargs[FLAG_PROBLEMS] = problems
             elif problems:
                 raise PreflightError(problems)
+            if _CONTEXT in declared:  # the command reads which of its own flags were typed (inspect on an export)
+                kwargs[_CONTEXT] = context
             return func(*args, **kwargs)
 
         parameters = own + [f.parameter for flags in generated.values() for f in flags]

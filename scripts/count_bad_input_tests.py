@@ -41,6 +41,7 @@ RULES = [
     ("tests/test_determinism.py", r"thread", "convert"),
     ("tests/test_textdata.py", r"missing|empty|non_utf8|too_short|rejects|offline|neither_file_nor_folder", "convert"),
     ("tests/test_shapes_inspect.py", r"error|rejected|problem|refus", "inspect"),
+    ("tests/test_inspect_export.py", r"refus|unreadable|another_conversion", "inspect"),
     ("tests/test_journey.py", r"^test_generate_.*refuse", "generate"),  # before the eval rule: first match counts
     ("tests/test_journey.py", r"refuse|never_run_code", "eval"),
     ("tests/test_perplexity.py", r"bad_settings|never_replaces|before_any_model|script_refuses|special_data_path", "eval"),

@@ -98,13 +98,15 @@ def test_only_the_config_module_reads_the_raw_config_dict():
 
 
 def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
-    """inspect and convert on a converted folder said "unsupported architecture 'DeepseekV3ForCausalLM'"."""
+    """inspect and convert on a converted folder said "unsupported architecture 'DeepseekV3ForCausalLM'"; convert still
+    refuses one, and points to inspect, which reports an export's cache (tests/test_inspect_export.py)."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
                                                        "kv_lora_rank": 144, "qk_rope_head_dim": 48}))
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
-                                      "convert, inspect and sweep take the Llama / Mistral / Qwen2 model it was converted from"]
+                                      "convert and sweep take the Llama / Mistral / Qwen2 model it was converted from "
+                                      "(`mla-convert inspect` reports what an export caches)"]
 
 
 def test_a_partial_rotary_factor_is_refused_with_the_reason():

@@ -95,6 +95,23 @@ def _shape(run: dict) -> tuple[int, int]:
     return int(run["kv_lora_rank"]), int(run["rope_dim"])
 
 
+def _same_export_kind(run: dict, target: str, shape: tuple[int, int], q_lora_rank: int | None) -> bool:
+    """Whether a recorded run was of an export like this one: the same target and kv_lora_rank + rope_dim, with a query
+    latent exactly when this one has one (llama.cpp refuses a DeepSeek export without q_lora_rank: another key,
+    another outcome)."""
+    return run.get("target") == target and _shape(run) == shape and (run.get("q_lora_rank") is None) == (q_lora_rank is None)
+
+
+def recorded_runs(target: str, mla: MLAShape, q_lora_rank: int | None, rope_type: str = "default",
+                  runs: tuple[dict, ...] | None = None) -> list[dict]:
+    """The recorded runs that count for an export of `target` at this shape and RoPE type, every engine's: the runs
+    `engine_compatibility` rests its verdicts on (records made before the harness wrote down the RoPE are of
+    default-RoPE exports).  They are runs of the models they name, not of the export asked about."""
+    shape = (mla.kv_lora_rank, mla.rope_dim)
+    return [r for r in (engine_runs() if runs is None else runs)
+            if _same_export_kind(r, target, shape, q_lora_rank) and r.get("rope_type", "default") == rope_type]
+
+
 def describe_run(run: dict) -> str:
     """One measured run as a short phrase: 'SmolLM2-135M-Instruct 256+64 q8_0/f16: ok, ratio +0.2 % (llama.cpp b11434, 2026-12-01)'."""
     setting = "/".join(str(run[key]) for key in ("weights", "kv_cache") if run.get(key))
@@ -175,9 +192,7 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
     rope_type = (rope_parameters or {}).get("rope_type", "default")
     for engine in ("vllm", "llama.cpp"):
         mine = [r for r in runs if r["engine"] == engine and r.get("target") == chosen.name]
-        # a run counts for this export when its shape matches and it had a query latent exactly when this one does
-        # (llama.cpp refuses a DeepSeek export without q_lora_rank: another key, another outcome)
-        here = [r for r in mine if _shape(r) == shape and (r.get("q_lora_rank") is None) == (q_lora_rank is None)]
+        here = [r for r in mine if _same_export_kind(r, chosen.name, shape, q_lora_rank)]
         # ... and it ran the same RoPE (records made before the harness wrote it down are of default-RoPE exports)
         same_rope = [r for r in here if r.get("rope_type", "default") == rope_type]
         problems = constraint_problems(engine, mla, chosen, attention_bias, q_lora_rank, tied)

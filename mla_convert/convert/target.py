@@ -320,8 +320,9 @@ _REPORT_FACTS = {"kv_lora_rank": ("options", "kv_lora_rank"), "qk_rope_head_dim"
                  "num_hidden_layers": ("source", "num_layers")}
 
 
-def export_report_mismatches(folder: str | os.PathLike, report: dict, report_name: str) -> list[str]:
-    """A config.json (and so weights) from another conversion than the report describes: the card would be false."""
+def report_config_differences(folder: str | os.PathLike, report: dict) -> list[str]:
+    """The facts folder/config.json states otherwise than the report records, e.g. 'kv_lora_rank 16 (the report: 24)'
+    (empty: they agree, or config.json cannot be read, which its own check reports)."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -333,6 +334,12 @@ def export_report_mismatches(folder: str | os.PathLike, report: dict, report_nam
         recorded = report.get(section, {}).get(name) if isinstance(report.get(section), dict) else None
         if recorded is not None and config.get(key) is not None and recorded != config.get(key):
             wrong.append(f"{key} {config.get(key)} (the report: {recorded})")
+    return wrong
+
+
+def export_report_mismatches(folder: str | os.PathLike, report: dict, report_name: str) -> list[str]:
+    """A config.json (and so weights) from another conversion than the report describes: the card would be false."""
+    wrong = report_config_differences(folder, report)
     if not wrong:
         return []
     return [f"config.json and {report_name} describe different models ({', '.join(wrong)}): the card would state the "

@@ -102,3 +102,27 @@ def resolve_config_path(model: str | os.PathLike, revision: str | None = None) -
         raise CheckpointError(_unreachable(text)) from error
     except HfHubHTTPError as error:
         raise CheckpointError(f"{text}: cannot fetch config.json from the hub ({error})") from error
+
+
+def optional_file(model: str | os.PathLike, folder: Path, filename: str,
+                  revision: str | None = None) -> tuple[Path | None, str | None]:
+    """A file a model may have beside its config.json (`folder`, as `resolve_config_path` gave it): (its path, None);
+    (None, None) when the model has no such file; (None, why) when a hub model's could not be fetched."""
+    local = Path(model).expanduser()
+    if local.exists():
+        path = folder / filename
+        return (path, None) if path.exists() or path.is_symlink() else (None, None)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    from .hub_access import hub_reads
+
+    try:
+        with hub_reads():
+            return Path(hf_hub_download(repo_id=str(model), filename=filename, revision=revision)), None
+    except LocalEntryNotFoundError:  # (an EntryNotFoundError too: first)
+        return None, f"{model}: {filename} is not in the local hub cache and the hub cannot be reached (offline?)"
+    except EntryNotFoundError:  # the repository has no such file
+        return None, None
+    except HfHubHTTPError as error:
+        return None, f"{model}: cannot fetch {filename} from the hub ({' '.join(str(error).split())})"

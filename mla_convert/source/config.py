@@ -32,7 +32,10 @@ REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vo
 # layer or tensor would run for hours.
 MAX_SIZE = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
             "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "head_dim": 4096,
-            "max_position_embeddings": 1 << 28}
+            "max_position_embeddings": 1 << 28,
+            # an MLA export's (DeepseekV3) attention sizes
+            "kv_lora_rank": 1 << 20, "qk_rope_head_dim": 4096, "q_lora_rank": 1 << 20, "qk_nope_head_dim": 4096,
+            "v_head_dim": 4096}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # What the RoPE types mla-convert reproduces need beyond rope_theta (transformers' own requirements).
 ROPE_REQUIRED_KEYS = {
@@ -175,6 +178,91 @@ class SourceConfig:
         return self.architecture.embed if self.tied_embeddings else self.architecture.lm_head
 
 
+# --------------------------------------------------------------------------- an MLA export's config
+EXPORT_MODEL_TYPE = "deepseek_v3"
+
+
+def is_export_config(raw: Mapping[str, Any]) -> bool:
+    """Whether a config.json describes an MLA model (DeepseekV3: mla-convert's exports, DeepSeek's own models)."""
+    return raw.get("model_type") == EXPORT_MODEL_TYPE
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What an MLA export's `config.json` says its KV cache holds, typed (an mla-convert export's, or any DeepseekV3's).
+
+    Per token and layer a DeepseekV3 model caches the latent (`kv_lora_rank` values) and the one RoPE key shared by
+    all heads (`qk_rope_head_dim`): transformers' DeepseekV3Attention caches exactly these (tests/test_kv_cache_measure.py),
+    as absorbed-MLA engines do.  The query latent and the MoE layers of a DeepSeek model change nothing in the cache;
+    they are kept to be named.  A key the file leaves out is transformers' DeepseekV3Config default, as loading the
+    model would take it (q_lora_rank 1536 when absent; null is no query latent).
+    """
+
+    kv_lora_rank: int
+    rope_dim: int
+    num_layers: int
+    num_heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+    moe_layers: int  # layers built with a mixture of experts (index >= first_k_dense_replace); 0: a dense model
+    max_position_embeddings: int
+    rope_parameters: dict
+    torch_dtype: torch.dtype
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ExportConfig:
+        """Parse a DeepseekV3 `config.json` mapping; raise `PreflightError` listing every problem."""
+        config, problems = _parse_export(raw)
+        if problems:
+            raise PreflightError(problems)
+        return config
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def rope_type(self) -> str:
+        """As the engine records name it (a legacy `rope_scaling` says `type`)."""
+        return self.rope_parameters.get("rope_type") or self.rope_parameters.get("type") or "default"
+
+
+def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str]]:
+    from transformers import DeepseekV3Config
+
+    if not is_export_config(raw):
+        return None, [f"config.json: model_type {raw.get('model_type')!r} is not an MLA export's ({EXPORT_MODEL_TYPE!r}); "
+                      "a Llama / Mistral / Qwen2 source is inspected as one (SourceConfig, inspect_shapes)"]
+    defaults = DeepseekV3Config()
+    read = _Reader(raw)
+
+    def size(key: str) -> int | None:
+        return read.size(key, default=getattr(defaults, key))
+
+    rank, rope, layers, heads = (size(key) for key in ("kv_lora_rank", "qk_rope_head_dim", "num_hidden_layers",
+                                                       "num_attention_heads"))
+    nope, value_dim, positions = (size(key) for key in ("qk_nope_head_dim", "v_head_dim", "max_position_embeddings"))
+    q_rank = None if "q_lora_rank" in raw and raw["q_lora_rank"] is None else size("q_lora_rank")
+    if rope is not None and rope % 2:
+        read.problems.append(f"config.json: qk_rope_head_dim {rope} is odd; RoPE rotates pairs of dimensions")
+    dense = raw.get("first_k_dense_replace", defaults.first_k_dense_replace)
+    if not (_is_int(dense) and dense >= 0):
+        read.problems.append(f"config.json: first_k_dense_replace must be a whole number >= 0 (found {dense!r})")
+        dense = None
+    rope_parameters = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope_parameters, dict):
+        read.problems.append(f"config.json: rope_parameters must be a JSON object (found {rope_parameters!r})")
+    dtype = _dtype(raw, read.problems)
+    if read.problems:
+        return None, read.problems
+    return ExportConfig(
+        kv_lora_rank=rank, rope_dim=rope, num_layers=layers, num_heads=heads, qk_nope_head_dim=nope,
+        v_head_dim=value_dim, q_lora_rank=q_rank, moe_layers=max(0, layers - dense), max_position_embeddings=positions,
+        rope_parameters=dict(rope_parameters), torch_dtype=dtype,
+    ), []
+
+
 # --------------------------------------------------------------------------- reading
 def read_config_json(folder: str | os.PathLike) -> dict:
     """The parsed `config.json` of a model folder, with a clear error when absent, unreadable or broken."""
@@ -259,10 +347,11 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
     model_type = raw.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         return None, [f"config.json: model_type must be a string (found {model_type!r})"]
-    if model_type == "deepseek_v3":  # an export given as a source: say so, its architecture is not "unsupported"
+    if model_type == EXPORT_MODEL_TYPE:  # an export given as a source: say so, its architecture is not "unsupported"
         rank, rope = raw.get("kv_lora_rank"), raw.get("qk_rope_head_dim")
-        return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert, "
-                      "inspect and sweep take the Llama / Mistral / Qwen2 model it was converted from"]
+        return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert and "
+                      "sweep take the Llama / Mistral / Qwen2 model it was converted from (`mla-convert inspect` reports "
+                      "what an export caches)"]
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from ..errors import PreflightError
 from ..units import human_bytes
-from .config import SourceConfig
+from .config import ExportConfig, SourceConfig
 from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
@@ -48,19 +49,34 @@ class InspectReport:
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(quantity, source, MLA) rows for the before/after table."""
-        s, m = self.source_cost, self.mla_cost
-        tokens = self.context * self.batch
-        windowed = self.source_cached_tokens != self.context
-        source_cache = human_bytes(s.bytes_for(self.source_cached_tokens, self.batch))
-        return [
-            ("cached values / token / layer", f"{s.values_per_token_layer}", f"{m.values_per_token_layer}"),
-            ("bytes / token / layer", f"{s.bytes_per_token_layer}", f"{m.bytes_per_token_layer}"),
-            ("bytes / token (all layers)", human_bytes(s.bytes_per_token), human_bytes(m.bytes_per_token)),
-            (f"cache for {self.context} tokens x batch {self.batch}",
-             source_cache + (f" ({self.source_cached_tokens}-token window)" if windowed else ""),
-             human_bytes(m.bytes_for(self.context, self.batch))),
-            ("tokens cached per GiB", f"{(1 << 30) // s.bytes_per_token:,}", f"{(1 << 30) // m.bytes_per_token:,}"),
-        ] if tokens else []
+        return cache_rows(self.source_cost, self.mla_cost, self.context, self.batch, self.source_cached_tokens)
+
+
+UNKNOWN = "unknown"
+
+
+def cache_rows(source: CacheCost | None, mla: CacheCost, context: int, batch: int,
+               source_cached_tokens: int | None = None) -> list[tuple[str, str, str]]:
+    """(quantity, source, MLA) rows of the before/after table; every source cell "unknown" when `source` is None (an
+    export whose source is not recorded: its numbers are never guessed).  `source_cached_tokens`: what the source
+    caches of `context` per sequence (less under a sliding window)."""
+    if not context * batch:
+        return []
+    cached = context if source_cached_tokens is None else source_cached_tokens
+
+    def of_source(cell) -> str:
+        return UNKNOWN if source is None else cell(source)
+
+    window = f" ({cached}-token window)" if cached != context else ""
+    return [
+        ("cached values / token / layer", of_source(lambda s: f"{s.values_per_token_layer}"), f"{mla.values_per_token_layer}"),
+        ("bytes / token / layer", of_source(lambda s: f"{s.bytes_per_token_layer}"), f"{mla.bytes_per_token_layer}"),
+        ("bytes / token (all layers)", of_source(lambda s: human_bytes(s.bytes_per_token)), human_bytes(mla.bytes_per_token)),
+        (f"cache for {context} tokens x batch {batch}", of_source(lambda s: human_bytes(s.bytes_for(cached, batch)) + window),
+         human_bytes(mla.bytes_for(context, batch))),
+        ("tokens cached per GiB", of_source(lambda s: f"{(1 << 30) // s.bytes_per_token:,}"),
+         f"{(1 << 30) // mla.bytes_per_token:,}"),
+    ]
 
 
 def inspect_shapes(
@@ -118,6 +134,177 @@ def target_rows(source: SourceConfig) -> list[tuple[str, str, str]]:
             ratios += f"; {rule}"
         rows.append((target.name, shapes, ratios))
     return rows
+
+
+# --------------------------------------------------------------------------- an MLA export
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class RecordedSource:
+    """The model an export was converted from, as the export's conversion report (mla_convert.json) records it."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """One key and one value per kv head (SourceConfig.kv_values_per_token_layer, from the recorded shape)."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_report(cls, report: dict) -> RecordedSource | None:
+        """None when the report's `source` section lacks a whole shape (positive integers) to count the cache from."""
+        section = report.get("source")
+        if not isinstance(section, dict):
+            return None
+        sizes = {key: section.get(key) for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim")}
+        if not all(_positive_int(value) for value in sizes.values()):
+            return None
+        window = section.get("sliding_window")
+        return cls(name=str(section.get("name_or_path") or "?"), architecture=str(section.get("architecture") or "?"),
+                   sliding_window=window if _positive_int(window) else None, **sizes)
+
+
+@dataclass(frozen=True)
+class ExportInspection:
+    """What an MLA export caches (from its config.json) and, where its conversion report records them, the source it was
+    converted from, the serving target it was made for and the recorded engine runs of exports like it.  Nothing the
+    report does not record is filled in: `source` and `target` are None then, with the reason in `unknown_because`."""
+
+    name: str
+    export: ExportConfig
+    dtype: torch.dtype
+    context: int
+    batch: int
+    source: RecordedSource | None
+    target: str | None
+    report_file: str | None  # the report the source and target were read from (None: none was used)
+    unknown_because: str | None  # why the source or the target is unknown
+    runs: tuple[dict, ...] = ()  # mla_convert/convert/engine_runs.json records of this target, shape and RoPE
+
+    @property
+    def mla(self) -> MLAShape:
+        return MLAShape(self.export.kv_lora_rank, self.export.rope_dim, self.export.q_lora_rank)
+
+    @property
+    def mla_cost(self) -> CacheCost:
+        return CacheCost(self.export.kv_values_per_token_layer, self.export.num_layers, self.dtype)
+
+    @property
+    def source_cost(self) -> CacheCost | None:
+        if self.source is None:
+            return None
+        return CacheCost(self.source.kv_values_per_token_layer, self.source.num_layers, self.dtype)
+
+    @property
+    def ratio(self) -> float | None:
+        """Source cache / export cache per token (all layers); None when the source is unknown."""
+        source = self.source_cost
+        return None if source is None else source.bytes_per_token / self.mla_cost.bytes_per_token
+
+    @property
+    def source_cached_tokens(self) -> int:
+        window = self.source.sliding_window if self.source is not None else None
+        return min(self.context, window) if window else self.context
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        return cache_rows(self.source_cost, self.mla_cost, self.context, self.batch, self.source_cached_tokens)
+
+    def notes(self) -> list[str]:
+        from ..convert.engines import LLAMA_CPP_LITE_LAYERS, PATCHES
+
+        notes = []
+        if self.source is not None and self.source.sliding_window and self.context > self.source.sliding_window:
+            notes.append(f"the source slides its attention over {self.source.sliding_window} tokens, so it caches at most "
+                         "that many per sequence (counted so above); the export attends to every position")
+        if self.context > self.export.max_position_embeddings:
+            notes.append(f"--context {self.context} is longer than the export's max_position_embeddings "
+                         f"{self.export.max_position_embeddings}")
+        extras = ([f"q_lora_rank {self.export.q_lora_rank}"] if self.export.q_lora_rank is not None else []) + (
+            [f"mixture-of-experts MLPs in {self.export.moe_layers} of {self.export.num_layers} layers"]
+            if self.export.moe_layers else [])
+        if extras:
+            notes.append(f"{' and '.join(extras)}: no change to the KV cache, which holds the latent (kv_lora_rank) and "
+                         "the shared RoPE key (qk_rope_head_dim) per token and layer")
+        patches = sorted({name for run in self.runs for name in run.get("workarounds") or []})
+        if patches:
+            notes.append("the runs marked 'harness workarounds' needed the test harness's patches to the engine: "
+                         + "; ".join(f"{name} ({PATCHES.get(name, 'see docs/engines.md')})" for name in patches))
+        if self.export.num_layers in LLAMA_CPP_LITE_LAYERS and any(run["engine"] == "llama.cpp" for run in self.runs):
+            notes.append(f"{self.export.num_layers} layers: llama.cpp b11434 takes a 26- or 27-layer DeepSeek model for "
+                         "V2-Lite and ignores its q_lora_rank (read in src/models/deepseek2.cpp; no such model was run)")
+        return notes
+
+
+def read_export_report(model: str | os.PathLike, folder: Path, revision: str | None = None) -> tuple[dict | None, str | None]:
+    """(the export's conversion report, None), or (None, why it is not used): absent, unreadable, not mla-convert's,
+    or of another conversion than config.json's."""
+    from ..convert.report import REPORT_FILE
+    from ..convert.target import report_config_differences
+    from ..errors import MLAConvertError
+    from ..hub.card import load_report
+    from ..io.resolve import optional_file
+
+    path, why = optional_file(model, folder, REPORT_FILE, revision)
+    if path is None:
+        return None, why or (f"{model} has no {REPORT_FILE} (the report mla-convert writes beside an export): "
+                             "a DeepseekV3 model mla-convert did not write, or its report was removed")
+    try:
+        report = load_report(path.parent)
+    except MLAConvertError as error:
+        return None, str(error)
+    wrong = report_config_differences(folder, report)
+    if wrong:
+        return None, (f"config.json and {REPORT_FILE} describe different models ({', '.join(wrong)}): the report is of "
+                      "another conversion")
+    return report, None
+
+
+def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, context: int = 4096, batch: int = 1,
+                   revision: str | None = None) -> ExportInspection:
+    """`inspect` on an MLA export (a folder or hub id whose config.json is DeepseekV3's): its KV cache from config.json;
+    the source's cache, the ratio and the serving target from its mla_convert.json, when it has one that matches;
+    the recorded engine runs of exports of that target, shape and RoPE (mla_convert/convert/engine_runs.json)."""
+    from ..convert.engines import recorded_runs
+    from ..convert.report import REPORT_FILE
+    from ..convert.target import TARGETS
+    from ..eval.checks import positive_problems
+    from ..io.resolve import resolve_config_path
+    from .config import read_config_json
+
+    problems = positive_problems({"context": context, "batch": batch})
+    if problems:
+        raise PreflightError(problems)
+    folder = resolve_config_path(model, revision)
+    export = ExportConfig.from_dict(read_config_json(folder))
+    report, why = read_export_report(model, folder, revision)
+    source = target = None
+    if report is not None:
+        source = RecordedSource.from_report(report)
+        options = report.get("options")
+        target = options.get("target") if isinstance(options, dict) else None
+        target = target if isinstance(target, str) and target in TARGETS else None
+        missing = [what for what, value in (("source shape (num_layers, num_heads, num_kv_heads, head_dim)", source),
+                                            ("--target", target)) if value is None]
+        if missing:
+            why = f"{REPORT_FILE} records no {' and no '.join(missing)}"
+    runs = () if target is None else tuple(recorded_runs(target, MLAShape(export.kv_lora_rank, export.rope_dim),
+                                                         export.q_lora_rank, export.rope_type))
+    return ExportInspection(str(model), export, dtype, context, batch, source, target,
+                            REPORT_FILE if report is not None else None, why, runs)
 
 
 ESTIMATE_DEVICES = ("cpu", "cuda")
