@@ -468,6 +468,13 @@ def test_every_settings_problem_is_reported_in_one_run(tmp_path):
         "unrecognized arguments: --bogus 1 (see --help)", "--max-steps: invalid int value: 'abc'",
         "--verify-save: invalid boolean value: 'maybe'"]
     # an unreadable config file no longer hides the flags' problems
+    # a float flag given nan, inf or a number beyond float's range is refused as typed ("lr: ... (got inf)" for 1e309),
+    # and an infinite whole number in the config file is a settings problem (it was an OverflowError traceback)
+    recipe = tmp_path / "infinite.yaml"
+    recipe.write_text("max_steps: 1e309\n")
+    assert refused("--lr", "1e309", "--temperature", "nan", "--config", str(recipe)) == [
+        "--lr: '1e309' is not a finite number", "--temperature: 'nan' is not a finite number",
+        "max_steps: '1e309' is not a valid int"]
     assert refused("--config", str(tmp_path / "missing.yaml"), "--lr", "x") == [
         "--lr: invalid float value: 'x'", f"{tmp_path / 'missing.yaml'}: cannot read the config (No such file or directory)"]
     # a refused value is one line, not also "required" about the default it left behind

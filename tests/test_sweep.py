@@ -103,6 +103,11 @@ def test_ratios_and_methods_are_parsed_or_refused_in_one_line():
         with pytest.raises(SweepError) as error:
             parse_ratios(bad)
         assert "\n" not in str(error.value)
+    # nan, inf and a number beyond float's range are refused as typed (`2,1e309` said "--ratios: inf: ... at least 1")
+    for typed in ("nan", "inf", "1e309", "-inf"):
+        with pytest.raises(SweepError) as error:
+            parse_ratios(f"2,{typed}")
+        assert str(error.value) == f"--ratios '2,{typed}': '{typed}' is not a finite number; write e.g. 2,4,8"
     assert canonical_methods("svd,activation-aware,weight") == ["weight", "output"]
     with pytest.raises(SweepError, match="not a method"):
         canonical_methods(["activation-aware", "pca"])

@@ -80,9 +80,12 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
         ratios = []
         for part in parts:
             try:
-                ratios.append(float(part.rstrip("xX")))
+                ratio = float(part.rstrip("xX"))
             except ValueError:
                 raise SweepError(f"--ratios {text!r}: {part!r} is not a number; write e.g. 2,4,8") from None
+            if not math.isfinite(ratio):  # nan, inf, or 1e309 (which the range check echoed as "inf")
+                raise SweepError(f"--ratios {text!r}: {part!r} is not a finite number; write e.g. 2,4,8")
+            ratios.append(ratio)
     else:
         ratios = _numbers(text)
     if not ratios:
