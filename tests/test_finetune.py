@@ -1379,6 +1379,32 @@ def test_a_model_that_is_not_converted_is_named_as_such_first(tiny_llama, tmp_pa
         assert not (tmp_path / "out.ckpt").exists()
 
 
+def test_finetune_refuses_pickled_weights_without_offering_a_flag_it_lacks(tiny_llama, tmp_path):
+    """finetune has no --allow-pickle, but its refusal of a pickled-only teacher said "... or pass --allow-pickle to
+    load them"; the converted model's refusal too."""
+    source, converted = tiny_llama
+
+    def pickled(folder: Path, name: str) -> Path:
+        copy = Path(shutil.copytree(folder, tmp_path / name))
+        state = {}
+        for file in sorted(copy.glob("*.safetensors")):
+            state.update(load_file(file))
+            file.unlink()
+        for index in copy.glob("*.safetensors.index.json"):
+            index.unlink()
+        torch.save(state, copy / "pytorch_model.bin")
+        return copy
+
+    for model, teacher in ((converted, pickled(source, "teacher")), (pickled(converted, "model"), source)):
+        config = _tiny_run_config(model, tmp_path, "out", teacher=str(teacher))
+        with pytest.raises(MLAConvertError) as refused:
+            run_finetune(config, log=lambda text: None)
+        where = teacher if teacher.name == "teacher" else model
+        assert str(refused.value) == (f"{where}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary "
+                                      "code. This command reads safetensors only: convert them to safetensors first")
+        assert not (tmp_path / "out").exists()
+
+
 def test_resume_refuses_a_stop_after_it_is_already_past_and_a_missing_folder(straight_and_resumed, tmp_path):
     """Resuming a step-3 checkpoint with stop_after 2 trained step 4, checkpointed it and stopped; a missing resume
     folder read "not a complete checkpoint"."""

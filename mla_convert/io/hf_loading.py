@@ -84,11 +84,13 @@ def without_load_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto", allow_pickle: bool = False, **kwargs):
-    """A causal LM from a local folder, weights checked first (refused pickles, damaged shards)."""
+def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto", allow_pickle: bool = False,
+                   pickle_flag: bool = True, **kwargs):
+    """A causal LM from a local folder, weights checked first (refused pickles, damaged shards).  `pickle_flag`: the
+    command that loads it has --allow-pickle (finetune has none: its refusal of pickles must not offer one)."""
     from transformers import AutoModelForCausalLM
 
-    problems = weights_problems(folder, allow_pickle)
+    problems = weights_problems(folder, allow_pickle, pickle_flag)
     if problems:
         raise CheckpointError("\n".join(problems))
     try:
