@@ -428,6 +428,17 @@ def evaluate(
                                   "they are printed above") from error
 
 
+def _decode_parts(result) -> str:
+    """The decode's time as generate reports it: the first decode step (warm-up included), then the steady rate."""
+    if not result.first_decode_step_tokens:
+        return "each from the prefill's logits: no decode step ran"
+    first = f"first decode step {result.first_decode_step_seconds:.2f} s, warm-up included"
+    if not result.steady_decode_tokens:
+        return f"{first}; no later decode step to time"
+    return (f"{first}; then {result.steady_decode_tokens} tokens in {result.steady_decode_seconds:.2f} s, "
+            f"{result.steady_decode_tokens_per_second:.1f} tokens/s")
+
+
 @app.command()
 @user_errors
 def generate(
@@ -485,10 +496,10 @@ def generate(
                            dtype=None if dtype == "auto" else parse_dtype(dtype))
     for prompt, text in zip(prompts, result.texts):
         console.print(escape(prompt) + "[bold]" + escape(text) + "[/]", highlight=False, soft_wrap=True)
-    # prefill and decode apart: one rate over both read a long prompt's prefill as slow decoding ("0.6 tokens/s")
+    # prefill and decode apart: one rate over both read a long prompt's prefill as slow decoding ("0.6 tokens/s"); the
+    # first decode step apart too: its warm-up (kernel compilation, first allocations) read as slow decoding
     err_console.print(f"prompt {result.prompt_tokens} tokens in {result.prefill_seconds:.2f} s; "
-                      f"{result.new_tokens} new tokens in {result.decode_seconds:.2f} s "
-                      f"({result.decode_tokens_per_second:.1f} tokens/s); "
+                      f"{result.new_tokens} new tokens in {result.decode_seconds:.2f} s ({_decode_parts(result)}); "
                       f"latent cache {human_bytes(result.cache_bytes_in_use)} in use of {human_bytes(result.cache_bytes_allocated)} "
                       "allocated (R + D values per token and layer" + (
                           f"; {human_bytes(result.cache_storage_bytes)} with the rows padded to 16 bytes)"

@@ -5,11 +5,15 @@ printed only the `-r` error, and the user learnt of the next problem on the next
 flag of a command is parsed by `number_parser`'s function, which keeps a text that is not a number as `Unparsed`;
 `take_unparsed` then puts the flag's default in its place and returns one line per such flag, for the command
 to list beside the problems it finds itself (or to raise alone, when it collects none).
+
+A float flag given `nan`, `inf` or a number beyond float's range (`1e309`) is refused the same way, with the text as
+typed: Python reads all of them as floats, and the checks after parsing echoed `1e309` as `inf`.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -24,21 +28,28 @@ class Unparsed:
 
     text: str
     kind: type
+    non_finite: bool = False  # a float that reads as nan or infinity
 
     def problem(self, flag: str) -> str:
+        if self.non_finite:
+            return f"{flag}: {self.text!r} is not a finite number"
         return f"{flag}: {self.text!r} is not {NUMBER_KINDS[self.kind]}"
 
 
 def number_parser(kind: type):
-    """typer's `parser=` for a flag of type `kind`: the number, or `Unparsed` (never an exception)."""
+    """typer's `parser=` for a flag of type `kind`: the number, or `Unparsed` (never an exception) for a text that is
+    not one, or that reads as nan or infinity."""
 
     def parse(text: Any) -> Any:
         if not isinstance(text, str):  # a default, already of its type
             return text
         try:
-            return kind(text)
+            value = kind(text)
         except ValueError:
             return Unparsed(text, kind)
+        if isinstance(value, float) and not math.isfinite(value):
+            return Unparsed(text, kind, non_finite=True)
+        return value
 
     parse.__name__ = f"parse_{kind.__name__}"
     return parse

@@ -186,6 +186,9 @@ def test_parse_shard_size_reads_sizes_like_save_pretrained():
     assert parse_shard_size(4096) == 4096
     with pytest.raises(ValueError, match="5 parsecs"):
         parse_shard_size("5 parsecs")
+    for infinite in ("1e309GB", "infGB", "nanMB"):  # an infinite size was an OverflowError traceback
+        with pytest.raises(ValueError, match=f"^max_shard_size '{infinite}': expected bytes or a size like '5GB'"):
+            parse_shard_size(infinite)
 
 
 # --------------------------------------------------------------------------- read planning

@@ -314,6 +314,36 @@ def test_every_number_flag_refuses_text_as_one_error_line(name, tmp_path):
     assert not any(tmp_path.iterdir()), "a refused run wrote something"
 
 
+def _float_flags(name: str) -> list[str]:
+    """The long flags of command NAME that take a float."""
+    from mla_convert.number_flags import number_kind
+
+    return [param.opts[0] for param in command(name).params
+            if isinstance(param, typer.core.TyperOption) and number_kind(param.type_descriptor.annotation) is float]
+
+
+@pytest.mark.parametrize("name", sorted(typer.main.get_command(cli.app).commands))
+def test_every_float_flag_refuses_nan_and_infinity_as_typed(name, tmp_path):
+    """`inspect -c 1e309` said "--compression inf: must be a finite number": float() reads nan, inf and numbers beyond
+    its range as floats, and the checks after parsing echoed the parsed value, not what was typed."""
+    from typer.testing import CliRunner
+
+    flags = _float_flags(name)
+    if name in {"convert", "sweep", "generate", "inspect", "demo"}:
+        assert flags, "no float flag found: the check reads nothing"
+    positional = {"convert": [str(tmp_path / "src"), str(tmp_path / "out")], "sweep": [str(tmp_path / "src")],
+                  "eval": [str(tmp_path / "src")], "generate": [str(tmp_path / "src"), "hi"],
+                  "inspect": [str(tmp_path / "src")], "push": [str(tmp_path / "src"), "me/model"]}.get(name, [])
+    required = {"sweep": ["--data", "t.txt", "--out-dir", str(tmp_path / "sw")], "eval": ["--data", "t.txt"]}.get(name, [])
+    for flag in flags:
+        for typed in ("1e309", "nan", "-inf"):
+            result = CliRunner().invoke(cli.app, [name, *positional, *required, f"{flag}={typed}"])
+            assert result.exit_code == 2 and "Traceback" not in result.output, (flag, typed, result.output)
+            assert result.output.count(f"error: {flag}: '{typed}' is not a finite number") == 1, (flag, typed, result.output)
+            assert " inf" not in result.output and " nan:" not in result.output, (flag, typed, result.output)
+    assert not any(tmp_path.iterdir()), "a refused run wrote something"
+
+
 def test_only_a_single_int_or_float_is_a_number_flag():
     """A list of numbers is not one number: a scalar parser would have read `--x 1 --x 2` wrongly."""
     from typing import Optional

@@ -212,8 +212,8 @@ def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smoll
     (["--cpu-cores", "8"], "add --estimate"),
     (["--calib-seq-len", "128"], "add --estimate"),
     # what convert says about them (inspect said "must be at least 1" for nan, "leaves 0 cached values" for inf)
-    (["--estimate", "--compression", "nan"], "--compression nan: must be a finite number"),
-    (["--estimate", "--compression", "inf"], "--compression inf: must be a finite number"),
+    (["--estimate", "--compression", "nan"], "--compression: 'nan' is not a finite number"),
+    (["--estimate", "--compression", "inf"], "--compression: 'inf' is not a finite number"),
     # convert refuses a calibration text for a folder without a tokenizer; the estimate predicted its cost
     (["--estimate", "--calib-data", str(Path(__file__).resolve().parents[1] / "README.md")],
      "--calib-data needs the source model's tokenizer"),

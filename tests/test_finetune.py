@@ -468,6 +468,13 @@ def test_every_settings_problem_is_reported_in_one_run(tmp_path):
         "unrecognized arguments: --bogus 1 (see --help)", "--max-steps: invalid int value: 'abc'",
         "--verify-save: invalid boolean value: 'maybe'"]
     # an unreadable config file no longer hides the flags' problems
+    # a float flag given nan, inf or a number beyond float's range is refused as typed ("lr: ... (got inf)" for 1e309),
+    # and an infinite whole number in the config file is a settings problem (it was an OverflowError traceback)
+    recipe = tmp_path / "infinite.yaml"
+    recipe.write_text("max_steps: 1e309\n")
+    assert refused("--lr", "1e309", "--temperature", "nan", "--config", str(recipe)) == [
+        "--lr: '1e309' is not a finite number", "--temperature: 'nan' is not a finite number",
+        "max_steps: '1e309' is not a valid int"]
     assert refused("--config", str(tmp_path / "missing.yaml"), "--lr", "x") == [
         "--lr: invalid float value: 'x'", f"{tmp_path / 'missing.yaml'}: cannot read the config (No such file or directory)"]
     # a refused value is one line, not also "required" about the default it left behind
@@ -1370,6 +1377,32 @@ def test_a_model_that_is_not_converted_is_named_as_such_first(tiny_llama, tmp_pa
         with pytest.raises(FinetuneConfigError, match=re.escape(f"{source}: a llama model; fine-tuning expects")):
             run_finetune(_tiny_run_config(source, tmp_path, "out", **overrides), log=lambda text: None)
         assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_finetune_refuses_pickled_weights_without_offering_a_flag_it_lacks(tiny_llama, tmp_path):
+    """finetune has no --allow-pickle, but its refusal of a pickled-only teacher said "... or pass --allow-pickle to
+    load them"; the converted model's refusal too."""
+    source, converted = tiny_llama
+
+    def pickled(folder: Path, name: str) -> Path:
+        copy = Path(shutil.copytree(folder, tmp_path / name))
+        state = {}
+        for file in sorted(copy.glob("*.safetensors")):
+            state.update(load_file(file))
+            file.unlink()
+        for index in copy.glob("*.safetensors.index.json"):
+            index.unlink()
+        torch.save(state, copy / "pytorch_model.bin")
+        return copy
+
+    for model, teacher in ((converted, pickled(source, "teacher")), (pickled(converted, "model"), source)):
+        config = _tiny_run_config(model, tmp_path, "out", teacher=str(teacher))
+        with pytest.raises(MLAConvertError) as refused:
+            run_finetune(config, log=lambda text: None)
+        where = teacher if teacher.name == "teacher" else model
+        assert str(refused.value) == (f"{where}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary "
+                                      "code. This command reads safetensors only: convert them to safetensors first")
+        assert not (tmp_path / "out").exists()
 
 
 def test_resume_refuses_a_stop_after_it_is_already_past_and_a_missing_folder(straight_and_resumed, tmp_path):

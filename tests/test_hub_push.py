@@ -488,6 +488,16 @@ def _config_of_another_conversion(folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _edit_report_cache(**changes):
+    """mla_convert.json's cache section edited by hand (or left from another run); config.json and the weights as they were."""
+    def damage(folder):
+        report = json.loads((folder / "mla_convert.json").read_text())
+        report["cache"].update(changes)
+        (folder / "mla_convert.json").write_text(json.dumps(report))
+
+    return damage
+
+
 def _edit_config(**changes):
     """config.json of another conversion whose facts the report does not record: the weights no longer fit it."""
     def damage(folder):
@@ -518,6 +528,13 @@ SINGLE_CASES = {
     "config of another conversion": (_config_of_another_conversion, "config.json and mla_convert.json describe different "
                                      "models (kv_lora_rank 10 (the report: 12), qk_rope_head_dim 6 (the report: 4))"),
     "not deepseek": (_write("config.json", '{"model_type": "llama"}'), "describes a 'llama' model"),
+    # used to pass, and the card said "32x smaller" (the report's ratio) of weights that cache 12 + 4 of 64 values
+    "report with another ratio": (_edit_report_cache(ratio=32.0, mla_bytes_per_token=20), "cannot push: mla_convert.json "
+                                  "states other KV-cache numbers than config.json (kv_lora_rank 12 + qk_rope_head_dim 4, "
+                                  "5 layers) gives: cache.ratio 32, not 4; cache.mla_bytes_per_token 20, not 160; the "
+                                  "report was edited or is another conversion's: convert again, or correct its cache section"),
+    "report with another dtype": (_edit_report_cache(dtype="float32"), "gives: cache.source_bytes_per_token 640, not 1,280; "
+                                  "cache.mla_bytes_per_token 160, not 320; dtype float32, not config.json's bfloat16"),
     "no weights": (_drop("model.safetensors"), f"no weights: neither model.safetensors nor {INDEX}"),
     "truncated": (_truncate("model.safetensors"), "cannot push: model.safetensors: truncated or corrupt safetensors file"),
     "partial file inside": (_write("model.safetensors.mla-convert-partial", ""), f"{LEFTOVERS}: model.safetensors.mla"),

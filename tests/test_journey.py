@@ -158,7 +158,7 @@ def test_eval_refuses_a_baseline_that_cannot_share_the_models_tokens(converted, 
 @pytest.mark.real_model
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "5", "--seed", "3"], "--temperature, --seed: only change sampling; greedy decoding ignores them"),
-    (["--sample", "--temperature", "inf"], "--temperature inf: must be a finite number > 0"),
+    (["--sample", "--temperature", "inf"], "--temperature: 'inf' is not a finite number"),
     (["--sample", "--seed", str(2**70)], f"--seed {2**70}: must be between 0 and"),  # was a torch overflow traceback
     (["--max-new-tokens", "1", "--prompt-words", "600"], "tokens) is longer than the model's max_position_embeddings (512)"),
     # accepted, then 610 MiB and a minute for a dozen tokens
@@ -257,3 +257,72 @@ def test_eval_and_generate_never_run_code_from_the_model_folder(converted, stori
     run("eval", folder, "--baseline", folder, "--data", tinystories_text, "--max-windows", "2", "--context", "64")
     run("generate", folder, "Once upon a time", "--max-new-tokens", "4", "--device", "cpu")
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------ a model folder transformers cannot place
+@pytest.fixture(scope="module")
+def tiny_source_and_export(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A tiny Llama with a tokenizer, its conversion, and a text (no real weights needed: the refusals come first)."""
+    from tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("config-problems")
+    source = save_tiny_tokenizer(save_tiny_model(root / "src", num_layers=1, vocab_size=512), vocab_size=512)
+    export = root / "mla"
+    run("convert", source, export, "-c", "2", "--calib-samples", "2", "--calib-seq-len", "16", "--effort", "fast", "-q")
+    text = root / "text.txt"
+    text.write_text("the cat sat on the mat and looked at the dog. " * 40)
+    return source, export, text
+
+
+def _damaged_config(folder: Path, tmp_path: Path, damage: str) -> tuple[Path, str]:
+    """A copy of `folder` whose config.json is gone or lacks model_type, and the one line that must name it."""
+    copy = copy_of(folder, tmp_path)
+    path = copy / "config.json"
+    if damage == "no config.json":
+        path.unlink()
+        return copy, f"error: {path}: missing (a Hugging Face model folder needs its config.json)"
+    config = json.loads(path.read_text())
+    del config["model_type"]
+    path.write_text(json.dumps(config))
+    model_type, name = ("deepseek_v3", "DeepseekV3ForCausalLM") if "mla" in folder.name else ("llama", "LlamaForCausalLM")
+    return copy, (f'error: {path}: no "model_type", which transformers needs to pick the model class; its architectures '
+                  f'name {name}: add "model_type": "{model_type}"')
+
+
+@pytest.mark.parametrize("damage", ["no config.json", "no model_type"])
+def test_eval_refuses_a_folder_without_config_or_model_type_in_its_own_words(tiny_source_and_export, tmp_path, damage):
+    """eval quoted transformers: "transformers cannot read its config (Unrecognized model in X. Should have a
+    `model_type` key in its config.json ...)", also for a folder that has no config.json at all."""
+    source, export, text = tiny_source_and_export
+    bad_source, source_line = _damaged_config(source, tmp_path / "source", damage)
+    bad_export, export_line = _damaged_config(export, tmp_path / "export", damage)
+    for args, line in (([bad_source], source_line), ([bad_export], export_line),
+                       ([export, "--baseline", bad_source], source_line)):
+        result = run("eval", *args, "--data", text, "--context", "32", check=False)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and lines == [line], result.output
+        assert "model_type` key" not in result.output and "Unrecognized model" not in result.output
+
+
+@pytest.mark.parametrize("damage", ["no config.json", "no model_type"])
+def test_generate_refuses_a_folder_without_config_or_model_type_in_its_own_words(tiny_source_and_export, tmp_path, damage):
+    _, export, _ = tiny_source_and_export
+    folder, line = _damaged_config(export, tmp_path, damage)
+    result = run("generate", folder, "Once upon a time", "--device", "cpu", check=False)
+    assert result.exit_code == 2 and [text for text in result.output.splitlines() if text.strip()] == [line], result.output
+
+
+@pytest.mark.parametrize("damage", ["no config.json", "no model_type"])
+def test_finetune_and_sweep_name_a_source_without_config_or_model_type(tiny_source_and_export, tmp_path, damage):
+    """finetune's teacher said "cannot load as a causal LM (Unrecognized model in X. Should have a `model_type` key
+    ...)"; sweep (whose conversions read `architectures`) the same, when it came to score the source."""
+    source, export, text = tiny_source_and_export
+    folder, line = _damaged_config(source, tmp_path, damage)
+    result = run("finetune", export, tmp_path / "out", "--teacher", folder, "--data", text, "--max-steps", "2",
+                 "--warmup-steps", "0", "--seq-len", "16", "--num-threads", "1", check=False)
+    assert result.exit_code == 2 and line in result.output.splitlines(), result.output
+    assert "model_type` key" not in result.output and not (tmp_path / "out").exists()
+    result = run("sweep", folder, "--data", text, "--out-dir", tmp_path / "sweep", "--ratios", "2", "--methods", "svd",
+                 "--context", "32", "--calib-samples", "2", "--calib-seq-len", "16", check=False)
+    assert result.exit_code == 2 and line in result.output.splitlines(), result.output
+    assert "model_type` key" not in result.output

@@ -315,6 +315,26 @@ def test_cache_numbers_fall_back_to_the_shapes_when_the_cache_section_is_missing
     assert "| compression ratio | 1x | 4x |" in text
 
 
+def test_the_cache_numbers_come_from_the_exports_config_not_the_reports_cache_section(tmp_path):
+    """The card's ratio was the report's `cache.ratio` even where config.json (what the weights cache) said otherwise:
+    a report edited by hand, or left from another run, put "32x smaller" on the card of a 4x model."""
+    stale = stories260k_report()
+    stale["cache"].update(ratio=32.0, mla_values_per_token_layer=2, mla_bytes_per_token=20, source_bytes_per_token=99)
+    folder = make_converted_folder(tmp_path / "model", stale)  # config.json: kv_lora_rank 12, qk_rope_head_dim 4, 5 layers
+    for card in (lambda: write_model_card(folder).read_text(),  # what convert, finetune and `eval --update-card` write
+                 lambda: str(build_model_card(stale)),  # a report alone: its shapes, not its recorded ratio
+                 lambda: str(build_model_card(stale, config=json.loads((folder / "config.json").read_text())))):
+        text = card()
+        assert "Its KV cache is **4x smaller** than the original's." in text
+        assert "| values cached per token per layer | 64 | 16 |" in text
+        assert "| bytes per token, all 5 layers (bf16) | 640 | 160 |" in text
+        assert "| compression ratio | 1x | 4x |" in text and "32x" not in text and "| 99 |" not in text
+    # config.json of a 2x export beside the 4x report's options: the card describes the weights, 28 + 4 values
+    config = json.loads((folder / "config.json").read_text()) | {"kv_lora_rank": 28}
+    text = str(build_model_card(stories260k_report(), config=config))
+    assert "| compression ratio | 1x | 2x |" in text and "a single compressed latent of 28 values" in text
+
+
 def test_card_redacts_a_token_typed_on_the_command_line():
     report = stories260k_report()
     report["command"] += f" --token {TOKEN_LIKE}"
@@ -483,13 +503,15 @@ def test_the_card_claims_a_tokenizer_only_when_one_was_copied():
     assert "(embeddings, MLP, layer norms, tokenizer) is taken" in with_one and "no tokenizer files" not in with_one
 
 
-@pytest.mark.parametrize("ratio, words", [(4.0, "**4x smaller** than"), (1.0, "**the same size** as"),
-                                          (64 / 72, "**1.12x larger** than")])
-def test_the_card_says_larger_when_the_cache_grew(ratio, words):
-    """A 0.89x conversion (allowed, e.g. full rank) was "0.889x smaller"; ratio 1 was "1x smaller"."""
+@pytest.mark.parametrize("rank, words", [(12, "**4x smaller** than"), (60, "**the same size** as"),
+                                         (68, "**1.12x larger** than")])
+def test_the_card_says_larger_when_the_cache_grew(rank, words):
+    """A 0.89x conversion (allowed, e.g. full rank) was "0.889x smaller"; ratio 1 was "1x smaller".  (The source
+    caches 64 values per token and layer; the export `rank` + 4.)"""
     report = stories260k_report()
-    text = str(build_model_card({**report, "cache": {**report["cache"], "ratio": ratio}}))
-    assert f"Its KV cache is {words} the original's." in text
+    report["options"]["kv_lora_rank"] = rank
+    del report["cache"]
+    assert f"Its KV cache is {words} the original's." in str(build_model_card(report))
 
 
 def test_the_card_gives_an_overlapping_evaluations_stride_and_scored_tokens():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -681,7 +682,59 @@ def test_generate_reports_prefill_and_decode_apart(tiny_folder):
     result = CliRunner().invoke(app, ["generate", str(tiny_folder), prompt, "--device", "cpu", "--max-new-tokens", "3"])
     assert result.exit_code == 0, result.output
     line = " ".join(result.stderr.split())
-    found = re.search(r"prompt (\d+) tokens in ([\d.]+) s; 3 new tokens in ([\d.]+) s \(([\d.]+) tokens/s\); latent cache ",
-                      line)
+    found = re.search(r"prompt (\d+) tokens in ([\d.]+) s; 3 new tokens in ([\d.]+) s \(first decode step ([\d.]+) s, "
+                      r"warm-up included; then 1 tokens in ([\d.]+) s, ([\d.]+) tokens/s\); latent cache ", line)
     assert found, line
-    assert int(found[1]) == tokens and float(found[4]) > 0
+    assert int(found[1]) == tokens and float(found[6]) > 0
+    # (printed to 2 decimals: the decode's two parts add up to its time within the rounding)
+    assert float(found[3]) == pytest.approx(float(found[4]) + float(found[5]), abs=0.011)
+
+
+class SlowFirstDecode:
+    """A model whose first decode step takes `delay` seconds longer: what a CUDA run's first step (the kernel's
+    compilation, the first allocations) does to the timing.  Records how many sequences each decode step ran."""
+
+    def __init__(self, model: AbsorbedMLAModel, delay: float):
+        self.model, self.delay, self.batches = model, delay, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, cache, seq_ids, tokens):
+        if not self.batches:
+            time.sleep(self.delay)
+        self.batches.append(len(seq_ids))
+        return self.model.decode(cache, seq_ids, tokens)
+
+
+def test_the_first_decode_steps_warm_up_is_timed_apart_from_the_steady_decode(tiny_folder):
+    """generate reported "N new tokens in S s (X tokens/s)" with S holding the first decode step, whose warm-up (on
+    CUDA the kernel's compilation and first allocations) can take longer than every later step together: the rate
+    read as slow decoding.  Now the first step is timed apart and the steady rate counts only the later steps' tokens.
+    """
+    model = AbsorbedMLAModel.from_folder(tiny_folder, device="cpu")
+    slow = SlowFirstDecode(model, delay=0.3)
+    prompts = prompt_ids(tiny_folder)[:2]
+    started = time.perf_counter()
+    output = run_generation(slow, prompts, max_new_tokens=6, generation_config=False)
+    total = time.perf_counter() - started
+    lengths = [len(sequence) for sequence in output.sequences]
+    assert len(slow.batches) == max(lengths) - 1  # a sequence's first token comes from the prefill's logits
+    assert output.first_decode_step_tokens == slow.batches[0] == sum(length >= 2 for length in lengths)
+    assert output.steady_decode_tokens == sum(slow.batches[1:]) == sum(lengths) - len(prompts) - slow.batches[0]
+    assert output.first_decode_step_seconds >= 0.3 > output.steady_decode_seconds  # the warm-up is the first step's
+    parts = output.prefill_seconds + output.first_decode_step_seconds + output.steady_decode_seconds
+    assert parts == pytest.approx(total, abs=0.02)  # three consecutive parts: together the whole call
+
+    result = generate_text(tiny_folder, ["Once upon a time", "The dog"], max_new_tokens=6, device="cpu")
+    parts = result.prefill_seconds + result.first_decode_step_seconds + result.steady_decode_seconds
+    assert parts == pytest.approx(result.seconds, abs=0.02)
+    assert result.decode_seconds == pytest.approx(result.first_decode_step_seconds + result.steady_decode_seconds,
+                                                  abs=0.02)
+    assert result.new_tokens == 2 + result.first_decode_step_tokens + result.steady_decode_tokens  # 2: the prefill's
+    assert result.steady_decode_tokens_per_second == pytest.approx(
+        result.steady_decode_tokens / result.steady_decode_seconds)
+    # the fields that were there keep their meaning: everything after the prefill, every new token
+    assert result.decode_tokens_per_second == pytest.approx(result.new_tokens / result.decode_seconds)
+    one = generate_text(tiny_folder, ["Once upon a time"], max_new_tokens=2, device="cpu")
+    assert (one.first_decode_step_tokens, one.steady_decode_tokens, one.steady_decode_tokens_per_second) == (1, 0, None)

@@ -103,6 +103,11 @@ def test_ratios_and_methods_are_parsed_or_refused_in_one_line():
         with pytest.raises(SweepError) as error:
             parse_ratios(bad)
         assert "\n" not in str(error.value)
+    # nan, inf and a number beyond float's range are refused as typed (`2,1e309` said "--ratios: inf: ... at least 1")
+    for typed in ("nan", "inf", "1e309", "-inf"):
+        with pytest.raises(SweepError) as error:
+            parse_ratios(f"2,{typed}")
+        assert str(error.value) == f"--ratios '2,{typed}': '{typed}' is not a finite number; write e.g. 2,4,8"
     assert canonical_methods("svd,activation-aware,weight") == ["weight", "output"]
     with pytest.raises(SweepError, match="not a method"):
         canonical_methods(["activation-aware", "pca"])
@@ -811,6 +816,42 @@ def test_the_source_row_counts_its_cache_in_the_dtype_it_was_scored_in(tiny_sour
 
     assert top_axis_label(result).startswith("KV-cache bytes vs the source's (dtypes differ")
     assert top_axis_label(load_sweep(result.files.json)) == top_axis_label(result)
+
+
+def _pickled_copy(folder: Path, to: Path) -> Path:
+    """`folder` with its safetensors weights replaced by `torch.save(state_dict)` (pytorch_model.bin)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    copy = Path(shutil.copytree(folder, to))
+    state = {}
+    for file in sorted(copy.glob("*.safetensors")):
+        state.update(load_file(file))
+        file.unlink()
+    for index in copy.glob("*.safetensors.index.json"):
+        index.unlink()
+    torch.save(state, copy / "pytorch_model.bin")
+    return copy
+
+
+def test_allow_pickle_reads_a_pickled_source_for_its_evaluation_too(tiny_source, tiny_text, tmp_path):
+    """`sweep --allow-pickle` converted a pickled-only source, then refused to score it: "... or pass --allow-pickle",
+    the flag the user had passed (the source's evaluation loaded it without the flag's setting)."""
+    import json
+
+    pickled = _pickled_copy(tiny_source, tmp_path / "pickled")
+    common = ["--data", tiny_text, "--ratios", "2", "--methods", "svd", "--context", "64", "--max-windows", "1",
+              "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
+    run = _cli_sweep(pickled, "--out-dir", tmp_path / "refused", *common)
+    assert run.exit_code == 2 and "pass --allow-pickle" in " ".join(run.output.split()), run.output
+    run = _cli_sweep(pickled, "--out-dir", tmp_path / "out", "--allow-pickle", *common)
+    assert run.exit_code == 0, run.output
+    rows = json.loads((tmp_path / "out" / "sweep.json").read_text())["rows"]
+    source = run_sweep(tiny_source, [2], tiny_text, None, context_length=64, max_windows=1, methods=["svd"],
+                       calibration=CalibrationOptions(num_samples=2, seq_len=32)).rows()[0]
+    assert rows[0]["perplexity"] == pytest.approx(source["perplexity"], rel=1e-6)  # the same weights, read from the pickle
 
 
 def test_an_earlier_sweeps_results_are_replaced_only_when_asked(tiny_source, tiny_text, tmp_path):

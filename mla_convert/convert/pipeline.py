@@ -405,9 +405,9 @@ def describe_device(device: torch.device) -> str:
 
 
 def _write_card(writer: CheckpointWriter, report: dict) -> None:
-    from ..hub.card import build_model_card, save_card
+    from ..hub.card import build_model_card, export_config, save_card
 
-    save_card(build_model_card(report), writer.partial / "README.md")
+    save_card(build_model_card(report, config=export_config(writer.partial)), writer.partial / "README.md")
 
 
 def install_sigterm_handler() -> None:

@@ -79,9 +79,12 @@ def parse_ratios(text: str | Iterable[float]) -> list[float]:
         ratios = []
         for part in parts:
             try:
-                ratios.append(float(part.rstrip("xX")))
+                ratio = float(part.rstrip("xX"))
             except ValueError:
                 raise SweepError(f"--ratios {text!r}: {part!r} is not a number; write e.g. 2,4,8") from None
+            if not math.isfinite(ratio):  # nan, inf, or 1e309 (which the range check echoed as "inf")
+                raise SweepError(f"--ratios {text!r}: {part!r} is not a finite number; write e.g. 2,4,8")
+            ratios.append(ratio)
     else:
         ratios = _numbers(text)
     if not ratios:
@@ -630,11 +633,11 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike, title: str | None =
 # --------------------------------------------------------------------------- running a sweep
 def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, max_windows: int | None,
               device: str | None, dtype: str, batch_size: int, progress: Progress,
-              label: str) -> tuple[PerplexityResult, float, str]:
+              label: str, allow_pickle: bool = False) -> tuple[PerplexityResult, float, str]:
     """Load one model, score it on the shared windows (progress per forward pass), free it; also the dtype it was
-    scored in (its cache's)."""
+    scored in (its cache's).  `allow_pickle`: --allow-pickle, for the source (the conversions are safetensors)."""
     started = time.time()
-    model = _load_quietly(model_path, device, dtype)
+    model = _load_quietly(model_path, device, dtype, allow_pickle)
     scored_in = str(next(model.parameters()).dtype).replace("torch.", "")
     total = len(plan_windows(len(tokenized), context_length, None, max_windows))
     progress.phase(f"perplexity: {label}", total)
@@ -656,12 +659,12 @@ def _evaluate(model_path: Path, tokenized: TokenizedText, context_length: int, m
     return result, time.time() - started, scored_in
 
 
-def _load_quietly(model_path: Path, device: str | None, dtype: str):
+def _load_quietly(model_path: Path, device: str | None, dtype: str, allow_pickle: bool = False):
     """`load_model_for_eval` without transformers' per-load progress bar (a sweep loads many models)."""
     from ..io.hf_loading import without_load_progress_bars
 
     with without_load_progress_bars():
-        return load_model_for_eval(model_path, device, dtype)[0]
+        return load_model_for_eval(model_path, device, dtype, allow_pickle=allow_pickle)[0]
 
 
 def _model_name(source: str | os.PathLike) -> str:
@@ -796,8 +799,10 @@ def run_sweep(
             progress.message(f"evaluation: {len(windows)} windows of {context_length} tokens "
                              f"({sum(w.num_scored for w in windows)} scored tokens of {len(tokenized)})")
 
+            # the source is read as the conversions read it: `sweep --allow-pickle` was refused here, "pass --allow-pickle"
             source_result, source_seconds, source_dtype = _evaluate(converter.source_path, tokenized, context_length, max_windows,
-                                                      eval_device, eval_dtype, batch_size, progress, SOURCE)
+                                                      eval_device, eval_dtype, batch_size, progress, SOURCE,
+                                                      allow_pickle=base.allow_pickle)
             progress.message(f"source: perplexity {source_result.perplexity:.4f}")
             shape = converter.config
             result = SweepResult(

@@ -304,7 +304,7 @@ def coerce(name: str, value, kind=None):
             if isinstance(value, (dict, list)):
                 raise ValueError(value)
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: `max_steps: 1e309` in YAML (an infinite int)
         raise FinetuneConfigError(f"{name}: {value!r} is not a valid {getattr(base, '__name__', base)}") from None
     return value
 
@@ -423,10 +423,13 @@ def _collect_type_errors(parser: argparse.ArgumentParser) -> None:
 
         def checked(text, convert=action.type, flag=action.option_strings[-1]):
             try:
-                return convert(text)
-            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                value = convert(text)
+            except (ValueError, TypeError, OverflowError, argparse.ArgumentTypeError):
                 kind = {"string_to_bool": "boolean"}.get(getattr(convert, "__name__", ""), getattr(convert, "__name__", ""))
                 return _Refused(f"{flag}: invalid {kind + ' ' if kind.isidentifier() else ''}value: {text!r}")
+            if isinstance(value, float) and not math.isfinite(value):  # `--lr 1e309` was echoed as "lr: ... (got inf)"
+                return _Refused(f"{flag}: {text!r} is not a finite number")
+            return value
 
         action.type = checked
 

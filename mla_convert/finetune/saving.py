@@ -236,8 +236,9 @@ def write_curves(path: Path, finetuning: dict) -> bool:
 
 
 def write_report(folder: Path, report: dict) -> None:
-    """`mla_convert.json` (as `CheckpointWriter.write_json` writes it) and the model card built from it."""
-    from ..hub.card import build_model_card, save_card
+    """`mla_convert.json` (as `CheckpointWriter.write_json` writes it) and the model card built from it (and from the
+    folder's config.json, written before it)."""
+    from ..hub.card import build_model_card, export_config, save_card
 
     (Path(folder) / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    save_card(build_model_card(report), Path(folder) / CARD_FILE)
+    save_card(build_model_card(report, config=export_config(folder)), Path(folder) / CARD_FILE)

@@ -187,7 +187,7 @@ def load_teacher(name: str, dtype: torch.dtype, device: torch.device):
         path = resolve_model_path(name)
     except MLAConvertError as error:
         raise FinetuneError(f"teacher {name}: {error} (pass --teacher PATH)") from error
-    teacher = load_causal_lm(path, dtype=dtype)
+    teacher = load_causal_lm(path, dtype=dtype, pickle_flag=False)  # finetune has no --allow-pickle to offer
     teacher.to(device).eval()
     teacher.requires_grad_(False)
     return teacher, path
@@ -428,7 +428,7 @@ class Finetuner:
         self.resume_from = self._checkpoint_to_resume(settings)
 
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
-        student = load_causal_lm(self.converted, dtype=torch.float32)
+        student = load_causal_lm(self.converted, dtype=torch.float32, pickle_flag=False)
         self.sites: list[LatentSite] = unfold_latent_scales(student, stored_latent_sites(self.report))
         self.trained = trainable_names(student, config.train)
         trained = set(self.trained)
@@ -897,7 +897,7 @@ class Finetuner:
         """Reload the saved folder with stock transformers and compare its logits with the trained model's."""
         from ..io.hf_loading import load_causal_lm
 
-        saved = load_causal_lm(path).to(self.device).eval()
+        saved = load_causal_lm(path, pickle_flag=False).to(self.device).eval()
         with torch.no_grad():
             logits = saved(input_ids=probe.to(self.device), use_cache=False).logits.float().cpu()
         del saved

@@ -3,8 +3,11 @@
 The card is the only documentation a Hub visitor sees, so it states the facts a user needs before
 downloading: what was changed, how much KV cache it saves, what that cost in perplexity, the exact
 command to reproduce it, how to load it with stock transformers, which serving engines accept the
-shapes, and the numerical caveats of the conversion.  Every number comes from the report; nothing is
-re-measured here, and any field the report lacks is left out instead of guessed.
+shapes, and the numerical caveats of the conversion.  Every number comes from the report, except the MLA cache's
+shape, which comes from the export's config.json when the card is built for a folder (the weights follow the config;
+a hand-edited or stale report must not put its own shape or ratio on the card, and `push` refuses a report whose
+cache numbers are not the config's: `cache_report_problems`); nothing is re-measured here, and any field the report
+lacks is left out instead of guessed.
 
 `validate_card` checks a card without the network.  `ModelCard.validate` in huggingface_hub posts the
 card to `{HF_ENDPOINT}/api/validate-yaml`, which would make `--dry-run` contact the Hub and make tests
@@ -33,7 +36,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..convert.report import REPORT_FILE
 from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, LATENT_NORM_EPS
 from ..errors import MLAConvertError
-from ..units import human_bytes
+from ..units import DTYPE_NAMES, dtype_bytes, human_bytes
 
 CARD_FILE = "README.md"
 # The card's layout: one placeholder per section, filled from the report (packaged with the module).
@@ -161,6 +164,11 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _whole(value: float | None) -> int | None:
+    """A count computed as a float, as the card prints it (12, not 12.0)."""
+    return None if value is None else int(value)
+
+
 def _valid_hub_id(value: Any, slashes: tuple[int, ...]) -> bool:
     if not isinstance(value, str) or value.count("/") not in slashes:
         return False
@@ -253,40 +261,110 @@ def _card_data(report: Mapping[str, Any]) -> ModelCardData:
 
 
 # ---------------------------------------------------------------------------------------------- body
-def _cache_numbers(report: Mapping[str, Any]) -> dict[str, Any]:
-    """KV-cache facts from `report["cache"]`, falling back to the shapes when the section is partial.
+def export_config(folder: str | Path) -> dict | None:
+    """A converted folder's config.json as a mapping (None: absent or unreadable, which `push` reports itself)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _size(value: Any) -> float | None:
+    """A positive whole number of the report or config (a count, a dimension), else None."""
+    number = _number(value)
+    return number if number is not None and number > 0 and float(number).is_integer() else None
+
+
+def _dtype(name: Any):
+    """The torch dtype of a name as reports and configs write it (`bf16`, `bfloat16`, `float32`...); None otherwise."""
+    return DTYPE_NAMES.get(name.lower().replace("torch.", "")) if isinstance(name, str) else None
+
+
+def _dtype_size(name: Any) -> int | None:
+    """Bytes per value of a dtype named as `_dtype` reads it; None for anything else."""
+    dtype = _dtype(name)
+    return dtype_bytes(dtype) if dtype is not None else None
+
+
+def _cache_numbers(report: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """KV-cache facts: the shapes cached per token and layer, and the ratio and bytes computed from them.
 
     Per token and layer, the source caches K and V for every KV head (2 * kv_heads * head_dim values);
-    MLA caches one latent of `kv_lora_rank` values plus one shared RoPE key of `rope_dim` values.
+    MLA caches one latent of `kv_lora_rank` values plus one shared RoPE key of `qk_rope_head_dim` values.  With the
+    export's `config` those (and the layers) are the config's: what the weights cache; without it (a report alone),
+    the report's options, falling back to its `cache` section.  The ratio and the bytes are always computed from the
+    values, the layers and the dtype the report states (its recorded `ratio` was put on the card even where it
+    contradicted the config), so a sparse report loses rows rather than gaining guessed ones.
     """
     cache = _get(report, "cache", default={})
-    source_values = _number(cache.get("source_values_per_token_layer"))
-    if source_values is None:
-        kv_heads, head_dim = _number(_get(report, "source", "num_kv_heads")), _number(_get(report, "source", "head_dim"))
-        if kv_heads is not None and head_dim is not None:
-            source_values = 2 * kv_heads * head_dim
-    mla_values = _number(cache.get("mla_values_per_token_layer"))
-    if mla_values is None:
-        rank, rope = _number(_get(report, "options", "kv_lora_rank")), _number(_get(report, "options", "rope_dim"))
-        if rank is not None and rope is not None:
-            mla_values = rank + rope
-    ratio = _number(cache.get("ratio"))
-    if ratio is None and source_values and mla_values:
-        ratio = source_values / mla_values
+    cache = cache if isinstance(cache, Mapping) else {}
+    kv_heads, head_dim = _size(_get(report, "source", "num_kv_heads")), _size(_get(report, "source", "head_dim"))
+    source_values = 2 * kv_heads * head_dim if kv_heads and head_dim else _size(cache.get("source_values_per_token_layer"))
+    if config is not None:
+        rank, rope = _size(config.get("kv_lora_rank")), _size(config.get("qk_rope_head_dim"))
+        layers = _size(config.get("num_hidden_layers"))
+        mla_values = rank + rope if rank and rope else None
+    else:
+        rank, rope = _size(_get(report, "options", "kv_lora_rank")), _size(_get(report, "options", "rope_dim"))
+        layers = _size(_get(report, "source", "num_layers")) or _size(cache.get("num_layers"))
+        mla_values = rank + rope if rank and rope else _size(cache.get("mla_values_per_token_layer"))
+    dtype = cache.get("dtype") or _get(report, "options", "dtype")
+    size = _dtype_size(dtype)
     return {
+        "rank": rank,
+        "rope": rope,
         "source_values": source_values,
         "mla_values": mla_values,
-        "ratio": ratio,
-        "num_layers": _number(cache.get("num_layers")) or _number(_get(report, "source", "num_layers")),
-        "dtype": cache.get("dtype") or _get(report, "options", "dtype"),
-        "source_bytes": _number(cache.get("source_bytes_per_token")),
-        "mla_bytes": _number(cache.get("mla_bytes_per_token")),
+        "ratio": source_values / mla_values if source_values and mla_values else None,
+        "num_layers": layers,
+        "dtype": dtype,
+        "source_bytes": source_values * layers * size if source_values and layers and size else None,
+        "mla_bytes": mla_values * layers * size if mla_values and layers and size else None,
     }
 
 
-def _section_summary(report: Mapping[str, Any], title: str, source_label: str) -> list[str]:
+# the report's `cache` fields and the numbers the card computes for them
+_CACHE_FIELDS = {"source_values_per_token_layer": "source_values", "mla_values_per_token_layer": "mla_values",
+                 "ratio": "ratio", "num_layers": "num_layers", "source_bytes_per_token": "source_bytes",
+                 "mla_bytes_per_token": "mla_bytes"}
+
+
+def cache_report_problems(report: Mapping[str, Any], config: Mapping[str, Any] | None, report_name: str = REPORT_FILE) -> list[str]:
+    """The report's `cache` numbers that are not what the export's config.json caches (a hand-edited or stale report).
+
+    The card states the config's numbers, but the report is uploaded beside it and is what tools read, so a push of
+    both would publish two different compressions for one model: refused (one line), not warned about.
+    """
+    cache = _get(report, "cache")
+    if config is None or not isinstance(cache, Mapping):
+        return []
+    expected = _cache_numbers(report, config)
+    wrong = []
+    for key, name in _CACHE_FIELDS.items():
+        recorded, found = _number(cache.get(key)), expected[name]
+        if recorded is not None and found is not None and not math.isclose(recorded, found, rel_tol=1e-9):
+            wrong.append(f"cache.{key} {_count(recorded)}, not {_count(found)}")
+    config_dtype = config.get("dtype") or config.get("torch_dtype")
+    if _dtype(expected["dtype"]) and _dtype(config_dtype) and _dtype(expected["dtype"]) != _dtype(config_dtype):
+        wrong.append(f"dtype {expected['dtype']}, not config.json's {config_dtype}")
+    if not wrong:
+        return []
+    shape = (f"kv_lora_rank {_count(expected['rank'])} + qk_rope_head_dim {_count(expected['rope'])}"
+             if expected["rank"] and expected["rope"] else "its kv_lora_rank + qk_rope_head_dim")
+    layers = f"{_count(expected['num_layers'])} layers" if expected["num_layers"] else "its layers"
+    return [f"{report_name} states other KV-cache numbers than config.json ({shape}, {layers}) gives: "
+            f"{'; '.join(wrong)}; the report was edited or is another conversion's: convert again, or correct its "
+            "cache section"]
+
+
+def _count(value: float) -> str:
+    """A cache number as a line of text: whole ones with thousands separators, a ratio to 6 digits."""
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:.6g}"
+
+
+def _section_summary(report: Mapping[str, Any], numbers: Mapping[str, Any], title: str, source_label: str) -> list[str]:
     arch = _get(report, "source", "architecture")
-    numbers = _cache_numbers(report)
     lines = [f"# {title}", ""]
     text = (
         f"This checkpoint is {source_label}"
@@ -306,11 +384,11 @@ def _section_summary(report: Mapping[str, Any], title: str, source_label: str) -
     return lines
 
 
-def _section_what_was_done(report: Mapping[str, Any]) -> list[str]:
+def _section_what_was_done(report: Mapping[str, Any], numbers: Mapping[str, Any]) -> list[str]:
     source = _get(report, "source", default={})
     options = _get(report, "options", default={})
     heads, kv_heads, head_dim = source.get("num_heads"), source.get("num_kv_heads"), source.get("head_dim")
-    rank, rope = options.get("kv_lora_rank"), options.get("rope_dim")
+    rank, rope = _whole(numbers["rank"]), _whole(numbers["rope"])
     lines = ["## What was done", ""]
     if heads and kv_heads and head_dim:
         layout = "multi-head" if heads == kv_heads else ("multi-query" if kv_heads == 1 else "grouped-query")
@@ -381,8 +459,7 @@ def _export_positions(report: Mapping[str, Any]) -> int | None:
     return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
 
 
-def _section_cache(report: Mapping[str, Any]) -> list[str]:
-    numbers = _cache_numbers(report)
+def _section_cache(report: Mapping[str, Any], numbers: Mapping[str, Any]) -> list[str]:
     if not (numbers["source_values"] or numbers["source_bytes"]):
         return []
     dtype = numbers["dtype"]
@@ -673,9 +750,8 @@ def _section_serving(report: Mapping[str, Any], repo_id: str | None) -> list[str
     return lines
 
 
-def _section_caveats(report: Mapping[str, Any]) -> list[str]:
-    options = _get(report, "options", default={})
-    rank, rope = options.get("kv_lora_rank"), options.get("rope_dim")
+def _section_caveats(report: Mapping[str, Any], numbers: Mapping[str, Any]) -> list[str]:
+    rank, rope = _whole(numbers["rank"]), _whole(numbers["rope"])
     scales = [s for s in (_number(_get(layer, "latent_scale")) for layer in (_get(report, "layers") or [])) if s]
     lines = ["## Caveats", ""]
     scale_text = f" (here between {min(scales):.2g} and {max(scales):.2g})" if scales else ""
@@ -762,11 +838,12 @@ def _section_versions(report: Mapping[str, Any]) -> list[str]:
     return ["## Software versions", "", *[f"- {_text(name)} {_text(version)}" for name, version in versions.items()], ""]
 
 
-def build_model_card(report: dict, repo_id: str | None = None) -> ModelCard:
+def build_model_card(report: dict, repo_id: str | None = None, config: Mapping[str, Any] | None = None) -> ModelCard:
     """Build the README.md card of a converted model from its `mla_convert.json` report.
 
     `repo_id` is where the model will live on the Hub; it is used for the title and the loading
-    snippets (a placeholder path is shown when it is not known yet, e.g. at conversion time).
+    snippets (a placeholder path is shown when it is not known yet, e.g. at conversion time).  `config` is the
+    export's config.json (`export_config`): the MLA cache's shape, and so the ratio and bytes, come from it.
     """
     if not isinstance(report, Mapping):
         raise CardValidationError(f"conversion report must be a JSON object, got {type(report).__name__}")
@@ -791,14 +868,15 @@ def build_model_card(report: dict, repo_id: str | None = None) -> ModelCard:
         "The source model's license was not recorded during conversion. This model is a derivative of the "
         "source model: its license applies here too.",
     ]
+    numbers = _cache_numbers(report, config)
     sections = {
-        "summary": _section_summary(report, _scrub(title), source_label),
-        "what_was_done": _section_what_was_done(report),
-        "cache": _section_cache(report),
+        "summary": _section_summary(report, numbers, _scrub(title), source_label),
+        "what_was_done": _section_what_was_done(report, numbers),
+        "cache": _section_cache(report, numbers),
         "quality": _section_quality(report),
         "usage": _section_usage(report, repo_id),
         "serving": _section_serving(report, repo_id),
-        "caveats": _section_caveats(report),
+        "caveats": _section_caveats(report, numbers),
         "reproduce": _section_reproduce(report),
         "layers": _section_layers(report),
         "versions": _section_versions(report),
@@ -941,9 +1019,11 @@ def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, report: dict | None = None) -> Path:
-    """Generate, validate and save `README.md` in a converted folder (report read from the folder by default)."""
+    """Generate, validate and save `README.md` in a converted folder (report read from the folder by default; the
+    cache's shape from its config.json)."""
     folder = Path(folder)
-    card = build_model_card(report if report is not None else load_report(folder), repo_id=repo_id)
+    card = build_model_card(report if report is not None else load_report(folder), repo_id=repo_id,
+                            config=export_config(folder))
     validate_card(card)
     return save_card(card, folder / CARD_FILE)
 

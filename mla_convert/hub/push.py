@@ -45,7 +45,9 @@ from .card import (
     REPORT_FILE,
     CardValidationError,
     build_model_card,
+    cache_report_problems,
     card_is_unedited,
+    export_config,
     load_report,
     marked_card_text,
     public_report,
@@ -213,7 +215,8 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     """Return the files to upload, or raise `NotPushableError` naming every problem found.
 
     Refused: a folder without `mla_convert.json` (not produced by mla-convert, so the card and the
-    provenance would be missing), without a DeepseekV3 `config.json`, with weights that do not form a
+    provenance would be missing), without a DeepseekV3 `config.json`, with a report whose KV-cache numbers are not
+    what config.json caches (hand-edited or stale: the card and the report would disagree), with weights that do not form a
     complete checkpoint (a single-file model without `model.safetensors`, index entries pointing at
     shards that are missing, shards missing from a numbered series, stray or truncated shards, tensors
     absent from the shard the index names), weights that are not the tensors and shapes transformers builds for
@@ -247,7 +250,10 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
         problems.append(f"{REPORT_FILE} is missing: this folder was not produced by mla-convert")
     else:
         try:
-            problems += export_report_mismatches(folder, load_report(folder), REPORT_FILE)
+            report = load_report(folder)
+            mismatches = export_report_mismatches(folder, report, REPORT_FILE)
+            # the card states config.json's cache numbers; the report uploaded beside it must not state others
+            problems += mismatches or cache_report_problems(report, export_config(folder), REPORT_FILE)
         except CardValidationError as error:
             problems.append(str(error).replace(str(folder / REPORT_FILE), REPORT_FILE))
     config_problem = export_config_problem(folder)
@@ -284,13 +290,13 @@ def _card_for(folder: Path, repo_id: str) -> tuple[str, bool]:
     is, but validated.
     """
     readme = folder / CARD_FILE
-    report = load_report(folder)
+    report, config = load_report(folder), export_config(folder)
     if readme.is_file():
         text = readme.read_text(encoding="utf-8")
-        if not card_is_unedited(text) and text != str(build_model_card(report)):
+        if not card_is_unedited(text) and text != str(build_model_card(report, config=config)):
             validate_card(text, ours=False)  # the user's card: only what the Hub would refuse is refused
             return text, False
-    card = build_model_card(report, repo_id=repo_id)
+    card = build_model_card(report, repo_id=repo_id, config=config)
     validate_card(card)
     return marked_card_text(card), True  # still the tool's own card after the push (a later update may regenerate it)
 

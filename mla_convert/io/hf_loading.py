@@ -51,13 +51,55 @@ def weights_problems(folder: str | os.PathLike, allow_pickle: bool = False, pick
     return reader.header_problems()
 
 
+def config_json_problem(folder: str | os.PathLike) -> str | None:
+    """What is missing for transformers' Auto classes to pick a model class from `folder/config.json`: the file, a JSON
+    object in it, or its `model_type` (None: it has one).  Asked once transformers has refused the folder: its own
+    message for all three ("Unrecognized model in X. Should have a `model_type` key in its config.json") names none of
+    our flags or files, and says model_type for a folder that has no config.json at all."""
+    from ..source.config import read_config_json
+
+    try:
+        raw = read_config_json(folder)
+    except CheckpointError as error:
+        return str(error)
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type.strip():
+        return None
+    path = Path(folder) / "config.json"
+    found = "no \"model_type\"" if model_type is None else f"\"model_type\" {model_type!r} is not a model type"
+    named = _model_type_of(raw.get("architectures"))
+    hint = (f"; its architectures name {named[1]}: add \"model_type\": \"{named[0]}\"" if named else
+            "; is this a model's config?")
+    return f"{path}: {found}, which transformers needs to pick the model class{hint}"
+
+
+def _model_type_of(architectures) -> tuple[str, str] | None:
+    """(model_type, class name) for the first causal-LM class `architectures` names that transformers knows.  Several
+    model types share some classes (deepseek_v3 and sarvam_mla build DeepseekV3ForCausalLM): the one the class is named
+    after is meant (None when no single one is)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not isinstance(architectures, list):
+        return None
+    for name in architectures:
+        if not isinstance(name, str):
+            continue
+        squeezed = name.lower().replace("_", "")
+        types = [model_type for model_type, known in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if known == name]
+        named = [model_type for model_type in types if squeezed.startswith(model_type.replace("_", "").replace("-", ""))]
+        if len(types) == 1 or len(named) == 1:
+            return (types[0] if len(types) == 1 else named[0]), name
+    return None
+
+
 def load_config(folder: str | os.PathLike):
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     except _refusals() as error:
-        raise ModelLoadError(f"{folder}: transformers cannot read its config ({_first_line(error)})") from error
+        raise ModelLoadError(config_json_problem(folder)
+                             or f"{folder}: transformers cannot read its config ({_first_line(error)})") from error
 
 
 def load_tokenizer(folder: str | os.PathLike):
@@ -84,15 +126,18 @@ def without_load_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto", allow_pickle: bool = False, **kwargs):
-    """A causal LM from a local folder, weights checked first (refused pickles, damaged shards)."""
+def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto", allow_pickle: bool = False,
+                   pickle_flag: bool = True, **kwargs):
+    """A causal LM from a local folder, weights checked first (refused pickles, damaged shards).  `pickle_flag`: the
+    command that loads it has --allow-pickle (finetune has none: its refusal of pickles must not offer one)."""
     from transformers import AutoModelForCausalLM
 
-    problems = weights_problems(folder, allow_pickle)
+    problems = weights_problems(folder, allow_pickle, pickle_flag)
     if problems:
         raise CheckpointError("\n".join(problems))
     try:
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, trust_remote_code=False,
                                                     use_safetensors=None if allow_pickle else True, **kwargs)
     except (*_refusals(), RuntimeError) as error:
-        raise ModelLoadError(f"{Path(folder)}: cannot load as a causal LM ({_first_line(error)})") from error
+        raise ModelLoadError(config_json_problem(folder)
+                             or f"{Path(folder)}: cannot load as a causal LM ({_first_line(error)})") from error

@@ -74,7 +74,7 @@ def parse_shard_size(size: int | str) -> int:
         if unit in _SIZE_UNITS:
             return int(float(text[:-2].strip()) * _SIZE_UNITS[unit])
         return int(text)
-    except ValueError as error:
+    except (ValueError, OverflowError) as error:  # OverflowError: an infinite size ('1e309GB', 'infGB')
         raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB' (units KB, MB, GB, TB)") from error
 
 

@@ -35,11 +35,31 @@ DEFAULT_PAGE_SIZE = 16
 
 @dataclass
 class GenerationOutput:
-    """Generated ids per prompt (prompt not included) and the cache they were decoded with."""
+    """Generated ids per prompt (prompt not included) and the cache they were decoded with.
+
+    The call's time in three consecutive parts: the prefill, the first decode step, the steady decode.  The first
+    decode step is timed apart because it carries one-off costs (on CUDA the kernel's compilation and the first
+    allocations: seconds, against milliseconds per later step), which would otherwise read as slow decoding.  Each
+    sequence's first new token comes from the prefill's logits, its second from the first decode step's, the rest
+    from the steady steps (`first_decode_step_tokens`, `steady_decode_tokens` count them).
+    """
 
     sequences: list[list[int]]
     cache: PagedLatentCache
-    prefill_seconds: float = 0.0  # from the call to the prefill's logits (the rest of the call: decoding)
+    prefill_seconds: float = 0.0  # from the call to the prefill's logits
+    # from there to the first decode step's tokens chosen: the prompts' first tokens chosen, then one decode step
+    first_decode_step_seconds: float = 0.0
+    steady_decode_seconds: float = 0.0  # the rest of the call: every later decode step and its tokens chosen
+
+    @property
+    def first_decode_step_tokens(self) -> int:
+        """Tokens chosen from the first decode step's logits: one per sequence still running after its first token."""
+        return sum(1 for sequence in self.sequences if len(sequence) >= 2)
+
+    @property
+    def steady_decode_tokens(self) -> int:
+        """Tokens chosen from the later decode steps' logits (each sequence's third token on)."""
+        return sum(max(len(sequence) - 2, 0) for sequence in self.sequences)
 
 
 def _whole_number(value) -> bool:
@@ -91,6 +111,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     - 1 tokens per sequence (the last generated token is returned, never fed back).  `temperature` and `top_p`
     None: the folder's generation config's (else 1.0); `generation_config=False` ignores that file entirely.
     """
+    started = time.perf_counter()  # the prefill's time runs from the call: the cache's allocation is part of it
     settings = model.generation_settings if generation_config else GenerationSettings()
     problems = settings.sampling_problems(temperature, top_p) if do_sample else []
     if problems:
@@ -111,11 +132,13 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
     eos = set(model.eos_token_ids if generation_config else model.config_eos_token_ids)
     outputs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
-    started = time.perf_counter()
     logits = model.prefill(cache, seq_ids, prompts)  # (B, vocab)
     if logits.device.type == "cuda":
         torch.cuda.synchronize(logits.device)
-    prefill_seconds = time.perf_counter() - started
+    prefilled = time.perf_counter()
+    prefill_seconds = prefilled - started
+    first_step_done = None  # when the first decode step's tokens were chosen (None: no decode step yet)
+    step = 0  # 0: choosing from the prefill's logits, n: from the n-th decode step's
     while True:
         if chain:  # each sequence's penalties see its own tokens so far, prompt included, as in generate()
             logits = torch.cat([settings.apply(chain, prompts[index] + outputs[index], logits[row : row + 1])
@@ -133,9 +156,15 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
             else:
                 still_active.append(index)
         active = still_active
+        if step == 1:  # (the tokens were read back to the host above: the step's device work is done)
+            first_step_done = time.perf_counter()
         if not active:
-            return GenerationOutput(outputs, cache, prefill_seconds)
+            finished = time.perf_counter()
+            first_step_done = finished if first_step_done is None else first_step_done
+            return GenerationOutput(outputs, cache, prefill_seconds, first_decode_step_seconds=first_step_done - prefilled,
+                                    steady_decode_seconds=finished - first_step_done)
         logits = model.decode(cache, [seq_ids[i] for i in active], [outputs[i][-1] for i in active])
+        step += 1
 
 
 def _model(model_or_dir: AbsorbedMLAModel | str | Path, device, decode_backend: str) -> AbsorbedMLAModel:
@@ -173,19 +202,35 @@ class TextGeneration:
     cache_storage_bytes: int = 0  # what was allocated, the rows' 16-byte alignment padding included
     prompt_tokens: int = 0  # every prompt's tokens together
     prefill_seconds: float = 0.0  # part of `seconds`: the prompts' prefill
+    # the rest of `seconds`, in two parts (`GenerationOutput`): the first decode step, warm-up included (CUDA kernel
+    # compilation, first allocations), and the steady decode after it; the three parts add up to `seconds`
+    first_decode_step_seconds: float = 0.0
+    steady_decode_seconds: float = 0.0
+    first_decode_step_tokens: int = 0  # new tokens from the first decode step's logits (one per sequence still running)
+    steady_decode_tokens: int = 0  # new tokens from the later steps' (the other new tokens come from the prefill's)
 
     @property
     def tokens_per_second(self) -> float:
-        """New tokens over the whole run, prefill included (not decode throughput: `decode_tokens_per_second`)."""
+        """New tokens over the whole run, prefill included (not decode throughput: `steady_decode_tokens_per_second`)."""
         return self.new_tokens / max(self.seconds, 1e-9)
 
     @property
     def decode_seconds(self) -> float:
+        """Everything after the prefill: the first decode step (warm-up included) and the steady decode."""
         return max(self.seconds - self.prefill_seconds, 0.0)
 
     @property
     def decode_tokens_per_second(self) -> float:
+        """All new tokens over `decode_seconds`: the first decode step's warm-up included, and the tokens the prefill's
+        logits gave counted too; what decoding sustains is `steady_decode_tokens_per_second`."""
         return self.new_tokens / max(self.decode_seconds, 1e-9)
+
+    @property
+    def steady_decode_tokens_per_second(self) -> float | None:
+        """Tokens per second of the decode steps after the first (None: no such step ran, e.g. --max-new-tokens 2)."""
+        if not self.steady_decode_tokens:
+            return None
+        return self.steady_decode_tokens / max(self.steady_decode_seconds, 1e-9)
 
 
 def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -225,4 +270,6 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
         new_tokens=sum(len(s) for s in output.sequences), seconds=seconds,
         cache_bytes_in_use=cached_tokens * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated,
         cache_storage_bytes=output.cache.storage_bytes, prompt_tokens=sum(map(len, prompt_ids)),
-        prefill_seconds=output.prefill_seconds)
+        prefill_seconds=output.prefill_seconds, first_decode_step_seconds=output.first_decode_step_seconds,
+        steady_decode_seconds=output.steady_decode_seconds, first_decode_step_tokens=output.first_decode_step_tokens,
+        steady_decode_tokens=output.steady_decode_tokens)
