@@ -22,10 +22,12 @@ from mla_convert.hub.card import (
     CardValidationError,
     build_model_card,
     card_option_problems,
+    export_config,
     load_report,
     validate_card,
     write_model_card,
 )
+from mla_convert.source.config import ExportConfig
 
 TOKEN_LIKE = "hf_cardTOKENabcdefghijklmnopqrstuvwxyz012345"
 
@@ -323,14 +325,14 @@ def test_the_cache_numbers_come_from_the_exports_config_not_the_reports_cache_se
     folder = make_converted_folder(tmp_path / "model", stale)  # config.json: kv_lora_rank 12, qk_rope_head_dim 4, 5 layers
     for card in (lambda: write_model_card(folder).read_text(),  # what convert, finetune and `eval --update-card` write
                  lambda: str(build_model_card(stale)),  # a report alone: its shapes, not its recorded ratio
-                 lambda: str(build_model_card(stale, config=json.loads((folder / "config.json").read_text())))):
+                 lambda: str(build_model_card(stale, config=export_config(folder)))):
         text = card()
         assert "Its KV cache is **4x smaller** than the original's." in text
         assert "| values cached per token per layer | 64 | 16 |" in text
         assert "| bytes per token, all 5 layers (bf16) | 640 | 160 |" in text
         assert "| compression ratio | 1x | 4x |" in text and "32x" not in text and "| 99 |" not in text
     # config.json of a 2x export beside the 4x report's options: the card describes the weights, 28 + 4 values
-    config = json.loads((folder / "config.json").read_text()) | {"kv_lora_rank": 28}
+    config = ExportConfig.from_dict(json.loads((folder / "config.json").read_text()) | {"kv_lora_rank": 28})
     text = str(build_model_card(stories260k_report(), config=config))
     assert "| compression ratio | 1x | 2x |" in text and "a single compressed latent of 28 values" in text
 

@@ -36,6 +36,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..convert.report import REPORT_FILE
 from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, LATENT_NORM_EPS
 from ..errors import MLAConvertError
+from ..source.config import ExportConfig, read_config_json
 from ..units import DTYPE_NAMES, dtype_bytes, human_bytes
 
 CARD_FILE = "README.md"
@@ -261,13 +262,13 @@ def _card_data(report: Mapping[str, Any]) -> ModelCardData:
 
 
 # ---------------------------------------------------------------------------------------------- body
-def export_config(folder: str | Path) -> dict | None:
-    """A converted folder's config.json as a mapping (None: absent or unreadable, which `push` reports itself)."""
+def export_config(folder: str | Path) -> ExportConfig | None:
+    """A converted folder's config.json, typed (None: absent, unreadable or not an export's, which `push` reports
+    itself)."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ExportConfig.from_dict(read_config_json(folder))
+    except MLAConvertError:
         return None
-    return config if isinstance(config, dict) else None
 
 
 def _size(value: Any) -> float | None:
@@ -287,7 +288,7 @@ def _dtype_size(name: Any) -> int | None:
     return dtype_bytes(dtype) if dtype is not None else None
 
 
-def _cache_numbers(report: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _cache_numbers(report: Mapping[str, Any], config: ExportConfig | None = None) -> dict[str, Any]:
     """KV-cache facts: the shapes cached per token and layer, and the ratio and bytes computed from them.
 
     Per token and layer, the source caches K and V for every KV head (2 * kv_heads * head_dim values);
@@ -302,9 +303,8 @@ def _cache_numbers(report: Mapping[str, Any], config: Mapping[str, Any] | None =
     kv_heads, head_dim = _size(_get(report, "source", "num_kv_heads")), _size(_get(report, "source", "head_dim"))
     source_values = 2 * kv_heads * head_dim if kv_heads and head_dim else _size(cache.get("source_values_per_token_layer"))
     if config is not None:
-        rank, rope = _size(config.get("kv_lora_rank")), _size(config.get("qk_rope_head_dim"))
-        layers = _size(config.get("num_hidden_layers"))
-        mla_values = rank + rope if rank and rope else None
+        rank, rope, layers = config.kv_lora_rank, config.rope_dim, config.num_layers
+        mla_values = config.kv_values_per_token_layer
     else:
         rank, rope = _size(_get(report, "options", "kv_lora_rank")), _size(_get(report, "options", "rope_dim"))
         layers = _size(_get(report, "source", "num_layers")) or _size(cache.get("num_layers"))
@@ -330,7 +330,7 @@ _CACHE_FIELDS = {"source_values_per_token_layer": "source_values", "mla_values_p
                  "mla_bytes_per_token": "mla_bytes"}
 
 
-def cache_report_problems(report: Mapping[str, Any], config: Mapping[str, Any] | None, report_name: str = REPORT_FILE) -> list[str]:
+def cache_report_problems(report: Mapping[str, Any], config: ExportConfig | None, report_name: str = REPORT_FILE) -> list[str]:
     """The report's `cache` numbers that are not what the export's config.json caches (a hand-edited or stale report).
 
     The card states the config's numbers, but the report is uploaded beside it and is what tools read, so a push of
@@ -345,9 +345,8 @@ def cache_report_problems(report: Mapping[str, Any], config: Mapping[str, Any] |
         recorded, found = _number(cache.get(key)), expected[name]
         if recorded is not None and found is not None and not math.isclose(recorded, found, rel_tol=1e-9):
             wrong.append(f"cache.{key} {_count(recorded)}, not {_count(found)}")
-    config_dtype = config.get("dtype") or config.get("torch_dtype")
-    if _dtype(expected["dtype"]) and _dtype(config_dtype) and _dtype(expected["dtype"]) != _dtype(config_dtype):
-        wrong.append(f"dtype {expected['dtype']}, not config.json's {config_dtype}")
+    if _dtype(expected["dtype"]) and _dtype(expected["dtype"]) != config.torch_dtype:
+        wrong.append(f"dtype {expected['dtype']}, not config.json's {str(config.torch_dtype).removeprefix('torch.')}")
     if not wrong:
         return []
     shape = (f"kv_lora_rank {_count(expected['rank'])} + qk_rope_head_dim {_count(expected['rope'])}"
@@ -838,7 +837,7 @@ def _section_versions(report: Mapping[str, Any]) -> list[str]:
     return ["## Software versions", "", *[f"- {_text(name)} {_text(version)}" for name, version in versions.items()], ""]
 
 
-def build_model_card(report: dict, repo_id: str | None = None, config: Mapping[str, Any] | None = None) -> ModelCard:
+def build_model_card(report: dict, repo_id: str | None = None, config: ExportConfig | None = None) -> ModelCard:
     """Build the README.md card of a converted model from its `mla_convert.json` report.
 
     `repo_id` is where the model will live on the Hub; it is used for the title and the loading
