@@ -458,6 +458,9 @@ def generate(
     dtype: str = typer.Option("auto", help="Compute dtype: auto (the stored one), bf16 or fp32; fp16 is refused."),
     page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
     allow_long_context: bool = typer.Option(False, help="Allow prompt + new tokens beyond max_position_embeddings."),
+    chat: bool = typer.Option(False, help="Each prompt is a user turn of the folder's chat template (instruct "
+                              "models); prints the reply alone."),
+    system: Optional[str] = typer.Option(None, help="With --chat: the system turn (default: the template's own)."),
     flag_problems: list[str] = (),
 ):
     """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU).
@@ -472,7 +475,7 @@ def generate(
     seed = 0 if seed is None else seed
     problems, facts = generation_problems(model, prompts, max_new_tokens, temperature if sample else None,
                                           top_p if sample else None, device, dtype, page_size, allow_long_context,
-                                          seed=seed)
+                                          seed=seed, chat=chat, system=system)
     problems = list(flag_problems) + problems
     if given and not sample:
         problems.append(f"{', '.join(given)}: only change sampling; greedy decoding ignores them (add --sample)")
@@ -493,9 +496,10 @@ def generate(
 
     result = generate_text(facts.path, list(prompts), max_new_tokens, do_sample=sample, temperature=temperature,
                            top_p=top_p, seed=seed, device=device, page_size=page_size,
-                           dtype=None if dtype == "auto" else parse_dtype(dtype))
-    for prompt, text in zip(prompts, result.texts):
-        console.print(escape(prompt) + "[bold]" + escape(text) + "[/]", highlight=False, soft_wrap=True)
+                           dtype=None if dtype == "auto" else parse_dtype(dtype), chat=chat, system=system)
+    for prompt, text in zip(prompts, result.texts):  # a chat's reply on its own line: it does not continue the prompt
+        console.print(escape(prompt) + ("\n" if chat else "") + "[bold]" + escape(text) + "[/]", highlight=False,
+                      soft_wrap=True)
     # prefill and decode apart: one rate over both read a long prompt's prefill as slow decoding ("0.6 tokens/s"); the
     # first decode step apart too: its warm-up (kernel compilation, first allocations) read as slow decoding
     err_console.print(f"prompt {result.prompt_tokens} tokens in {result.prefill_seconds:.2f} s; "

@@ -17,6 +17,7 @@ from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError
 from ..eval.checks import ModelFacts, dtype_problems, model_facts, positive_problems
 from ..io.hf_loading import load_config, load_tokenizer
+from .generate import chat_template_problems, prompt_token_ids, system_turn_problems
 from .generation_settings import GenerationSettings
 from .loading import RUNTIME_DTYPES
 from .paged_cache import PagedLatentCache
@@ -50,7 +51,8 @@ def _is_fp16(dtype: str | None) -> bool:
 
 def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int | None, temperature: float | None,
                         top_p: float | None, device: str | None, dtype: str, page_size: int,
-                        allow_long_context: bool, seed: int = 0) -> tuple[list[str], ModelFacts | None]:
+                        allow_long_context: bool, seed: int = 0, chat: bool = False,
+                        system: str | None = None) -> tuple[list[str], ModelFacts | None]:
     problems: list[str] = []
     facts = model_facts(model, None, False, problems, pickle_flag=False)  # generate has no --allow-pickle
     problems += positive_problems({"--max-new-tokens": max_new_tokens, "--page-size": page_size})
@@ -62,6 +64,7 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         problems.append(f"--top-p {top_p}: must be in (0, 1]")
     if not prompts or any(not p.strip() for p in prompts):
         problems.append("every prompt needs some text")
+    problems += system_turn_problems(chat, system)
     problems += device_problems(device)
     if facts is None:
         return problems, None
@@ -81,11 +84,14 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         settings = GenerationSettings.from_folder(facts.path)  # its generation_config.json, read as the run applies it
     except MLAConvertError as error:
         return problems + [str(error)], facts
+    problems += chat_template_problems(tokenizer, facts.path, chat, system)
+    if problems:
+        return problems, facts
     # None: the file's max_new_tokens (named as such in a refusal), else the default
     length_flag = "--max-new-tokens" if max_new_tokens is not None or settings.max_new_tokens is None else \
         "generation_config.json max_new_tokens"
     max_new_tokens = settings.new_tokens(max_new_tokens)
-    lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    lengths = [len(ids) for ids in prompt_token_ids(tokenizer, prompts, chat, system)]  # (the template's tokens too)
     # positions the longest sequence takes: its prompt and every new token but the last (that one is never fed back)
     longest = max(lengths) + max_new_tokens - 1
     if facts.max_positions and max(lengths) > facts.max_positions and not allow_long_context:

@@ -233,6 +233,38 @@ class TextGeneration:
         return self.steady_decode_tokens / max(self.steady_decode_seconds, 1e-9)
 
 
+def prompt_token_ids(tokenizer, prompts: Sequence[str], chat: bool = False, system: str | None = None) -> list[list[int]]:
+    """Each prompt's ids: the text as it is, or (`chat`) a user turn rendered by the folder's chat template, after a
+    `system` turn when one is given (else whatever the template adds on its own), ending in the assistant's turn.
+
+    An instruct model answers its template's turns; a bare question is text for it to continue, often not an answer.
+    """
+    if not chat:
+        return [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return [list(tokenizer.apply_chat_template(head + [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for prompt in prompts]
+
+
+def system_turn_problems(chat: bool, system: str | None) -> list[str]:
+    """A system turn without a chat: it would be ignored."""
+    return ["--system: sets the chat's system turn; only with --chat"] if system is not None and not chat else []
+
+
+def chat_template_problems(tokenizer, folder, chat: bool, system: str | None) -> list[str]:
+    """What keeps `--chat` from acting on this folder's tokenizer (nothing without `chat`)."""
+    if not chat:
+        return []
+    if not getattr(tokenizer, "chat_template", None):
+        return [f"--chat: {folder} has no chat template (tokenizer_config.json chat_template, chat_template.jinja); "
+                "give the prompts as plain text without --chat"]
+    try:
+        prompt_token_ids(tokenizer, ["test"], chat, system)
+    except Exception as error:  # jinja2's TemplateError (e.g. a template that raises on a system turn), or a bad render
+        return [f"--chat: the folder's chat template refused the messages ({type(error).__name__}: {error})"]
+    return []
+
+
 def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
     """The new text as it reads after the prompt: the whole sequence decoded, minus the decoded prompt.
 
@@ -247,8 +279,12 @@ def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
 def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int, do_sample: bool = False,
                   temperature: float | None = None, top_p: float | None = None, seed: int = 0, device: str | torch.device | None = None,
                   page_size: int = DEFAULT_PAGE_SIZE, decode_backend: str = "auto",
-                  dtype: torch.dtype | None = None) -> TextGeneration:
-    """Continuations of text prompts, tokenised and detokenised with the folder's own tokenizer."""
+                  dtype: torch.dtype | None = None, chat: bool = False, system: str | None = None) -> TextGeneration:
+    """Continuations of text prompts, tokenised and detokenised with the folder's own tokenizer.
+
+    `chat`: each prompt is a user turn of the folder's chat template (`prompt_token_ids`), and each text is the reply
+    alone (the template's own text is not part of any prompt the user typed).
+    """
     from ..io.hf_loading import load_tokenizer
 
     if isinstance(prompts, str):  # a string is a sequence too: each character would become a prompt
@@ -256,7 +292,10 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
     if not all(isinstance(prompt, str) for prompt in prompts):
         raise GenerationSettingsError("prompts: a list of strings (token ids go to generate_ids)")
     tokenizer = load_tokenizer(model_dir)
-    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    problems = system_turn_problems(chat, system) + chat_template_problems(tokenizer, model_dir, chat, system)
+    if problems:
+        raise GenerationSettingsError("; ".join(problems))
+    prompt_ids = prompt_token_ids(tokenizer, prompts, chat, system)
     model = AbsorbedMLAModel.from_folder(model_dir, device=device, dtype=dtype, decode_backend=decode_backend)
     started = time.perf_counter()
     output = run_generation(model, prompt_ids, max_new_tokens, do_sample, temperature, top_p, seed, page_size)
@@ -266,7 +305,8 @@ def generate_text(model_dir: str | Path, prompts: list[str], max_new_tokens: int
     # every sequence's cached tokens: its prompt and all but its last new token (that one is never fed back)
     cached_tokens = sum(len(p) + len(s) - 1 for p, s in zip(prompt_ids, output.sequences))
     return TextGeneration(
-        texts=[continuation(tokenizer, p, s) for p, s in zip(prompt_ids, output.sequences)],
+        texts=[tokenizer.decode(s, skip_special_tokens=True) if chat else continuation(tokenizer, p, s)
+               for p, s in zip(prompt_ids, output.sequences)],
         new_tokens=sum(len(s) for s in output.sequences), seconds=seconds,
         cache_bytes_in_use=cached_tokens * output.cache.bytes_per_token, cache_bytes_allocated=output.cache.bytes_allocated,
         cache_storage_bytes=output.cache.storage_bytes, prompt_tokens=sum(map(len, prompt_ids)),
