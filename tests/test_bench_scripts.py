@@ -421,3 +421,14 @@ def test_make_rope_source_edits_only_the_rope_and_transformers_rotates_as_declar
     again = subprocess.run([sys.executable, str(script), str(stories260k), str(out), "--rope", "linear"],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists" in again.stderr and config == json.loads((out / "config.json").read_text())
+
+
+# --------------------------------------------------------------------------- count_bad_input_tests.py
+def test_the_robustness_docs_bad_input_counts_are_the_suites():
+    """docs/robustness.md's table of bad inputs tested per command is generated from the suite's collection; nothing
+    checked it, and it fell behind twice (push 55 for 56, generate 26 for 27): regenerate it with
+    `python scripts/count_bad_input_tests.py --write`."""
+    script = load("count_bad_input_tests")
+    doc = script.DOC.read_text()
+    recorded = doc[doc.index(script.START):doc.index(script.END) + len(script.END)]
+    assert script.render(*script.count(script.collected())) == recorded
