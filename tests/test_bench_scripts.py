@@ -121,6 +121,58 @@ def test_device_check_writes_a_relative_out_in_the_callers_folder(tmp_path):
     assert (caller / "results" / "summary.txt").exists() and not (repo / "results").exists()
 
 
+STUB_PYTHON = """#!/usr/bin/env bash
+# the interpreter check_engines.sh is given: logs each call; `-m mla_convert convert SRC OUT ...` writes OUT/config.json
+# (refused, exit 2, for a --target all command), a make_tiny_qwen2.py call its OUT/config.json
+echo "$*" >> "$STUB_LOG"
+if [[ "$1" == "-m" && "$3" == "convert" ]]; then
+  [[ "$*" != *"--target all"* ]] || exit 2
+  mkdir -p "$5" && echo '{}' > "$5/config.json"
+elif [[ "$1" == */make_tiny_qwen2.py ]]; then
+  mkdir -p "$2" && echo '{}' > "$2/config.json"
+fi
+"""
+
+
+def test_check_engines_makes_an_export_again_when_the_converter_changed(tmp_path):
+    """check_engines.sh reused any export already in its cache: one made by an older converter (a llama3-RoPE vLLM
+    export the converter no longer writes) would have been run and filed again as today's result.  Now an export is
+    reused only while the converter's sources and the command are those that made it; a refused export leaves no older
+    one behind to be run."""
+    repo = fake_repo(tmp_path, "check_engines.sh")
+    (repo / "mla_convert").mkdir()
+    (repo / "mla_convert" / "pipeline.py").write_text("# converter, version 1\n")
+    stub = tmp_path / "python-stub"
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    smol = tmp_path / "smollm2"
+    smol.mkdir()
+    (smol / "config.json").write_text("{}")
+    engines_home = tmp_path / "engines"
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "ENGINES": "none", "SMOLLM2_DIR": str(smol),
+           "MLA_CONVERT_ENGINES_HOME": str(engines_home), "MLA_CONVERT_SHARED": str(tmp_path / "shared")}
+    stale = engines_home / "exports" / "smollm2-all"  # --target all: refused by this "converter"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text('{"made": "by an older converter"}')
+
+    def run() -> list[str]:
+        log.write_text("")
+        done = subprocess.run(["bash", str(repo / "scripts" / "check_engines.sh")], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [line.split()[4] for line in log.read_text().splitlines() if line.startswith("-m mla_convert convert")]
+
+    made = run()
+    assert [Path(out).name for out in made] == ["stories-2x-transformers", "stories-2x-llamacpp", "smollm2-2x-llamacpp",
+                                                "smollm2-vllm", "smollm2-all", "qwen2-tiny-all"]
+    assert not stale.exists()  # refused now: the older converter's export is not left to be run
+    # the refused ones (both --target all) are tried again, the others reused
+    assert run() == [str(engines_home / "exports" / name) for name in ("smollm2-all", "qwen2-tiny-all")]
+    (repo / "mla_convert" / "pipeline.py").write_text("# converter, version 2\n")
+    assert len(run()) == 6  # another converter: every export made again
+
+
 # --------------------------------------------------------------------------- bench_convert.py
 def fake_conversions(bench, monkeypatch, tmp_path):
     """bench_model without converting or scoring anything: each conversion writes a report and takes 1 s."""

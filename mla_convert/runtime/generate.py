@@ -39,7 +39,7 @@ class GenerationOutput:
 
     The call's time in three consecutive parts: the prefill, the first decode step, the steady decode.  The first
     decode step is timed apart because it carries one-off costs (on CUDA the kernel's compilation and the first
-    allocations: seconds, against milliseconds per later step), which would otherwise read as slow decoding.  Each
+    allocations), which would otherwise read as slow decoding.  Each
     sequence's first new token comes from the prefill's logits, its second from the first decode step's, the rest
     from the steady steps (`first_decode_step_tokens`, `steady_decode_tokens` count them).
     """
