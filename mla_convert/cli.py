@@ -435,7 +435,8 @@ def _decode_parts(result) -> str:
     first = f"first decode step {result.first_decode_step_seconds:.2f} s, warm-up included"
     if not result.steady_decode_tokens:
         return f"{first}; no later decode step to time"
-    return (f"{first}; then {result.steady_decode_tokens} tokens in {result.steady_decode_seconds:.2f} s, "
+    steady = result.steady_decode_tokens
+    return (f"{first}; then {steady} token{'s' if steady != 1 else ''} in {result.steady_decode_seconds:.2f} s, "
             f"{result.steady_decode_tokens_per_second:.1f} tokens/s")
 
 

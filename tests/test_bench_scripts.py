@@ -473,6 +473,12 @@ def test_make_rope_source_edits_only_the_rope_and_transformers_rotates_as_declar
     again = subprocess.run([sys.executable, str(script), str(stories260k), str(out), "--rope", "linear"],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists" in again.stderr and config == json.loads((out / "config.json").read_text())
+    for args, says in (([str(stories260k), str(tmp_path / "a"), "--rope", "linear", "--original-context", "64"],
+                        "--original-context: only llama3"), ([str(tmp_path), str(tmp_path / "b"), "--rope", "linear"],
+                                                              "no config.json")):
+        refused_run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+        assert refused_run.returncode == 2 and says in refused_run.stderr and "Traceback" not in refused_run.stderr
+        assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 # --------------------------------------------------------------------------- count_bad_input_tests.py

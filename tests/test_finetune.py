@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_mla_config
+from tiny_models import pickled_copy, save_tiny_model, save_tiny_tokenizer, tiny_mla_config
 
 from mla_convert.convert import ConvertOptions, convert
 from mla_convert.convert.target import LATENT_NORM_EPS, LINEARITY_MARGIN, latent_scale_of
@@ -1384,18 +1384,8 @@ def test_finetune_refuses_pickled_weights_without_offering_a_flag_it_lacks(tiny_
     load them"; the converted model's refusal too."""
     source, converted = tiny_llama
 
-    def pickled(folder: Path, name: str) -> Path:
-        copy = Path(shutil.copytree(folder, tmp_path / name))
-        state = {}
-        for file in sorted(copy.glob("*.safetensors")):
-            state.update(load_file(file))
-            file.unlink()
-        for index in copy.glob("*.safetensors.index.json"):
-            index.unlink()
-        torch.save(state, copy / "pytorch_model.bin")
-        return copy
-
-    for model, teacher in ((converted, pickled(source, "teacher")), (pickled(converted, "model"), source)):
+    for model, teacher in ((converted, pickled_copy(source, tmp_path / "teacher")),
+                           (pickled_copy(converted, tmp_path / "model"), source)):
         config = _tiny_run_config(model, tmp_path, "out", teacher=str(teacher))
         with pytest.raises(MLAConvertError) as refused:
             run_finetune(config, log=lambda text: None)

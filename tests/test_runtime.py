@@ -683,7 +683,7 @@ def test_generate_reports_prefill_and_decode_apart(tiny_folder):
     assert result.exit_code == 0, result.output
     line = " ".join(result.stderr.split())
     found = re.search(r"prompt (\d+) tokens in ([\d.]+) s; 3 new tokens in ([\d.]+) s \(first decode step ([\d.]+) s, "
-                      r"warm-up included; then 1 tokens in ([\d.]+) s, ([\d.]+) tokens/s\); latent cache ", line)
+                      r"warm-up included; then 1 token in ([\d.]+) s, ([\d.]+) tokens/s\); latent cache ", line)
     assert found, line
     assert int(found[1]) == tokens and float(found[6]) > 0
     # (printed to 2 decimals: the decode's two parts add up to its time within the rounding)

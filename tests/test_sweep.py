@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from tiny_models import save_tiny_model
+from tiny_models import pickled_copy, save_tiny_model
 
 from mla_convert.convert.decisions import Progress
 from mla_convert.errors import MLAConvertError, PreflightError
@@ -818,30 +818,12 @@ def test_the_source_row_counts_its_cache_in_the_dtype_it_was_scored_in(tiny_sour
     assert top_axis_label(load_sweep(result.files.json)) == top_axis_label(result)
 
 
-def _pickled_copy(folder: Path, to: Path) -> Path:
-    """`folder` with its safetensors weights replaced by `torch.save(state_dict)` (pytorch_model.bin)."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file
-
-    copy = Path(shutil.copytree(folder, to))
-    state = {}
-    for file in sorted(copy.glob("*.safetensors")):
-        state.update(load_file(file))
-        file.unlink()
-    for index in copy.glob("*.safetensors.index.json"):
-        index.unlink()
-    torch.save(state, copy / "pytorch_model.bin")
-    return copy
-
-
 def test_allow_pickle_reads_a_pickled_source_for_its_evaluation_too(tiny_source, tiny_text, tmp_path):
     """`sweep --allow-pickle` converted a pickled-only source, then refused to score it: "... or pass --allow-pickle",
     the flag the user had passed (the source's evaluation loaded it without the flag's setting)."""
     import json
 
-    pickled = _pickled_copy(tiny_source, tmp_path / "pickled")
+    pickled = pickled_copy(tiny_source, tmp_path / "pickled")
     common = ["--data", tiny_text, "--ratios", "2", "--methods", "svd", "--context", "64", "--max-windows", "1",
               "--calib-samples", "2", "--calib-seq-len", "32", "-q"]
     run = _cli_sweep(pickled, "--out-dir", tmp_path / "refused", *common)

@@ -140,3 +140,21 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(folder)
     return Path(folder)
+
+
+def pickled_copy(folder: Path, to: Path) -> Path:
+    """`folder` copied to `to` with its safetensors weights replaced by `torch.save(state_dict)` (pytorch_model.bin): a
+    pickled-only checkpoint, which every command refuses unless it can opt in."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    copy = Path(shutil.copytree(folder, to))
+    state = {}
+    for file in sorted(copy.glob("*.safetensors")):
+        state.update(load_file(file))
+        file.unlink()
+    for index in copy.glob("*.safetensors.index.json"):
+        index.unlink()
+    torch.save(state, copy / "pytorch_model.bin")
+    return copy

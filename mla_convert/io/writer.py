@@ -466,19 +466,22 @@ def clean_stale_scratch_folders(parent: str | os.PathLike | None = None) -> list
     for prefix in SCRATCH_PREFIXES:
         for folder in sorted(parent.glob(prefix + "*")):
             lock = folder / SCRATCH_LOCK
+            left_behind = False
             try:
                 with open(lock, "r+") as handle:
                     fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    if not handle.read().strip() and not _abandoned_while_created(folder):
-                        continue  # its owner is still creating it
-                    shutil.rmtree(folder, ignore_errors=True)
-                    removed.append(folder.name)
+                    # an empty lock: its owner is still creating it, unless that was long ago
+                    left_behind = bool(handle.read().strip()) or _abandoned_while_created(folder)
+                    if left_behind:
+                        shutil.rmtree(folder, ignore_errors=True)
             except FileNotFoundError:  # no lock file: not ours to judge, unless a run died creating it
-                if _abandoned_while_created(folder):
+                left_behind = _abandoned_while_created(folder)
+                if left_behind:
                     shutil.rmtree(folder, ignore_errors=True)
-                    removed.append(folder.name)
             except OSError:  # held by a live run, or not ours to remove
                 continue
+            if left_behind and not folder.exists():  # (said only of what is gone: another user's folder may resist)
+                removed.append(folder.name)
     return removed
 
 

@@ -41,6 +41,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.out.exists():
         ap.error(f"{a.out} exists")
+    if a.original_context is not None and a.rope != "llama3":
+        ap.error(f"--original-context: only llama3 scaling has one (--rope {a.rope})")
+    if not (a.source / "config.json").is_file():
+        ap.error(f"{a.source}: no config.json (a model folder is needed)")
     config = json.loads((a.source / "config.json").read_text())
     partial = a.out.with_name(a.out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
