@@ -456,7 +456,8 @@ def generate(
                                           "generation_config.json, else 1.0; only with --sample)."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed; prompt i uses seed + i (default 0; only with --sample)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)."),
-    dtype: str = typer.Option("auto", help="Compute dtype: auto (the stored one), bf16 or fp32; fp16 is refused."),
+    dtype: str = typer.Option("auto", help="Compute dtype: auto (the stored one; an fp16 export computes in fp32), "
+                              "bf16 or fp32; fp16 is refused."),
     page_size: int = typer.Option(16, help="Tokens per page of the latent cache."),
     allow_long_context: bool = typer.Option(False, help="Allow prompt + new tokens beyond max_position_embeddings."),
     chat: bool = typer.Option(False, help="Each prompt is a user turn of the folder's chat template (instruct "
@@ -503,7 +504,8 @@ def generate(
                       soft_wrap=True)
     # prefill and decode apart: one rate over both read a long prompt's prefill as slow decoding ("0.6 tokens/s"); the
     # first decode step apart too: its warm-up (kernel compilation, first allocations) read as slow decoding
-    err_console.print(f"prompt {result.prompt_tokens} tokens in {result.prefill_seconds:.2f} s; "
+    prompts_said = "prompt" if len(prompts) == 1 else f"{len(prompts)} prompts, batched:"
+    err_console.print(f"{prompts_said} {result.prompt_tokens} tokens in {result.prefill_seconds:.2f} s; "
                       f"{result.new_tokens} new tokens in {result.decode_seconds:.2f} s ({_decode_parts(result)}); "
                       f"latent cache {human_bytes(result.cache_bytes_in_use)} in use of {human_bytes(result.cache_bytes_allocated)} "
                       "allocated (R + D values per token and layer" + (

@@ -805,3 +805,20 @@ def test_generate_chat_prints_the_reply_on_its_own_line(chat_folder):
     assert result.exit_code == 0, result.output
     reply = generate_text(chat_folder, ["Lily"], 4, device="cpu", chat=True).texts[0]
     assert result.stdout == f"Lily\n{reply}\n"
+
+
+def test_generate_says_its_timing_line_totals_a_batch_of_prompts(tiny_folder):
+    """With several prompts the line read "prompt 9 tokens ...; 64 new tokens ..." (the prompts' totals, one batched
+    run) as if of one prompt (found by the README-journey probe)."""
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    prompts = ["Once upon a time", "The cat"]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_folder))
+    total = sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    result = CliRunner().invoke(app, ["generate", str(tiny_folder), *prompts, "--device", "cpu", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    line = " ".join(result.stderr.split())
+    assert re.search(rf"2 prompts, batched: {total} tokens in [\d.]+ s; 6 new tokens in ", line), line
