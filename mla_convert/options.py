@@ -236,6 +236,10 @@ ACTS_ONLY_WITH: dict[tuple[str, ...], tuple[Callable[[ConvertOptions], bool], st
                              "the activation-aware method (convert: --method activation-aware; sweep: in --methods)"),
     ("refine_lr",): (_refines, "layer refinement (--refine-steps N, or --effort default/thorough with a "
                                "calibrated --method)"),
+    # each layer keeps at most the windows calibration reads: more was clamped silently, and recorded as asked
+    ("calibration", "error_samples"): (lambda o: o.calibration.error_samples <= o.calibration.num_samples,
+                                       "--calib-samples of at least as many windows (each layer keeps at most the "
+                                       "windows calibration reads)"),
     ("refine_steps",): (lambda o: not o.refine_steps or error_windows_kept(o.calibration) >= 2,
                         "at least 2 error windows per layer (--calib-error-samples and --calib-samples of 2 or more)"),
 }

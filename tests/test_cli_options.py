@@ -113,6 +113,8 @@ def test_option_ranges_are_checked_in_one_place(changes, message):
     # one error window: refinement never ran, and the report said "5 steps per layer (given)"
     (["--refine-steps", "5", "--calib-error-samples", "1"], "--refine-steps: acts only with at least 2 error windows"),
     (["--refine-steps", "5", "--calib-samples", "1"], "--refine-steps: acts only with at least 2 error windows"),
+    # each layer keeps at most the windows read: 100 was clamped to 16 and recorded as 100 (README-journey probe)
+    (["--calib-error-samples", "100"], "--calib-error-samples: acts only with --calib-samples of at least as many windows"),
 ])
 def test_a_flag_that_cannot_act_with_the_others_is_refused_not_ignored(monkeypatch, args, message):
     """These were accepted and changed nothing (e.g. --seed with --calib-data: the text is read, not sampled)."""
