@@ -7,6 +7,8 @@ silently produce a model that loads but emits garbage.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -93,3 +95,30 @@ def test_the_demo_models_hub_id_offline_points_to_fetch_demo_model(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mla_convert", "inspect", "HuggingFaceTB/SmolLM2-135M-Instruct"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2 and "`mla-convert fetch-demo-model` builds this model" in done.stderr, done.stderr
+
+
+def test_the_built_demo_folder_carries_no_trace_of_the_machine_that_built_it(tmp_path):
+    """fetch-demo-model's tokenizer_config.json said "local_files_only": true or false depending on HF_HUB_OFFLINE when
+    it was built (every export copies that file, push uploads it), and model.safetensors was mode 0600 in a 0700
+    folder (the private temporary folder it was built in): README-journey probe."""
+    import json
+    import os
+    import stat
+    import tempfile
+
+    from tiny_models import save_tiny_tokenizer
+
+    from mla_convert.io.assets import make_shareable
+
+    source = save_tiny_tokenizer(tmp_path / "tokenizer")
+    built = Path(tempfile.mkdtemp(dir=tmp_path))  # mode 0700, as the build's staging folder
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(built)
+    (built / "model.safetensors").write_bytes(b"weights")
+    (built / "model.safetensors").chmod(0o600)
+    assert json.loads((built / "tokenizer_config.json").read_text())["local_files_only"] is True  # what transformers writes
+    make_shareable(built)
+    assert "local_files_only" not in json.loads((built / "tokenizer_config.json").read_text())
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(built.stat().st_mode) == 0o777 & ~umask
+    assert {stat.S_IMODE(p.stat().st_mode) for p in built.iterdir()} == {0o666 & ~umask}

@@ -8,6 +8,7 @@ tokenizer, cached so the work happens once per machine.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,24 @@ def _dequantize_to_folder(gguf_file: Path, out: Path) -> None:
     )
     clean.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    make_shareable(out)
+
+
+def make_shareable(folder: Path) -> None:
+    """The built folder as any download of it would be, whatever this machine's settings were when it was built.
+
+    transformers writes the loading call's `local_files_only` (True under HF_HUB_OFFLINE) into tokenizer_config.json,
+    which every export copies and `push` uploads; and the folder comes from a private temporary folder (mode 0700, some
+    files 0600), which other users of a shared cache could not read.  Modes follow the umask, as a plain copy's would.
+    """
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config.pop("local_files_only", None) is not None:
+            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
