@@ -97,9 +97,10 @@ class ConvertOptions:
     sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "
                               "(--no-sequential: on the source's).", flag="--sequential")
     effort: str = option("default", "How much measured search a conversion spends (costs and gains in BENCHMARKS.md): fast "
-                         "(closed form, no K/V balance search, one RoPE grid measured), default (refinement only where "
-                         "a layer's refinement is cheap, K/V balance search, two RoPE grids), thorough (200 refinement "
-                         "steps on every layer, four RoPE grids).  --refine-steps, --kv-balance-search and "
+                         "(closed form, no K/V balance search, the RoPE grid of best estimate), default (refinement only where "
+                         "a layer's refinement is cheap, K/V balance search, up to two RoPE grids), thorough (200 refinement "
+                         "steps on every layer, up to four RoPE grids; a runner-up grid is measured only when its estimate is "
+                         "within 1.5x of the best's).  --refine-steps, --kv-balance-search and "
                          "--rope-finalists override it.", flag="--effort", choices=("fast", "default", "thorough"))
     refine_steps: Optional[int] = option(None, "Adam steps per layer on the attention-output error, kept only where a "
                                          "held-out window improves (0: closed form only; default: from --effort).",
