@@ -259,6 +259,13 @@ def _print_export(model: str, found, dtype: str) -> None:
             f"{ratio:.2f}x: the MLA cache is {1 / ratio:.2f}x larger than the source's"
         print_plain(f"compression ratio: {change} (the source's cache from {report}, the export's from config.json)")
     record = f"mla_convert/convert/{RUNS_FILE.name}"
+    for engine, problems in found.blocked.items():  # the verdict mla_convert.json and the card give, from config.json
+        print_plain(f"engine {engine}: cannot run this export as is (config.json, --target {found.target}): "
+                    + "; ".join(problems))
+    if found.withheld_runs:
+        engines = sorted({run["engine"] for run in found.withheld_runs})
+        print_plain(f"note: {len(found.withheld_runs)} recorded run(s) of {', '.join(engines)} at {shape} not shown: they "
+                    f"were of exports {', '.join(engines)} could run, without what the line(s) above name")
     if found.target is None:
         print_plain(f"engine runs: none shown (the records, {record}, are matched by the --target an export was made "
                     "for, which is unknown here)")
@@ -266,6 +273,8 @@ def _print_export(model: str, found, dtype: str) -> None:
         print_table(console, f"engine runs on record of --target {found.target} exports at {shape} ({record}; runs of "
                     "the models named, not of this folder)", ("engine", "recorded run"),
                     [(run["engine"], describe_run(run)) for run in found.runs])
+    elif found.withheld_runs:
+        print_plain("engine runs: none shown (every recorded run is of an engine that cannot run this export as is)")
     else:
         query = "with" if export.q_lora_rank is not None else "without"
         print_plain(f"engine runs: none on record of a --target {found.target} export at {shape} ({query} q_lora_rank, "

@@ -280,6 +280,45 @@ def test_no_engine_is_said_to_run_an_export_nobody_ran(exports):
     assert "| engine |" not in out and ": ok" not in out
 
 
+@pytest.mark.parametrize("trait", ["attention_bias", "tie_word_embeddings"])
+def test_no_ok_run_is_shown_for_an_engine_the_exports_own_config_rules_out(tmp_path, trait):
+    """A Qwen2 source with q/k/v biases (or tied embeddings), converted at 24+8 with a query latent for the default
+    target: its report says llama.cpp cannot run it (no bias slot / latent weights), and inspect used to list the
+    recorded "ok" llama.cpp runs of 24+8 exports anyway (stories260K, which has neither)."""
+    from mla_convert.convert.engines import recorded_runs
+    from mla_convert.source.config import ExportConfig
+    from mla_convert.source.shapes import MLAShape
+
+    family = "qwen2" if trait == "attention_bias" else "llama"  # Qwen2 always has q/k/v biases
+    source = save_tiny_model(tmp_path / "src", family=family, num_heads=8, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             hidden_size=64, num_layers=LAYERS, tie_word_embeddings=trait == "tie_word_embeddings")
+    out = convert(source, tmp_path / "mla", ConvertOptions(kv_lora_rank=24, rope_dim=8, q_lora_rank=64,
+                                                          calibration=CALIBRATION, dtype="fp32", effort="fast")).output
+    config, report = config_of(Path(out)), json.loads((Path(out) / "mla_convert.json").read_text())
+    assert config[trait] is True
+    export = ExportConfig.from_dict(config)
+    assert (export.attention_bias, export.tied_embeddings) == (trait == "attention_bias", trait == "tie_word_embeddings")
+    llama = report["engines"]["llama.cpp"]
+    assert llama["ok"] is False
+    assert any(run["engine"] == "llama.cpp" and run["status"] == "ok"
+               for run in recorded_runs("transformers", MLAShape(24, 8), 64))  # what used to be shown
+    result = invoke(out)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("| llama.cpp |")], result.stdout
+    blocked = [line for line in lines if line.startswith("engine llama.cpp: cannot run this export as is")]
+    assert len(blocked) == 1
+    for problem in (p for p in llama["notes"] if p.startswith(("attention biases", "tied embeddings", "latent weights"))):
+        assert problem in blocked[0]  # the report's own reasons, word for word
+    if trait == "attention_bias":
+        assert "attention biases: the engine's DeepSeek attention has no bias slot" in blocked[0]
+    else:  # vLLM never ties its lm_head
+        assert report["engines"]["vllm"]["ok"] is False
+        assert not [line for line in lines if line.startswith("| vllm |")]
+        assert any(line.startswith("engine vllm: cannot run this export as is") and "tied embeddings" in line
+                   for line in lines)
+
+
 # --------------------------------------------------------------------------- flags that cannot act on an export
 @pytest.mark.parametrize("args, flag", [
     (["-r", "8"], "--kv-lora-rank"), (["--rope-dim", "4"], "--rope-dim"), (["-c", "2"], "--compression"),

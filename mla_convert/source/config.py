@@ -209,6 +209,8 @@ class ExportConfig:
     max_position_embeddings: int
     rope_parameters: dict
     torch_dtype: torch.dtype
+    attention_bias: bool = False  # q/k/v projections with biases (a Qwen2 source's): engines without a bias slot refuse
+    tied_embeddings: bool = False  # tie_word_embeddings: lm_head shares the embedding (engines that never tie refuse)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ExportConfig:
@@ -254,12 +256,13 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
     if not isinstance(rope_parameters, dict):
         read.problems.append(f"config.json: rope_parameters must be a JSON object (found {rope_parameters!r})")
     dtype = _dtype(raw, read.problems)
+    bias, tied = read.flag("attention_bias"), read.flag("tie_word_embeddings")
     if read.problems:
         return None, read.problems
     return ExportConfig(
         kv_lora_rank=rank, rope_dim=rope, num_layers=layers, num_heads=heads, qk_nope_head_dim=nope,
         v_head_dim=value_dim, q_lora_rank=q_rank, moe_layers=max(0, layers - dense), max_position_embeddings=positions,
-        rope_parameters=dict(rope_parameters), torch_dtype=dtype,
+        rope_parameters=dict(rope_parameters), torch_dtype=dtype, attention_bias=bias, tied_embeddings=tied,
     ), []
 
 

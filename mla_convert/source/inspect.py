@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -193,7 +193,12 @@ class ExportInspection:
     target: str | None
     report_file: str | None  # the report the source and target were read from (None: none was used)
     unknown_because: str | None  # why the source or the target is unknown
-    runs: tuple[dict, ...] = ()  # mla_convert/convert/engine_runs.json records of this target, shape and RoPE
+    runs: tuple[dict, ...] = ()  # mla_convert/convert/engine_runs.json records of this target, shape and RoPE, of the
+    # engines that can run the export as is
+    # {engine: why it cannot run this export as is} (convert/engines.py's constraints: the verdict mla_convert.json and
+    # the card give); the recorded runs of these engines were of exports without these traits and are left out of `runs`
+    blocked: dict[str, list[str]] = field(default_factory=dict)
+    withheld_runs: tuple[dict, ...] = ()  # recorded runs of this target, shape and RoPE left out for an engine in `blocked`
 
     @property
     def mla(self) -> MLAShape:
@@ -278,7 +283,7 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     """`inspect` on an MLA export (a folder or hub id whose config.json is DeepseekV3's): its KV cache from config.json;
     the source's cache, the ratio and the serving target from its mla_convert.json, when it has one that matches;
     the recorded engine runs of exports of that target, shape and RoPE (mla_convert/convert/engine_runs.json)."""
-    from ..convert.engines import recorded_runs
+    from ..convert.engines import export_constraint_problems, recorded_runs
     from ..convert.report import REPORT_FILE
     from ..convert.target import TARGETS
     from ..eval.checks import positive_problems
@@ -301,10 +306,14 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
                                             ("--target", target)) if value is None]
         if missing:
             why = f"{REPORT_FILE} records no {' and no '.join(missing)}"
-    runs = () if target is None else tuple(recorded_runs(target, MLAShape(export.kv_lora_rank, export.rope_dim),
-                                                         export.q_lora_rank, export.rope_type))
+    shape = MLAShape(export.kv_lora_rank, export.rope_dim)
+    recorded = [] if target is None else recorded_runs(target, shape, export.q_lora_rank, export.rope_type)
+    blocked = {} if target is None else export_constraint_problems(target, shape, export.attention_bias,
+                                                                   export.q_lora_rank, export.tied_embeddings)
+    runs = tuple(run for run in recorded if run["engine"] not in blocked)
     return ExportInspection(str(model), export, dtype, context, batch, source, target,
-                            REPORT_FILE if report is not None else None, why, runs)
+                            REPORT_FILE if report is not None else None, why, runs, blocked,
+                            tuple(run for run in recorded if run["engine"] in blocked))
 
 
 ESTIMATE_DEVICES = ("cpu", "cuda")
