@@ -118,19 +118,25 @@ def inspect(
     from .source.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows
     from .units import parse_dtype
 
-    local_export = _is_local_export(model)
+    # whether the model is an MLA export decides which flags can act, so its config.json (a hub id's from the hub or
+    # its cache) is read first; a model that cannot be read is checked as a source, and the flags' problems come first
+    problems = revision_problems(revision, model)
+    folder = raw = unreadable = None
+    if not problems:
+        try:
+            folder = resolve_config_path(model, revision)
+            raw = read_config_json(folder)
+        except MLAConvertError as error:
+            unreadable = error
+    export = raw is not None and is_export_config(raw)
     # on an export the shape and the conversion flags have nothing to act on; else --target's problems are among these
-    problems = _export_flag_problems(model, cli_context) if local_export else \
-        estimate_problems(estimate, device, cpu_cores, options)
-    problems += positive_problems({"--context": context, "--batch": batch}) + revision_problems(revision, model)
+    problems = (_export_flag_problems(model, cli_context) if export else estimate_problems(estimate, device, cpu_cores, options)) \
+        + positive_problems({"--context": context, "--batch": batch}) + problems
     if problems:
         raise PreflightError(problems)
-    folder = resolve_config_path(model, revision)
-    raw = read_config_json(folder)
-    if is_export_config(raw):  # an MLA export: what it caches, from its config.json and its conversion report
-        problems = [] if local_export else _export_flag_problems(model, cli_context)  # a hub id is known to be one only now
-        if problems:
-            raise PreflightError(problems)
+    if unreadable is not None:
+        raise unreadable
+    if export:  # an MLA export: what it caches, from its config.json and its conversion report
         _print_export(model, inspect_export(model, parse_dtype(dtype), context, batch, revision), dtype)
         return
     source = SourceConfig.from_dict(raw)
@@ -189,17 +195,6 @@ def inspect(
 
 # inspect's parameters that act on an MLA export: the cache table's context, batch and dtype, and the hub revision
 EXPORT_INSPECT_PARAMETERS = ("model", "context", "batch", "dtype", "revision")
-
-
-def _is_local_export(model: str) -> bool:
-    """Whether `model` is a local folder whose config.json is an MLA export's (a broken one is left to the checks)."""
-    from .source.config import is_export_config, read_config_json
-
-    path = Path(model).expanduser()
-    try:
-        return (path / "config.json").is_file() and is_export_config(read_config_json(path))
-    except (MLAConvertError, OSError):
-        return False
 
 
 def _typed_flags(context, skip: tuple[str, ...]) -> list[str]:

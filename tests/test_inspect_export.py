@@ -251,6 +251,15 @@ def test_a_hub_export_is_read_with_its_report_from_the_hub_cache(exports, tmp_pa
     refused = run("--kv-lora-rank", "8")  # known to be an export only once its config is read
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.startswith("error: --kv-lora-rank: acts only on a source model")
+    # the source model's flag checks used to run first: "--calib-samples: only change the cost estimate; add --estimate"
+    for args, flags in [(["--calib-samples", "8", "-r", "8"], "--kv-lora-rank, --calib-samples"),
+                        (["--device", "cpu"], "--device"), (["--device", "tpu", "--cpu-cores", "0"], "--device, --cpu-cores")]:
+        refused = run(*args)
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.splitlines() == [
+            f"error: {flags}: {'acts' if ',' not in flags else 'act'} only on a source model (Llama, Mistral, Qwen2); "
+            "someone/tiny-mla is an MLA export, whose config.json fixes its shape (on an export inspect takes "
+            "--context, --batch, --dtype and --revision)"], refused.stderr
 
 
 # --------------------------------------------------------------------------- engines: recorded runs only
