@@ -208,7 +208,7 @@ class ExportConfig:
     moe_layers: int  # layers built with a mixture of experts (index >= first_k_dense_replace); 0: a dense model
     max_position_embeddings: int
     rope_parameters: dict
-    torch_dtype: torch.dtype
+    torch_dtype: torch.dtype | None  # None: config.json states no dtype (transformers 5 then loads the weights' dtype)
     attention_bias: bool = False  # q/k/v projections with biases (a Qwen2 source's): engines without a bias slot refuse
     tied_embeddings: bool = False  # tie_word_embeddings: lm_head shares the embedding (engines that never tie refuse)
 
@@ -255,7 +255,8 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
     rope_parameters = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_parameters, dict):
         read.problems.append(f"config.json: rope_parameters must be a JSON object (found {rope_parameters!r})")
-    dtype = _dtype(raw, read.problems)
+    # none stated: transformers 5 takes the weights' dtype, which the config does not tell
+    dtype = _dtype(raw, read.problems, absent=None)
     bias, tied = read.flag("attention_bias"), read.flag("tie_word_embeddings")
     if read.problems:
         return None, read.problems
@@ -482,7 +483,8 @@ def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, hidden: int 
     return window
 
 
-def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:
+def _dtype(raw: Mapping[str, Any], problems: list[str], absent: torch.dtype | None = torch.float32) -> torch.dtype | None:
+    """The dtype config.json states (`absent` when it states none)."""
     for key in ("dtype", "torch_dtype"):  # `dtype` wins over the older `torch_dtype`, as in transformers
         value = raw.get(key)
         if value is None:
@@ -492,7 +494,7 @@ def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:
             problems.append(f"config.json: {key} {value!r} is not a dtype mla-convert reads (float32, float16, bfloat16)")
             return torch.float32
         return DTYPES[name]
-    return torch.float32
+    return absent
 
 
 def _token_ids(raw: Mapping[str, Any], vocab: int | None, problems: list[str]) -> dict:
