@@ -94,7 +94,8 @@ def inspect(
     compression: Optional[float] = typer.Option(None, "--compression", "-c", help="Pick R and D for this KV-cache ratio."),
     context: int = typer.Option(4096, help="Context length for the cache-size row."),
     batch: int = typer.Option(1, help="Batch size for the cache-size row."),
-    dtype: str = typer.Option("bf16", help="Cache dtype: bf16, fp16 or fp32."),
+    dtype: Optional[str] = typer.Option(None, help="Cache dtype: bf16 (default), fp16 or fp32; on an MLA export the "
+                                        "default is the dtype its config.json stores."),
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
     estimate: bool = typer.Option(False, "--estimate", help="Also predict what converting with these options costs: wall time "
                                   "per phase, peak host and device memory, disk (the cost model fitted from measured runs, "
@@ -137,9 +138,10 @@ def inspect(
     if unreadable is not None:
         raise unreadable
     if export:  # an MLA export: what it caches, from its config.json and its conversion report
-        _print_export(model, inspect_export(model, parse_dtype(dtype), context, batch, revision), dtype)
+        _print_export(model, inspect_export(model, None if dtype is None else parse_dtype(dtype), context, batch, revision))
         return
     source = SourceConfig.from_dict(raw)
+    dtype = dtype or "bf16"
     if estimate:  # what `convert` would refuse for this source is not worth a prediction
         local = Path(model).expanduser()
         problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression,
@@ -223,7 +225,7 @@ def _export_flag_problems(model: str, context) -> list[str]:
             "--dtype and --revision)"]
 
 
-def _print_export(model: str, found, dtype: str) -> None:
+def _print_export(model: str, found) -> None:
     """inspect's answer for an MLA export, each number with the file it comes from."""
     from .console import print_table
     from .convert.engines import RUNS_FILE, describe_run
@@ -241,7 +243,7 @@ def _print_export(model: str, found, dtype: str) -> None:
     print_plain(f"made for: --target {found.target} ({report})" if found.target else "made for: unknown")
     if found.unknown_because:
         print_plain(f"note: {found.unknown_because}")
-    print_table(console, f"KV cache ({dtype}): source vs MLA {shape}",
+    print_table(console, f"KV cache ({found.dtype_label}): source vs MLA {shape}",
                 ("quantity", f"source ({report})" if source is not None else "source", "MLA (config.json)"),
                 found.rows(), right=(1, 2))
     for note in found.notes():

@@ -102,6 +102,31 @@ def test_inspect_on_an_export_prints_its_cache_and_its_sources_from_their_files(
     assert "made for: --target transformers (mla_convert.json)" in out
 
 
+def test_without_dtype_the_cache_is_counted_in_the_exports_stored_dtype(exports, tmp_path):
+    """inspect used to count an fp32 export's cache in bf16 (the source model's default) unless --dtype was typed."""
+    from mla_convert.source.inspect import inspect_export
+
+    folder = exports["plain"]
+    assert config_of(folder)["dtype"] == "float32"
+    per_layer = {"fp32": str(16 * 4), "bf16": str(16 * 2)}
+    stored = invoke(folder)
+    assert stored.exit_code == 0, stored.output
+    assert "KV cache (fp32, stored dtype): source vs MLA 12+4" in stored.stdout
+    assert table(stored.stdout)["bytes / token / layer"] == (str(SOURCE_VALUES * 4), per_layer["fp32"])
+    typed = invoke(folder, "--dtype", "bf16")  # typed, it is used
+    assert "KV cache (bf16): source vs MLA 12+4" in typed.stdout
+    assert table(typed.stdout)["bytes / token / layer"] == (str(SOURCE_VALUES * 2), per_layer["bf16"])
+    assert inspect_export(folder).dtype == torch.float32
+    unstated = copy_export(folder, tmp_path / "unstated")  # no dtype in config.json: bf16, and the table says why
+    config = config_of(unstated)
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (unstated / "config.json").write_text(json.dumps(config))
+    assert "KV cache (bf16, config.json states no dtype)" in invoke(unstated).stdout
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "without `--dtype`, in the dtype `config.json` stores" in readme
+
+
 def test_the_api_gives_the_numbers_and_they_are_what_transformers_caches(exports):
     from transformers import AutoModelForCausalLM
 

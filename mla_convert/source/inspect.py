@@ -199,6 +199,16 @@ class ExportInspection:
     # the card give); the recorded runs of these engines were of exports without these traits and are left out of `runs`
     blocked: dict[str, list[str]] = field(default_factory=dict)
     withheld_runs: tuple[dict, ...] = ()  # recorded runs of this target, shape and RoPE left out for an engine in `blocked`
+    dtype_from: str | None = None  # where `dtype` came from when not asked for: "stored dtype", or why it is bf16
+
+    @property
+    def dtype_label(self) -> str:
+        """The cache dtype as the table's title names it: 'bf16', or 'float32, stored dtype' when not asked for."""
+        from ..units import dtype_name
+
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        name = names.get(self.dtype, dtype_name(self.dtype))
+        return f"{name}, {self.dtype_from}" if self.dtype_from else name
 
     @property
     def mla(self) -> MLAShape:
@@ -278,11 +288,12 @@ def read_export_report(model: str | os.PathLike, folder: Path, revision: str | N
     return report, None
 
 
-def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, context: int = 4096, batch: int = 1,
+def inspect_export(model: str | os.PathLike, dtype: torch.dtype | None = None, context: int = 4096, batch: int = 1,
                    revision: str | None = None) -> ExportInspection:
     """`inspect` on an MLA export (a folder or hub id whose config.json is DeepseekV3's): its KV cache from config.json;
     the source's cache, the ratio and the serving target from its mla_convert.json, when it has one that matches;
-    the recorded engine runs of exports of that target, shape and RoPE (mla_convert/convert/engine_runs.json)."""
+    the recorded engine runs of exports of that target, shape and RoPE (mla_convert/convert/engine_runs.json).
+    `dtype` None: the cache's dtype is the one config.json stores (bf16 where it states none)."""
     from ..convert.engines import export_constraint_problems, recorded_runs
     from ..convert.report import REPORT_FILE
     from ..convert.target import TARGETS
@@ -295,6 +306,10 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
         raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
     export = ExportConfig.from_dict(read_config_json(folder))
+    dtype_from = None
+    if dtype is None:
+        dtype, dtype_from = (export.torch_dtype, "stored dtype") if export.torch_dtype is not None else \
+            (torch.bfloat16, "config.json states no dtype")
     report, why = read_export_report(model, folder, revision)
     source = target = None
     if report is not None:
@@ -313,7 +328,7 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
     runs = tuple(run for run in recorded if run["engine"] not in blocked)
     return ExportInspection(str(model), export, dtype, context, batch, source, target,
                             REPORT_FILE if report is not None else None, why, runs, blocked,
-                            tuple(run for run in recorded if run["engine"] in blocked))
+                            tuple(run for run in recorded if run["engine"] in blocked), dtype_from)
 
 
 ESTIMATE_DEVICES = ("cpu", "cuda")
