@@ -199,25 +199,11 @@ def inspect(
 EXPORT_INSPECT_PARAMETERS = ("model", "context", "batch", "dtype", "revision")
 
 
-def _typed_flags(context, skip: tuple[str, ...]) -> list[str]:
-    """The flags typed on this command line (or set from the environment), as typed long (--no-sequential for a
-    switch turned off), except the parameters in `skip`; [] without a command line's context."""
-    if context is None:
-        return []
-    flags = []
-    for param in context.command.params:
-        source = context.get_parameter_source(param.name)
-        if param.name in skip or source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
-            continue
-        names = param.secondary_opts if getattr(param, "secondary_opts", None) and context.params.get(param.name) is False \
-            else param.opts
-        flags.append(next((name for name in names if name.startswith("--")), names[0]))
-    return flags
-
-
 def _export_flag_problems(model: str, context) -> list[str]:
     """inspect's flags that cannot act on an MLA export (its shape is fixed; nothing is converted), one line naming them."""
-    flags = _typed_flags(context, EXPORT_INSPECT_PARAMETERS)
+    from .options import typed_flags
+
+    flags = list(typed_flags(context, EXPORT_INSPECT_PARAMETERS).values())
     if not flags:
         return []
     return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model (Llama, Mistral, Qwen2); "

@@ -55,6 +55,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def attention_kind(heads: int, kv_heads: int) -> str:
+    """MHA (a kv head per query head), MQA (one kv head) or GQA (query heads share kv heads)."""
+    if kv_heads == heads:
+        return "MHA"
+    return "MQA" if kv_heads == 1 else "GQA"
+
+
+def kv_values_per_token_layer(kv_heads: int, head_dim: int) -> int:
+    """What a Llama / Mistral / Qwen2 attention caches per token and layer: one key and one value per kv head."""
+    return 2 * kv_heads * head_dim
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """Every fact of the source config the conversion, the cache math and the export need, typed."""
@@ -107,14 +119,12 @@ class SourceConfig:
     # ------------------------------------------------------------------ attention shape
     @property
     def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return attention_kind(self.num_heads, self.num_kv_heads)
 
     @property
     def kv_values_per_token_layer(self) -> int:
         """Cached numbers per token per layer: one key and one value per kv head."""
-        return 2 * self.num_kv_heads * self.head_dim
+        return kv_values_per_token_layer(self.num_kv_heads, self.head_dim)
 
     @property
     def max_kv_lora_rank(self) -> int:

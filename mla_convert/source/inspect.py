@@ -10,7 +10,7 @@ import torch
 
 from ..errors import PreflightError
 from ..units import human_bytes
-from .config import ExportConfig, SourceConfig
+from .config import ExportConfig, SourceConfig, attention_kind, kv_values_per_token_layer
 from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
@@ -155,14 +155,12 @@ class RecordedSource:
 
     @property
     def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return attention_kind(self.num_heads, self.num_kv_heads)
 
     @property
     def kv_values_per_token_layer(self) -> int:
-        """One key and one value per kv head (SourceConfig.kv_values_per_token_layer, from the recorded shape)."""
-        return 2 * self.num_kv_heads * self.head_dim
+        """One key and one value per kv head (as SourceConfig counts them, from the recorded shape)."""
+        return kv_values_per_token_layer(self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_report(cls, report: dict) -> RecordedSource | None:
