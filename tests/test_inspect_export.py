@@ -127,6 +127,15 @@ def test_without_dtype_the_cache_is_counted_in_the_exports_stored_dtype(exports,
     assert "without `--dtype`, in the dtype `config.json` stores" in readme
 
 
+def test_the_default_context_is_not_worded_as_a_typed_flag(exports):
+    """The note named "--context 4096" when the user typed no --context (4096 is its default)."""
+    result = invoke(exports["plain"])
+    assert result.exit_code == 0, result.output
+    assert "note: the cache row's context (4096, --context) is longer than the export's max_position_embeddings 512" \
+        in result.stdout
+    assert "note: --context" not in result.stdout
+
+
 def test_the_api_gives_the_numbers_and_they_are_what_transformers_caches(exports):
     from transformers import AutoModelForCausalLM
 
@@ -211,7 +220,8 @@ def test_a_windowed_sources_cache_is_counted_over_its_window(tmp_path):
     assert table(result.stdout)["cache for 100 tokens x batch 1"] == (binary(2 * 32 * 4 * 16) + " (16-token window)",
                                                                        binary(2 * 24 * 4 * 100))
     assert "note: the source slides its attention over 16 tokens" in result.stdout
-    assert "note: --context 100 is longer than the export's max_position_embeddings 16" in result.stdout
+    assert "note: the cache row's context (100, --context) is longer than the export's max_position_embeddings 16" \
+        in result.stdout
 
 
 # --------------------------------------------------------------------------- the report it reads

@@ -43,7 +43,7 @@ class InspectReport:
                          f"that many per sequence (counted so above); the export attends to every position and declares "
                          f"max_position_embeddings {self.source.export_max_positions}, the context where the two agree")
         if self.context > self.source.export_max_positions and not self.source.sliding_window:
-            notes.append(f"--context {self.context} is longer than the model's max_position_embeddings "
+            notes.append(f"the cache row's context ({self.context}, --context) is longer than the model's max_position_embeddings "
                          f"{self.source.export_max_positions}, which the export keeps")
         return notes
 
@@ -244,7 +244,7 @@ class ExportInspection:
             notes.append(f"the source slides its attention over {self.source.sliding_window} tokens, so it caches at most "
                          "that many per sequence (counted so above); the export attends to every position")
         if self.context > self.export.max_position_embeddings:
-            notes.append(f"--context {self.context} is longer than the export's max_position_embeddings "
+            notes.append(f"the cache row's context ({self.context}, --context) is longer than the export's max_position_embeddings "
                          f"{self.export.max_position_embeddings}")
         extras = ([f"q_lora_rank {self.export.q_lora_rank}"] if self.export.q_lora_rank is not None else []) + (
             [f"mixture-of-experts MLPs in {self.export.moe_layers} of {self.export.num_layers} layers"]
