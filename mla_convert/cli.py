@@ -94,7 +94,8 @@ def inspect(
     compression: Optional[float] = typer.Option(None, "--compression", "-c", help="Pick R and D for this KV-cache ratio."),
     context: int = typer.Option(4096, help="Context length for the cache-size row."),
     batch: int = typer.Option(1, help="Batch size for the cache-size row."),
-    dtype: str = typer.Option("bf16", help="Cache dtype: bf16, fp16 or fp32."),
+    dtype: Optional[str] = typer.Option(None, help="Cache dtype: bf16 (default), fp16 or fp32; on an MLA export the "
+                                        "default is the dtype its config.json stores."),
     revision: Optional[str] = typer.Option(None, help="Hub revision."),
     estimate: bool = typer.Option(False, "--estimate", help="Also predict what converting with these options costs: wall time "
                                   "per phase, peak host and device memory, disk (the cost model fitted from measured runs, "
@@ -118,22 +119,29 @@ def inspect(
     from .source.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows
     from .units import parse_dtype
 
-    local_export = _is_local_export(model)
+    # whether the model is an MLA export decides which flags can act, so its config.json (a hub id's from the hub or
+    # its cache) is read first; a model that cannot be read is checked as a source, and the flags' problems come first
+    problems = revision_problems(revision, model)
+    folder = raw = unreadable = None
+    if not problems:
+        try:
+            folder = resolve_config_path(model, revision)
+            raw = read_config_json(folder)
+        except MLAConvertError as error:
+            unreadable = error
+    export = raw is not None and is_export_config(raw)
     # on an export the shape and the conversion flags have nothing to act on; else --target's problems are among these
-    problems = _export_flag_problems(model, cli_context) if local_export else \
-        estimate_problems(estimate, device, cpu_cores, options)
-    problems += positive_problems({"--context": context, "--batch": batch}) + revision_problems(revision, model)
+    problems = (_export_flag_problems(model, cli_context) if export else estimate_problems(estimate, device, cpu_cores, options)) \
+        + positive_problems({"--context": context, "--batch": batch}) + problems
     if problems:
         raise PreflightError(problems)
-    folder = resolve_config_path(model, revision)
-    raw = read_config_json(folder)
-    if is_export_config(raw):  # an MLA export: what it caches, from its config.json and its conversion report
-        problems = [] if local_export else _export_flag_problems(model, cli_context)  # a hub id is known to be one only now
-        if problems:
-            raise PreflightError(problems)
-        _print_export(model, inspect_export(model, parse_dtype(dtype), context, batch, revision), dtype)
+    if unreadable is not None:
+        raise unreadable
+    if export:  # an MLA export: what it caches, from its config.json and its conversion report
+        _print_export(model, inspect_export(model, None if dtype is None else parse_dtype(dtype), context, batch, revision))
         return
     source = SourceConfig.from_dict(raw)
+    dtype = dtype or "bf16"
     if estimate:  # what `convert` would refuse for this source is not worth a prediction
         local = Path(model).expanduser()
         problems = estimate_source_problems(source, options, kv_lora_rank, rope_dim, compression,
@@ -191,36 +199,11 @@ def inspect(
 EXPORT_INSPECT_PARAMETERS = ("model", "context", "batch", "dtype", "revision")
 
 
-def _is_local_export(model: str) -> bool:
-    """Whether `model` is a local folder whose config.json is an MLA export's (a broken one is left to the checks)."""
-    from .source.config import is_export_config, read_config_json
-
-    path = Path(model).expanduser()
-    try:
-        return (path / "config.json").is_file() and is_export_config(read_config_json(path))
-    except (MLAConvertError, OSError):
-        return False
-
-
-def _typed_flags(context, skip: tuple[str, ...]) -> list[str]:
-    """The flags typed on this command line (or set from the environment), as typed long (--no-sequential for a
-    switch turned off), except the parameters in `skip`; [] without a command line's context."""
-    if context is None:
-        return []
-    flags = []
-    for param in context.command.params:
-        source = context.get_parameter_source(param.name)
-        if param.name in skip or source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
-            continue
-        names = param.secondary_opts if getattr(param, "secondary_opts", None) and context.params.get(param.name) is False \
-            else param.opts
-        flags.append(next((name for name in names if name.startswith("--")), names[0]))
-    return flags
-
-
 def _export_flag_problems(model: str, context) -> list[str]:
     """inspect's flags that cannot act on an MLA export (its shape is fixed; nothing is converted), one line naming them."""
-    flags = _typed_flags(context, EXPORT_INSPECT_PARAMETERS)
+    from .options import typed_flags
+
+    flags = list(typed_flags(context, EXPORT_INSPECT_PARAMETERS).values())
     if not flags:
         return []
     return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model (Llama, Mistral, Qwen2); "
@@ -228,7 +211,7 @@ def _export_flag_problems(model: str, context) -> list[str]:
             "--dtype and --revision)"]
 
 
-def _print_export(model: str, found, dtype: str) -> None:
+def _print_export(model: str, found) -> None:
     """inspect's answer for an MLA export, each number with the file it comes from."""
     from .console import print_table
     from .convert.engines import RUNS_FILE, describe_run
@@ -246,7 +229,7 @@ def _print_export(model: str, found, dtype: str) -> None:
     print_plain(f"made for: --target {found.target} ({report})" if found.target else "made for: unknown")
     if found.unknown_because:
         print_plain(f"note: {found.unknown_because}")
-    print_table(console, f"KV cache ({dtype}): source vs MLA {shape}",
+    print_table(console, f"KV cache ({found.dtype_label}): source vs MLA {shape}",
                 ("quantity", f"source ({report})" if source is not None else "source", "MLA (config.json)"),
                 found.rows(), right=(1, 2))
     for note in found.notes():
@@ -259,6 +242,13 @@ def _print_export(model: str, found, dtype: str) -> None:
             f"{ratio:.2f}x: the MLA cache is {1 / ratio:.2f}x larger than the source's"
         print_plain(f"compression ratio: {change} (the source's cache from {report}, the export's from config.json)")
     record = f"mla_convert/convert/{RUNS_FILE.name}"
+    for engine, problems in found.blocked.items():  # the verdict mla_convert.json and the card give, from config.json
+        print_plain(f"engine {engine}: cannot run this export as is (config.json, --target {found.target}): "
+                    + "; ".join(problems))
+    if found.withheld_runs:
+        engines = sorted({run["engine"] for run in found.withheld_runs})
+        print_plain(f"note: {len(found.withheld_runs)} recorded run(s) of {', '.join(engines)} at {shape} not shown: they "
+                    f"were of exports {', '.join(engines)} could run, without what the line(s) above name")
     if found.target is None:
         print_plain(f"engine runs: none shown (the records, {record}, are matched by the --target an export was made "
                     "for, which is unknown here)")
@@ -266,6 +256,8 @@ def _print_export(model: str, found, dtype: str) -> None:
         print_table(console, f"engine runs on record of --target {found.target} exports at {shape} ({record}; runs of "
                     "the models named, not of this folder)", ("engine", "recorded run"),
                     [(run["engine"], describe_run(run)) for run in found.runs])
+    elif found.withheld_runs:
+        print_plain("engine runs: none shown (every recorded run is of an engine that cannot run this export as is)")
     else:
         query = "with" if export.q_lora_rank is not None else "without"
         print_plain(f"engine runs: none on record of a --target {found.target} export at {shape} ({query} q_lora_rank, "

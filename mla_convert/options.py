@@ -412,13 +412,23 @@ FLAG_PROBLEMS = "flag_problems"
 
 def _given_on_command_line(context: Any, flags: list[_Flag]) -> dict[tuple[str, ...], str]:
     """The flags the user typed (field path -> the flag's name), read from the command's context ({} without one)."""
-    from .number_flags import long_flag
+    typed = typed_flags(context, switch_as_typed=False)
+    return {flag.path: typed[flag.parameter.name] for flag in flags if flag.parameter.name in typed}
 
+
+def typed_flags(context: Any, skip: tuple[str, ...] = (), switch_as_typed: bool = True) -> dict[str, str]:
+    """The flags typed on this command line (or set from the environment): parameter name -> its long flag, except
+    the parameters in `skip`; {} without a command line's context.  `switch_as_typed`: a switch turned off is named
+    as typed (--no-sequential), else by its flag (--sequential)."""
     if context is None:
         return {}
-    given = {}
-    for flag in flags:
-        source = context.get_parameter_source(flag.parameter.name)
-        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
-            given[flag.path] = long_flag(flag.parameter.name, flag.parameter.default)
-    return given
+    flags = {}
+    for param in context.command.params:
+        source = context.get_parameter_source(param.name)
+        if param.name in skip or source is None or source.name not in ("COMMANDLINE", "ENVIRONMENT"):
+            continue
+        names = param.opts
+        if switch_as_typed and getattr(param, "secondary_opts", None) and context.params.get(param.name) is False:
+            names = param.secondary_opts
+        flags[param.name] = next((name for name in names if name.startswith("--")), names[0])
+    return flags

@@ -102,6 +102,40 @@ def test_inspect_on_an_export_prints_its_cache_and_its_sources_from_their_files(
     assert "made for: --target transformers (mla_convert.json)" in out
 
 
+def test_without_dtype_the_cache_is_counted_in_the_exports_stored_dtype(exports, tmp_path):
+    """inspect used to count an fp32 export's cache in bf16 (the source model's default) unless --dtype was typed."""
+    from mla_convert.source.inspect import inspect_export
+
+    folder = exports["plain"]
+    assert config_of(folder)["dtype"] == "float32"
+    per_layer = {"fp32": str(16 * 4), "bf16": str(16 * 2)}
+    stored = invoke(folder)
+    assert stored.exit_code == 0, stored.output
+    assert "KV cache (fp32, stored dtype): source vs MLA 12+4" in stored.stdout
+    assert table(stored.stdout)["bytes / token / layer"] == (str(SOURCE_VALUES * 4), per_layer["fp32"])
+    typed = invoke(folder, "--dtype", "bf16")  # typed, it is used
+    assert "KV cache (bf16): source vs MLA 12+4" in typed.stdout
+    assert table(typed.stdout)["bytes / token / layer"] == (str(SOURCE_VALUES * 2), per_layer["bf16"])
+    assert inspect_export(folder).dtype == torch.float32
+    unstated = copy_export(folder, tmp_path / "unstated")  # no dtype in config.json: bf16, and the table says why
+    config = config_of(unstated)
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (unstated / "config.json").write_text(json.dumps(config))
+    assert "KV cache (bf16, config.json states no dtype)" in invoke(unstated).stdout
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "without `--dtype`, in the dtype `config.json` stores" in readme
+
+
+def test_the_default_context_is_not_worded_as_a_typed_flag(exports):
+    """The note named "--context 4096" when the user typed no --context (4096 is its default)."""
+    result = invoke(exports["plain"])
+    assert result.exit_code == 0, result.output
+    assert "note: the cache row's context (4096, --context) is longer than the export's max_position_embeddings 512" \
+        in result.stdout
+    assert "note: --context" not in result.stdout
+
+
 def test_the_api_gives_the_numbers_and_they_are_what_transformers_caches(exports):
     from transformers import AutoModelForCausalLM
 
@@ -186,7 +220,8 @@ def test_a_windowed_sources_cache_is_counted_over_its_window(tmp_path):
     assert table(result.stdout)["cache for 100 tokens x batch 1"] == (binary(2 * 32 * 4 * 16) + " (16-token window)",
                                                                        binary(2 * 24 * 4 * 100))
     assert "note: the source slides its attention over 16 tokens" in result.stdout
-    assert "note: --context 100 is longer than the export's max_position_embeddings 16" in result.stdout
+    assert "note: the cache row's context (100, --context) is longer than the export's max_position_embeddings 16" \
+        in result.stdout
 
 
 # --------------------------------------------------------------------------- the report it reads
@@ -251,6 +286,15 @@ def test_a_hub_export_is_read_with_its_report_from_the_hub_cache(exports, tmp_pa
     refused = run("--kv-lora-rank", "8")  # known to be an export only once its config is read
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.startswith("error: --kv-lora-rank: acts only on a source model")
+    # the source model's flag checks used to run first: "--calib-samples: only change the cost estimate; add --estimate"
+    for args, flags in [(["--calib-samples", "8", "-r", "8"], "--kv-lora-rank, --calib-samples"),
+                        (["--device", "cpu"], "--device"), (["--device", "tpu", "--cpu-cores", "0"], "--device, --cpu-cores")]:
+        refused = run(*args)
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.splitlines() == [
+            f"error: {flags}: {'acts' if ',' not in flags else 'act'} only on a source model (Llama, Mistral, Qwen2); "
+            "someone/tiny-mla is an MLA export, whose config.json fixes its shape (on an export inspect takes "
+            "--context, --batch, --dtype and --revision)"], refused.stderr
 
 
 # --------------------------------------------------------------------------- engines: recorded runs only
@@ -278,6 +322,45 @@ def test_no_engine_is_said_to_run_an_export_nobody_ran(exports):
     assert "engine runs: none on record of a --target transformers export at 12+4 (without q_lora_rank, RoPE default) " \
            "in mla_convert/convert/engine_runs.json: no engine is measured to run it" in out
     assert "| engine |" not in out and ": ok" not in out
+
+
+@pytest.mark.parametrize("trait", ["attention_bias", "tie_word_embeddings"])
+def test_no_ok_run_is_shown_for_an_engine_the_exports_own_config_rules_out(tmp_path, trait):
+    """A Qwen2 source with q/k/v biases (or tied embeddings), converted at 24+8 with a query latent for the default
+    target: its report says llama.cpp cannot run it (no bias slot / latent weights), and inspect used to list the
+    recorded "ok" llama.cpp runs of 24+8 exports anyway (stories260K, which has neither)."""
+    from mla_convert.convert.engines import recorded_runs
+    from mla_convert.source.config import ExportConfig
+    from mla_convert.source.shapes import MLAShape
+
+    family = "qwen2" if trait == "attention_bias" else "llama"  # Qwen2 always has q/k/v biases
+    source = save_tiny_model(tmp_path / "src", family=family, num_heads=8, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             hidden_size=64, num_layers=LAYERS, tie_word_embeddings=trait == "tie_word_embeddings")
+    out = convert(source, tmp_path / "mla", ConvertOptions(kv_lora_rank=24, rope_dim=8, q_lora_rank=64,
+                                                          calibration=CALIBRATION, dtype="fp32", effort="fast")).output
+    config, report = config_of(Path(out)), json.loads((Path(out) / "mla_convert.json").read_text())
+    assert config[trait] is True
+    export = ExportConfig.from_dict(config)
+    assert (export.attention_bias, export.tied_embeddings) == (trait == "attention_bias", trait == "tie_word_embeddings")
+    llama = report["engines"]["llama.cpp"]
+    assert llama["ok"] is False
+    assert any(run["engine"] == "llama.cpp" and run["status"] == "ok"
+               for run in recorded_runs("transformers", MLAShape(24, 8), 64))  # what used to be shown
+    result = invoke(out)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("| llama.cpp |")], result.stdout
+    blocked = [line for line in lines if line.startswith("engine llama.cpp: cannot run this export as is")]
+    assert len(blocked) == 1
+    for problem in (p for p in llama["notes"] if p.startswith(("attention biases", "tied embeddings", "latent weights"))):
+        assert problem in blocked[0]  # the report's own reasons, word for word
+    if trait == "attention_bias":
+        assert "attention biases: the engine's DeepSeek attention has no bias slot" in blocked[0]
+    else:  # vLLM never ties its lm_head
+        assert report["engines"]["vllm"]["ok"] is False
+        assert not [line for line in lines if line.startswith("| vllm |")]
+        assert any(line.startswith("engine vllm: cannot run this export as is") and "tied embeddings" in line
+                   for line in lines)
 
 
 # --------------------------------------------------------------------------- flags that cannot act on an export

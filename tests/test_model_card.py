@@ -337,6 +337,24 @@ def test_the_cache_numbers_come_from_the_exports_config_not_the_reports_cache_se
     assert "| compression ratio | 1x | 2x |" in text and "a single compressed latent of 28 values" in text
 
 
+def test_a_config_without_a_dtype_states_none_and_a_bf16_report_is_not_refused_for_it(tmp_path):
+    """transformers 5 loads a config.json that states no dtype in its weights' dtype; ExportConfig used to read float32
+    there, and push refused a bf16 report quoting "config.json's float32", a value the file never states."""
+    from mla_convert.hub.card import cache_report_problems
+
+    folder = make_converted_folder(tmp_path / "model")  # bf16 weights, a bf16 report
+    raw = json.loads((folder / "config.json").read_text())
+    assert cache_report_problems(stories260k_report(), ExportConfig.from_dict(raw)) == []
+    stated = {key: raw.pop(key) for key in ("dtype", "torch_dtype") if key in raw}
+    assert stated  # the exporter writes one
+    unstated = ExportConfig.from_dict(raw)
+    assert unstated.torch_dtype is None
+    assert cache_report_problems(stories260k_report(), unstated) == []
+    # one that states another dtype is still refused
+    wrong = cache_report_problems(stories260k_report(), ExportConfig.from_dict(raw | {"dtype": "float32"}))
+    assert len(wrong) == 1 and "dtype bf16, not config.json's float32" in wrong[0]
+
+
 def test_card_redacts_a_token_typed_on_the_command_line():
     report = stories260k_report()
     report["command"] += f" --token {TOKEN_LIKE}"

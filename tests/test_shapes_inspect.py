@@ -143,7 +143,9 @@ def test_inspect_counts_what_a_sliding_window_caches_and_says_what_the_export_de
     [note] = report.notes()
     assert "caches at most that many per sequence" in note and "declares max_position_embeddings 16" in note
     short = inspect_shapes(SourceConfig.from_dict({**SMOLLM2, "max_position_embeddings": 1024}), compression=4, context=4096)
-    assert short.notes() == ["--context 4096 is longer than the model's max_position_embeddings 1024, which the export keeps"]
+    # (worded for the default too: --context is not always typed)
+    assert short.notes() == ["the cache row's context (4096, --context) is longer than the model's max_position_embeddings "
+                             "1024, which the export keeps"]
     assert inspect_shapes(SourceConfig.from_dict(SMOLLM2), compression=4, context=2048).notes() == []
 
 

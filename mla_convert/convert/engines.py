@@ -156,6 +156,20 @@ def constraint_problems(engine: str, mla: MLAShape, target: T.Target, attention_
     return problems
 
 
+# the engines whose constraints (target.py data) engine_compatibility checks an export against
+CONSTRAINED_ENGINES = ("vllm", "llama.cpp")
+
+
+def export_constraint_problems(target: str | None, mla: MLAShape, attention_bias: bool, q_lora_rank: int | None,
+                               tied: bool) -> dict[str, list[str]]:
+    """{engine: what in this export breaks its known constraints}, for each engine `engine_compatibility` checks that
+    cannot run the export as is (its verdict is then ok false, whatever runs are recorded)."""
+    chosen = T.target_of(target)
+    found = {engine: constraint_problems(engine, mla, chosen, attention_bias, q_lora_rank, tied)
+             for engine in CONSTRAINED_ENGINES}
+    return {engine: problems for engine, problems in found.items() if problems}
+
+
 def sentencepiece_vocabulary(folder: str | Path | None) -> bool:
     """Whether a model folder's tokenizer is SentencePiece-style (a tokenizer.model, or a byte-fallback BPE in
     tokenizer.json), the kind llama.cpp's DeepSeek converter refused (stories260K); SmolLM2's byte-level BPE passed."""
@@ -190,7 +204,7 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
         "transformers": {"ok": True, "notes": ["stock DeepseekV3ForCausalLM, no remote code (every export; tests/test_convert.py)"]},
     }
     rope_type = (rope_parameters or {}).get("rope_type", "default")
-    for engine in ("vllm", "llama.cpp"):
+    for engine in CONSTRAINED_ENGINES:
         mine = [r for r in runs if r["engine"] == engine and r.get("target") == chosen.name]
         here = [r for r in mine if _same_export_kind(r, chosen.name, shape, q_lora_rank)]
         # ... and it ran the same RoPE (records made before the harness wrote it down are of default-RoPE exports)

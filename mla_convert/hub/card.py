@@ -345,7 +345,8 @@ def cache_report_problems(report: Mapping[str, Any], config: ExportConfig | None
         recorded, found = _number(cache.get(key)), expected[name]
         if recorded is not None and found is not None and not math.isclose(recorded, found, rel_tol=1e-9):
             wrong.append(f"cache.{key} {_count(recorded)}, not {_count(found)}")
-    if _dtype(expected["dtype"]) and _dtype(expected["dtype"]) != config.torch_dtype:
+    # (a config.json that states no dtype has none to compare: transformers loads the weights' dtype then)
+    if config.torch_dtype is not None and _dtype(expected["dtype"]) and _dtype(expected["dtype"]) != config.torch_dtype:
         wrong.append(f"dtype {expected['dtype']}, not config.json's {str(config.torch_dtype).removeprefix('torch.')}")
     if not wrong:
         return []

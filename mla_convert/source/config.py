@@ -55,6 +55,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def attention_kind(heads: int, kv_heads: int) -> str:
+    """MHA (a kv head per query head), MQA (one kv head) or GQA (query heads share kv heads)."""
+    if kv_heads == heads:
+        return "MHA"
+    return "MQA" if kv_heads == 1 else "GQA"
+
+
+def kv_values_per_token_layer(kv_heads: int, head_dim: int) -> int:
+    """What a Llama / Mistral / Qwen2 attention caches per token and layer: one key and one value per kv head."""
+    return 2 * kv_heads * head_dim
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """Every fact of the source config the conversion, the cache math and the export need, typed."""
@@ -107,14 +119,12 @@ class SourceConfig:
     # ------------------------------------------------------------------ attention shape
     @property
     def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return attention_kind(self.num_heads, self.num_kv_heads)
 
     @property
     def kv_values_per_token_layer(self) -> int:
         """Cached numbers per token per layer: one key and one value per kv head."""
-        return 2 * self.num_kv_heads * self.head_dim
+        return kv_values_per_token_layer(self.num_kv_heads, self.head_dim)
 
     @property
     def max_kv_lora_rank(self) -> int:
@@ -208,7 +218,9 @@ class ExportConfig:
     moe_layers: int  # layers built with a mixture of experts (index >= first_k_dense_replace); 0: a dense model
     max_position_embeddings: int
     rope_parameters: dict
-    torch_dtype: torch.dtype
+    torch_dtype: torch.dtype | None  # None: config.json states no dtype (transformers 5 then loads the weights' dtype)
+    attention_bias: bool = False  # q/k/v projections with biases (a Qwen2 source's): engines without a bias slot refuse
+    tied_embeddings: bool = False  # tie_word_embeddings: lm_head shares the embedding (engines that never tie refuse)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ExportConfig:
@@ -253,13 +265,15 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
     rope_parameters = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_parameters, dict):
         read.problems.append(f"config.json: rope_parameters must be a JSON object (found {rope_parameters!r})")
-    dtype = _dtype(raw, read.problems)
+    # none stated: transformers 5 takes the weights' dtype, which the config does not tell
+    dtype = _dtype(raw, read.problems, absent=None)
+    bias, tied = read.flag("attention_bias"), read.flag("tie_word_embeddings")
     if read.problems:
         return None, read.problems
     return ExportConfig(
         kv_lora_rank=rank, rope_dim=rope, num_layers=layers, num_heads=heads, qk_nope_head_dim=nope,
         v_head_dim=value_dim, q_lora_rank=q_rank, moe_layers=max(0, layers - dense), max_position_embeddings=positions,
-        rope_parameters=dict(rope_parameters), torch_dtype=dtype,
+        rope_parameters=dict(rope_parameters), torch_dtype=dtype, attention_bias=bias, tied_embeddings=tied,
     ), []
 
 
@@ -479,7 +493,8 @@ def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, hidden: int 
     return window
 
 
-def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:
+def _dtype(raw: Mapping[str, Any], problems: list[str], absent: torch.dtype | None = torch.float32) -> torch.dtype | None:
+    """The dtype config.json states (`absent` when it states none)."""
     for key in ("dtype", "torch_dtype"):  # `dtype` wins over the older `torch_dtype`, as in transformers
         value = raw.get(key)
         if value is None:
@@ -489,7 +504,7 @@ def _dtype(raw: Mapping[str, Any], problems: list[str]) -> torch.dtype:
             problems.append(f"config.json: {key} {value!r} is not a dtype mla-convert reads (float32, float16, bfloat16)")
             return torch.float32
         return DTYPES[name]
-    return torch.float32
+    return absent
 
 
 def _token_ids(raw: Mapping[str, Any], vocab: int | None, problems: list[str]) -> dict:

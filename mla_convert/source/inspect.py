@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import PreflightError
 from ..units import human_bytes
-from .config import ExportConfig, SourceConfig
+from .config import ExportConfig, SourceConfig, attention_kind, kv_values_per_token_layer
 from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
@@ -43,7 +43,7 @@ class InspectReport:
                          f"that many per sequence (counted so above); the export attends to every position and declares "
                          f"max_position_embeddings {self.source.export_max_positions}, the context where the two agree")
         if self.context > self.source.export_max_positions and not self.source.sliding_window:
-            notes.append(f"--context {self.context} is longer than the model's max_position_embeddings "
+            notes.append(f"the cache row's context ({self.context}, --context) is longer than the model's max_position_embeddings "
                          f"{self.source.export_max_positions}, which the export keeps")
         return notes
 
@@ -155,14 +155,12 @@ class RecordedSource:
 
     @property
     def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return attention_kind(self.num_heads, self.num_kv_heads)
 
     @property
     def kv_values_per_token_layer(self) -> int:
-        """One key and one value per kv head (SourceConfig.kv_values_per_token_layer, from the recorded shape)."""
-        return 2 * self.num_kv_heads * self.head_dim
+        """One key and one value per kv head (as SourceConfig counts them, from the recorded shape)."""
+        return kv_values_per_token_layer(self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_report(cls, report: dict) -> RecordedSource | None:
@@ -193,7 +191,22 @@ class ExportInspection:
     target: str | None
     report_file: str | None  # the report the source and target were read from (None: none was used)
     unknown_because: str | None  # why the source or the target is unknown
-    runs: tuple[dict, ...] = ()  # mla_convert/convert/engine_runs.json records of this target, shape and RoPE
+    runs: tuple[dict, ...] = ()  # mla_convert/convert/engine_runs.json records of this target, shape and RoPE, of the
+    # engines that can run the export as is
+    # {engine: why it cannot run this export as is} (convert/engines.py's constraints: the verdict mla_convert.json and
+    # the card give); the recorded runs of these engines were of exports without these traits and are left out of `runs`
+    blocked: dict[str, list[str]] = field(default_factory=dict)
+    withheld_runs: tuple[dict, ...] = ()  # recorded runs of this target, shape and RoPE left out for an engine in `blocked`
+    dtype_from: str | None = None  # where `dtype` came from when not asked for: "stored dtype", or why it is bf16
+
+    @property
+    def dtype_label(self) -> str:
+        """The cache dtype as the table's title names it: 'bf16', or 'float32, stored dtype' when not asked for."""
+        from ..units import dtype_name
+
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        name = names.get(self.dtype, dtype_name(self.dtype))
+        return f"{name}, {self.dtype_from}" if self.dtype_from else name
 
     @property
     def mla(self) -> MLAShape:
@@ -231,7 +244,7 @@ class ExportInspection:
             notes.append(f"the source slides its attention over {self.source.sliding_window} tokens, so it caches at most "
                          "that many per sequence (counted so above); the export attends to every position")
         if self.context > self.export.max_position_embeddings:
-            notes.append(f"--context {self.context} is longer than the export's max_position_embeddings "
+            notes.append(f"the cache row's context ({self.context}, --context) is longer than the export's max_position_embeddings "
                          f"{self.export.max_position_embeddings}")
         extras = ([f"q_lora_rank {self.export.q_lora_rank}"] if self.export.q_lora_rank is not None else []) + (
             [f"mixture-of-experts MLPs in {self.export.moe_layers} of {self.export.num_layers} layers"]
@@ -273,12 +286,13 @@ def read_export_report(model: str | os.PathLike, folder: Path, revision: str | N
     return report, None
 
 
-def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, context: int = 4096, batch: int = 1,
+def inspect_export(model: str | os.PathLike, dtype: torch.dtype | None = None, context: int = 4096, batch: int = 1,
                    revision: str | None = None) -> ExportInspection:
     """`inspect` on an MLA export (a folder or hub id whose config.json is DeepseekV3's): its KV cache from config.json;
     the source's cache, the ratio and the serving target from its mla_convert.json, when it has one that matches;
-    the recorded engine runs of exports of that target, shape and RoPE (mla_convert/convert/engine_runs.json)."""
-    from ..convert.engines import recorded_runs
+    the recorded engine runs of exports of that target, shape and RoPE (mla_convert/convert/engine_runs.json).
+    `dtype` None: the cache's dtype is the one config.json stores (bf16 where it states none)."""
+    from ..convert.engines import export_constraint_problems, recorded_runs
     from ..convert.report import REPORT_FILE
     from ..convert.target import TARGETS
     from ..eval.checks import positive_problems
@@ -290,6 +304,10 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
         raise PreflightError(problems)
     folder = resolve_config_path(model, revision)
     export = ExportConfig.from_dict(read_config_json(folder))
+    dtype_from = None
+    if dtype is None:
+        dtype, dtype_from = (export.torch_dtype, "stored dtype") if export.torch_dtype is not None else \
+            (torch.bfloat16, "config.json states no dtype")
     report, why = read_export_report(model, folder, revision)
     source = target = None
     if report is not None:
@@ -301,10 +319,14 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
                                             ("--target", target)) if value is None]
         if missing:
             why = f"{REPORT_FILE} records no {' and no '.join(missing)}"
-    runs = () if target is None else tuple(recorded_runs(target, MLAShape(export.kv_lora_rank, export.rope_dim),
-                                                         export.q_lora_rank, export.rope_type))
+    shape = MLAShape(export.kv_lora_rank, export.rope_dim)
+    recorded = [] if target is None else recorded_runs(target, shape, export.q_lora_rank, export.rope_type)
+    blocked = {} if target is None else export_constraint_problems(target, shape, export.attention_bias,
+                                                                   export.q_lora_rank, export.tied_embeddings)
+    runs = tuple(run for run in recorded if run["engine"] not in blocked)
     return ExportInspection(str(model), export, dtype, context, batch, source, target,
-                            REPORT_FILE if report is not None else None, why, runs)
+                            REPORT_FILE if report is not None else None, why, runs, blocked,
+                            tuple(run for run in recorded if run["engine"] in blocked), dtype_from)
 
 
 ESTIMATE_DEVICES = ("cpu", "cuda")
