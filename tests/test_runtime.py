@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_mla_config
+from tiny_models import pickled_copy, save_tiny_model, save_tiny_tokenizer, tiny_mla_config
 
 from mla_convert.convert import ConvertOptions, convert
 from mla_convert.options import CalibrationOptions
@@ -636,31 +636,23 @@ def test_generate_refusing_pickles_offers_no_allow_pickle_flag(tiny_folder, tmp_
     """generate reads safetensors only and has no --allow-pickle, but its refusal of a pickled-only folder said
     "... or pass --allow-pickle to load them" and a folder without weights "(expected ... or, with --allow-pickle,
     pytorch_model.bin)" (found by the runtime/push probe).  eval, which has the flag, still offers it."""
-    from safetensors.torch import load_file
     from typer.testing import CliRunner
 
     from mla_convert.cli import app
 
-    pickled = Path(shutil.copytree(tiny_folder, tmp_path / "pickled"))
-    state = {}
-    for file in sorted(pickled.glob("*.safetensors")):
-        state.update(load_file(file))
-        file.unlink()
-    for index in pickled.glob("*.safetensors.index.json"):
-        index.unlink()
-    torch.save(state, pickled / "pytorch_model.bin")
+    pickled = pickled_copy(tiny_folder, tmp_path / "pickled")
     result = CliRunner().invoke(app, ["generate", str(pickled), "Once upon", "--device", "cpu"])
     text = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert (f"error: {pickled}: holds only pickled PyTorch weights (*.bin); unpickling can run arbitrary code. "
             "This command reads safetensors only: convert them to safetensors first") in text, text
     assert "--allow-pickle" not in text, text
-    (pickled / "pytorch_model.bin").unlink()
+    (pickled / "pytorch_model.bin").rename(tmp_path / "weights.bin")
     result = CliRunner().invoke(app, ["generate", str(pickled), "Once upon", "--device", "cpu"])
     text = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert f"error: {pickled}: no weights found (expected model.safetensors or model.safetensors.index.json)" in text, text
-    torch.save(state, pickled / "pytorch_model.bin")
+    (tmp_path / "weights.bin").rename(pickled / "pytorch_model.bin")
     (tmp_path / "text.txt").write_text("Once upon a time there was a cat. " * 20)
     result = CliRunner().invoke(app, ["eval", str(pickled), "--data", str(tmp_path / "text.txt"), "--device", "cpu"])
     text = " ".join(result.output.split())
