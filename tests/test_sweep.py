@@ -462,7 +462,6 @@ def test_a_reloaded_sweep_names_its_local_text_by_file_name(tmp_path):
 
     result = dataclasses.replace(_fake_result({("output", 2): 11.0}), data=str(tmp_path / "texts" / "wiki.txt"))
     files = result.save(tmp_path, stem="fake")
-    assert "$TMPDIR" in files.json.read_text() or str(tmp_path) in files.json.read_text()
     sentence = load_sweep(files.json).describe_protocol()
     assert sentence.startswith("Perplexity on `wiki.txt`:"), sentence
     assert dataclasses.replace(result, data="wikitext:wikitext-2-raw-v1:test").describe_protocol().startswith(
@@ -880,4 +879,19 @@ def test_the_csv_writes_paths_as_the_json_does(tiny_source, tiny_text, tmp_path)
     with open(result.files.csv, newline="") as handle:
         from_csv = [row["model_path"] for row in csv.DictReader(handle)]
     from_json = [row["model_path"] or "" for row in json.loads(result.files.json.read_text())["rows"]]
-    assert from_csv == from_json and from_csv[1].endswith("/out/models/svd-2x")
+    # relative to the folder the files are in: an out-dir under the temp folder was written `$TMPDIR/.../svd-2x`
+    # (not a temp folder of mla-convert's) while source and data stayed absolute
+    assert from_csv == from_json == ["", "models/svd-2x"]
+    assert json.loads(result.files.json.read_text())["points"][1]["model_path"] == "models/svd-2x"
+    assert load_sweep(result.files.json).points[0].model_path == str(tmp_path / "out" / "models" / "svd-2x")
+
+
+def test_only_mla_converts_scratch_folders_are_written_as_tmpdir():
+    import tempfile
+
+    from mla_convert.eval.sweep import _portable_paths
+
+    temp = tempfile.gettempdir()
+    assert _portable_paths(f"{temp}/mla-convert-sweep-x1/svd-2x") == "$TMPDIR/mla-convert-sweep-x1/svd-2x"
+    assert _portable_paths(f"{temp}/mla-convert-stats-x1") == "$TMPDIR/mla-convert-stats-x1"
+    assert "$TMPDIR" not in _portable_paths(f"{temp}/probe/sw1/models/activation-aware-2x")

@@ -45,7 +45,7 @@ from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path
 from ..io.resolve import needs_download
-from ..io.writer import SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
+from ..io.writer import STATS_SCRATCH_PREFIX, SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, optional_argument, path_argument
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
@@ -366,9 +366,10 @@ class SweepResult:
             text += f" Ratios met {how}: " + ", ".join(f"{asked} got {got}" for asked, got in rounded.items()) + "."
         return text
 
-    def csv_text(self) -> str:
-        """The rows as CSV; paths written portably as in the JSON (the CSV kept this machine's absolute model_path)."""
-        rows = self.rows()
+    def csv_text(self, out_dir: str | os.PathLike | None = None) -> str:
+        """The rows as CSV; paths written portably as in the JSON (the CSV kept this machine's absolute model_path),
+        a kept model's relative to `out_dir` (the folder the CSV is written in) when it lies below it."""
+        rows = [{**row, "model_path": _written_model_path(row["model_path"], out_dir)} for row in self.rows()]
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
@@ -376,7 +377,8 @@ class SweepResult:
             writer.writerow({k: "" if v is None else _portable_paths(v) if isinstance(v, str) else v for k, v in row.items()})
         return buffer.getvalue()
 
-    def to_dict(self) -> dict:
+    def to_dict(self, out_dir: str | os.PathLike | None = None) -> dict:
+        """Everything, to rebuild the result; a kept model's path relative to `out_dir` when it lies below it."""
         return {
             "model": self.model_name,
             "source": self.source,
@@ -388,8 +390,9 @@ class SweepResult:
             "max_windows": self.max_windows,
             "calibration": {**self.calibration, "passes": self.calibration_passes},
             "settings": self.settings,
-            "rows": self.rows(),
-            "points": [_point_to_dict(p) for p in self.all_points()],
+            "rows": [{**row, "model_path": _written_model_path(row["model_path"], out_dir)} for row in self.rows()],
+            "points": [{**_point_to_dict(p), "model_path": _written_model_path(p.model_path, out_dir)}
+                       for p in self.all_points()],
         }
 
     @classmethod
@@ -411,8 +414,8 @@ class SweepResult:
         out.mkdir(parents=True, exist_ok=True)
         files = SweepFiles.at(out, stem)
         _write_atomic(files.markdown, f"# KV-cache sweep: {self.model_name}\n\n{self.describe_protocol()}\n\n{self.markdown()}\n")
-        _write_atomic(files.csv, self.csv_text())
-        _write_atomic(files.json, json.dumps(_json_safe(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n")
+        _write_atomic(files.csv, self.csv_text(out))
+        _write_atomic(files.json, json.dumps(_json_safe(self.to_dict(out)), indent=2, default=str, allow_nan=False) + "\n")
         if self.source_point.ok:
             self.plot(files.png, title)
         self.files = files
@@ -451,16 +454,38 @@ def _json_safe(value):
 
 
 def _portable_paths(text: str) -> str:
-    aliases = ((tempfile.gettempdir(), "$TMPDIR"), (str(Path.cwd().parent), ".."), (str(Path.home()), "~"))
-    for prefix, alias in aliases:
+    """This machine's paths written portably: `$TMPDIR/...` only for mla-convert's own scratch folders in the temp
+    folder (anything else under it, e.g. an --out-dir in /tmp, was written as `$TMPDIR/probe/...`, a path no reader
+    could find again), then `../...` (relative to the working directory's parent) and `~/...`."""
+    temp = tempfile.gettempdir()
+    if len(temp) > 1:
+        scratch = "|".join(re.escape(prefix) for prefix in (SWEEP_SCRATCH_PREFIX, STATS_SCRATCH_PREFIX))
+        text = re.sub(re.escape(temp) + rf"(?=/(?:{scratch}))", "$TMPDIR", text)
+    for prefix, alias in ((str(Path.cwd().parent), ".."), (str(Path.home()), "~")):
         if len(prefix) > 1:
             text = re.sub(re.escape(prefix) + r"(?=/)", alias, text)
     return text
 
 
+def _written_model_path(path: str | None, out_dir: str | os.PathLike | None) -> str | None:
+    """A kept model's path as the files write it: relative to the folder they are in (`models/svd-2x`) when it lies
+    below it, else as it is."""
+    if path is None or out_dir is None or not os.path.isabs(path):
+        return path
+    out = os.path.abspath(out_dir)
+    if os.path.commonpath([out, os.path.abspath(path)]) != out:
+        return path
+    return os.path.relpath(path, out)
+
+
 def load_sweep(path: str | os.PathLike) -> SweepResult:
-    """A sweep from the JSON file `SweepResult.save` wrote."""
-    return SweepResult.from_dict(json.loads(Path(path).read_text()))
+    """A sweep from the JSON file `SweepResult.save` wrote (a kept model's relative path is relative to its folder)."""
+    result = SweepResult.from_dict(json.loads(Path(path).read_text()))
+    folder = absolute_path(path).parent
+    result.points = [dataclasses.replace(point, model_path=str(folder / point.model_path))
+                     if point.model_path is not None and not point.model_path.startswith(("$", "~", ".."))
+                     and not os.path.isabs(point.model_path) else point for point in result.points]
+    return result
 
 
 def _seconds(value: float | None) -> str:
