@@ -856,9 +856,10 @@ def test_an_earlier_sweeps_results_are_replaced_only_when_asked(tiny_source, tin
     messages = Messages()
     result = run_sweep(tiny_source, [2], tiny_text, out, **settings, overwrite=True, progress=messages)
     assert [p.requested_ratio for p in load_sweep(result.files.json).points] == [2]
-    assert f"note: {out / 'models'} holds models an earlier sweep kept that this one does not list (svd-4x); " \
-           "left as they are" in messages.seen
-    assert (out / "models" / "svd-4x" / "config.json").exists()
+    # the replaced sweep's kept models are its results too: they went with its files (they stayed, unlisted)
+    assert f"removed the models the replaced sweep kept in {out / 'models'} that this one does not list (svd-4x)" \
+           in messages.seen
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["svd-2x"]
 
 
 def test_cli_sweep_refuses_an_earlier_sweeps_results_without_overwrite(tiny_source, tmp_path):
@@ -895,3 +896,19 @@ def test_only_mla_converts_scratch_folders_are_written_as_tmpdir():
     assert _portable_paths(f"{temp}/mla-convert-sweep-x1/svd-2x") == "$TMPDIR/mla-convert-sweep-x1/svd-2x"
     assert _portable_paths(f"{temp}/mla-convert-stats-x1") == "$TMPDIR/mla-convert-stats-x1"
     assert "$TMPDIR" not in _portable_paths(f"{temp}/probe/sw1/models/activation-aware-2x")
+
+
+def test_overwrite_leaves_only_this_sweeps_models(tiny_source, tiny_text, tmp_path):
+    """`sweep --overwrite --keep-models` left the earlier sweep's kept models (svd-4x beside the new svd-2x) in
+    out/models, which the new sweep.md does not list; a folder mla-convert did not write stays."""
+    out = tmp_path / "out"
+    run_sweep(tiny_source, [4], tiny_text, out, context_length=64, max_windows=1, methods=["svd"],
+              calibration=TINY_CALIBRATION, keep_models=True)
+    assert (out / "models" / "svd-4x" / "mla_convert.json").is_file()
+    (out / "models" / "mine").mkdir()
+    (out / "models" / "mine" / "notes.txt").write_text("the user's")
+    result = run_sweep(tiny_source, [2], tiny_text, out, context_length=64, max_windows=1, methods=["svd"],
+                       calibration=TINY_CALIBRATION, keep_models=True, overwrite=True)
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["mine", "svd-2x"]
+    assert (out / "models" / "mine" / "notes.txt").read_text() == "the user's"
+    assert [p.label for p in result.points] == ["weight-only SVD 2x"]

@@ -732,7 +732,9 @@ def run_sweep(
     (`<stem>.md/.csv/.json/.png`) are rewritten after every point.  A point whose conversion or
     evaluation fails (e.g. non-finite weights) is recorded with its error and the sweep goes on.
     An `out_dir` that holds an earlier sweep's `<stem>.*` files is refused unless `overwrite` (as `convert` refuses an
-    existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.
+    existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.  With
+    `overwrite` the models the replaced sweep kept in `<out_dir>/models` go too (those mla-convert wrote, when the
+    calibration is done): the folder holds only the models this sweep lists.
     Every problem with the settings, the source (a local one: a hub id is not downloaded to check it) and each
     planned export is raised together in one PreflightError, with `caller_problems` (the CLI's refused flags).
     """
@@ -772,9 +774,9 @@ def run_sweep(
             problems.append(f"--out-dir {out}: exists and is not a folder")
         elif not out.exists() and not out.parent.is_dir():
             problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
-        earlier = [path.name for path in SweepFiles.at(out, stem).paths() if path.exists() or path.is_symlink()]
-        if earlier and not overwrite:
-            problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier)}); give --overwrite "
+        earlier_files = [path.name for path in SweepFiles.at(out, stem).paths() if path.exists() or path.is_symlink()]
+        if earlier_files and not overwrite:
+            problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier_files)}); give --overwrite "
                             "to replace them, or choose another --out-dir")
     if models_dir is not None and not Path(models_dir).is_dir():
         problems.append(f"--models-dir {models_dir}: no such folder")
@@ -817,7 +819,8 @@ def run_sweep(
                                  f"{context_length}: one window of {len(tokenized)} tokens")
                 context_length = len(tokenized)
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
-            if out is not None:
+            replaced = out is not None and overwrite and bool(earlier_files)  # an earlier sweep's files, replaced below
+            if out is not None and not replaced:
                 _note_unlisted_models(out / "models", methods, ratios, progress)
             # out_dir is made by the first save, the models folder by the first kept model: neither is left behind,
             # empty, by a sweep refused above or interrupted before it measured anything ("nothing written in" it)
@@ -863,6 +866,8 @@ def run_sweep(
             result.calibration = {"description": converter.calibration_description,
                                   "tokens": int(converter.ids.numel()),
                                   "seconds": round(getattr(converter, "calibration_seconds", time.time() - started), 2)}
+            if replaced:  # the models the replaced sweep kept are its results too: only this sweep's stay listed
+                _remove_earlier_models(out / "models", methods if keep_root is not None else [], ratios, progress)
             if out is not None:
                 result.save(out, stem)
 
@@ -880,6 +885,8 @@ def run_sweep(
                         result.points.append(dataclasses.replace(earlier, requested_ratio=ratio,  # no time spent on it
                                                                  same_shape_as=earlier.requested_ratio,
                                                                  convert_seconds=None, eval_seconds=None))
+                        if replaced and keep_root is not None and _kept_model(keep_root / _folder_name(method, ratio)):
+                            shutil.rmtree(keep_root / _folder_name(method, ratio))  # the earlier sweep's, unlisted now
                         if out is not None:
                             result.save(out, stem)
                         continue
@@ -938,6 +945,23 @@ def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence
     if stale:
         progress.message(f"note: {models} holds models an earlier sweep kept that this one does not list "
                          f"({', '.join(stale)}); left as they are")
+
+
+def _remove_earlier_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
+    """With --overwrite, the models an earlier sweep kept in `<out_dir>/models` that this one will not replace (its
+    sweep.md would not list them): removed.  Only folders mla-convert wrote (holding mla_convert.json, not a link);
+    anything else is left as it is."""
+    if not models.is_dir():
+        return
+    planned = {_folder_name(method, ratio) for method in methods for ratio in ratios}
+    stale = sorted(folder for folder in models.iterdir() if folder.name not in planned and _kept_model(folder))
+    for folder in stale:
+        shutil.rmtree(folder)
+    if stale:
+        progress.message(f"removed the models the replaced sweep kept in {models} that this one does not list "
+                         f"({', '.join(folder.name for folder in stale)})")
+    if not any(models.iterdir()):
+        models.rmdir()
 
 
 def _folder_name(method: str, ratio: float) -> str:
