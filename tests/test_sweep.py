@@ -912,3 +912,33 @@ def test_overwrite_leaves_only_this_sweeps_models(tiny_source, tiny_text, tmp_pa
     assert sorted(p.name for p in (out / "models").iterdir()) == ["mine", "svd-2x"]
     assert (out / "models" / "mine" / "notes.txt").read_text() == "the user's"
     assert [p.label for p in result.points] == ["weight-only SVD 2x"]
+
+
+def test_a_kept_models_card_has_a_convert_command_and_the_sweeps_perplexity(tiny_source, tiny_text, tmp_path):
+    """A kept model's card showed `mla-convert sweep (ratio 2, method weight-only SVD)` (not a command) and said
+    "no perplexity was measured" although the sweep had measured it."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                       methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    (point,) = result.points
+    kept = Path(point.model_path)
+    report = json.loads((kept / "mla_convert.json").read_text())
+    assert report["evaluation"]["converted_perplexity"] == point.perplexity
+    assert report["evaluation"]["source_perplexity"] == result.source_point.perplexity
+    card = (kept / "README.md").read_text()
+    assert "no perplexity was measured" not in card
+    assert f"| MLA (this model) | {point.perplexity:,.4f} |" in card
+    (command,) = re.findall(r"```bash\n(mla-convert convert [^\n]*)\n```", card)
+    words = shlex.split(command)
+    assert words[:2] == ["mla-convert", "convert"] and words[3] == "svd-2x"
+    # the same command, its paths given here: convert accepts it and makes the same shape
+    again = tmp_path / "again"
+    run = CliRunner().invoke(cli.app, ["convert", str(tiny_source), str(again), *words[4:], "-q"])
+    assert run.exit_code == 0, run.output
+    options = json.loads((again / "mla_convert.json").read_text())["options"]
+    assert (options["kv_lora_rank"], options["rope_dim"]) == (point.kv_lora_rank, point.rope_dim)

@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -43,7 +44,7 @@ from ..convert.preflight import estimated_statistics_bytes
 from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
-from ..io.paths import absolute_path
+from ..io.paths import absolute_path, portable_path
 from ..io.resolve import needs_download
 from ..io.writer import STATS_SCRATCH_PREFIX, SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, optional_argument, path_argument
@@ -895,7 +896,8 @@ def run_sweep(
                     folder = (keep_root or scratch.path) / _folder_name(method, ratio)
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
-                                               keep=keep_root is not None)
+                                               keep=keep_root is not None, source=str(source), data=str(data),
+                                               source_result=source_result)
                     result.points.append(point)
                     if point.export_dtype and not any(p.export_dtype for p in result.points[:-1]):
                         result.cache_dtype = point.export_dtype  # the conversions' (the source row keeps its own)
@@ -1023,6 +1025,41 @@ def _collect_preflight_problems(converter: Converter, base: ConvertOptions, rati
                 problems.append(_as_sweep_flags(str(error), ratio))
 
 
+def convert_command(source: str | os.PathLike, output: str | os.PathLike, options: ConvertOptions) -> str:
+    """The `mla-convert convert` command that makes the model `options` describe, paths written as convert records
+    its own command line (relative to the working directory below it, else the last part): every option that
+    differs from convert's default, the compression and method always."""
+    words = ["mla-convert", "convert", portable_path(str(source)), portable_path(os.path.abspath(output))]
+    if options.compression is not None:
+        words += ["--compression", _flag_value(options.compression)]
+    words += ["--method", options.method]
+    return shlex.join(words + _changed_flags(options, ConvertOptions(), skip={"compression", "method", "overwrite", "force"}))
+
+
+def _changed_flags(values, defaults, skip: set[str] = frozenset()) -> list[str]:
+    flags: list[str] = []
+    for spec in dataclasses.fields(values):
+        value, default = getattr(values, spec.name), getattr(defaults, spec.name)
+        if dataclasses.is_dataclass(value):
+            flags += _changed_flags(value, default)
+            continue
+        if spec.name in skip or value is None or value == default:
+            continue
+        flag = spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, _flag_value(value)]
+    return flags
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    return portable_path(value) if isinstance(value, str) else str(value)  # e.g. --calib-data, as convert records it
+
+
 def _as_sweep_flags(problem: str, ratio: float) -> str:
     """convert's message about its --compression, in the sweep's words (a ratio comes from --ratios)."""
     return problem.replace(f"--compression {ratio}", f"--ratios {ratio:g}").replace("--compression", "--ratios")
@@ -1030,12 +1067,13 @@ def _as_sweep_flags(problem: str, ratio: float) -> str:
 
 def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
                        tokenized: TokenizedText, context_length: int, max_windows: int | None, eval_device: str | None,
-                       eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool) -> SweepPoint:
+                       eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool,
+                       source: str, data: str, source_result: PerplexityResult) -> SweepPoint:
     mla = pick_target_shape(converter.config, base.target, compression=ratio)
     common = dict(method=method, requested_ratio=ratio, kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.rope_dim,
                   values_per_token_layer=mla.kv_values_per_token_layer)
     options = dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method])
-    command = f"mla-convert sweep (ratio {ratio:g}, method {METHOD_LABELS[method]})"
+    command = convert_command(source, folder, options)  # the kept model's card: a command that makes this model
     if folder.exists() or folder.is_symlink():
         if not _kept_model(folder):
             return SweepPoint(result=None, error=f"{folder}: exists and is not a converted model; not replacing it", **common)
@@ -1057,6 +1095,11 @@ def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float,
         evaluation, eval_seconds, measured = _evaluate(conversion.output, tokenized, context_length, max_windows,
                                                        eval_device, eval_dtype, batch_size, progress, label)
         error = None
+        if keep:  # its card reports what the sweep measured (it said "no perplexity was measured")
+            from ..hub.card import record_perplexities
+
+            record_perplexities(conversion.output, evaluation, source_result, data, measured,
+                                str(resolve_device(eval_device)), measured_with="mla-convert sweep")
     except MLAConvertError as failure:
         evaluation, eval_seconds, error = None, None, str(failure).splitlines()[0]
         measured = report.get("cache", {}).get("dtype")
