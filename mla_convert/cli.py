@@ -561,7 +561,8 @@ def sweep(
     text_column: str = typer.Option("text", help="Text field of --data's .jsonl rows or column of its datasets dataset "
                                     "(the calibration text's: --calib-text-column)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results (sweep.md, .csv, .json, .png) of an "
-                                   "earlier sweep in OUT_DIR (refused without it)."),
+                                   "earlier sweep in OUT_DIR (refused without it), and remove the models it kept in OUT_DIR/models that "
+                                   "this one does not list (only folders mla-convert wrote)."),
     options: ConvertOptions = None,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
     flag_problems: list[str] = (),

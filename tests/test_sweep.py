@@ -462,7 +462,6 @@ def test_a_reloaded_sweep_names_its_local_text_by_file_name(tmp_path):
 
     result = dataclasses.replace(_fake_result({("output", 2): 11.0}), data=str(tmp_path / "texts" / "wiki.txt"))
     files = result.save(tmp_path, stem="fake")
-    assert "$TMPDIR" in files.json.read_text() or str(tmp_path) in files.json.read_text()
     sentence = load_sweep(files.json).describe_protocol()
     assert sentence.startswith("Perplexity on `wiki.txt`:"), sentence
     assert dataclasses.replace(result, data="wikitext:wikitext-2-raw-v1:test").describe_protocol().startswith(
@@ -857,9 +856,10 @@ def test_an_earlier_sweeps_results_are_replaced_only_when_asked(tiny_source, tin
     messages = Messages()
     result = run_sweep(tiny_source, [2], tiny_text, out, **settings, overwrite=True, progress=messages)
     assert [p.requested_ratio for p in load_sweep(result.files.json).points] == [2]
-    assert f"note: {out / 'models'} holds models an earlier sweep kept that this one does not list (svd-4x); " \
-           "left as they are" in messages.seen
-    assert (out / "models" / "svd-4x" / "config.json").exists()
+    # the replaced sweep's kept models are its results too: they went with its files (they stayed, unlisted)
+    assert f"removed the models the replaced sweep kept in {out / 'models'} that this one does not list (svd-4x)" \
+           in messages.seen
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["svd-2x"]
 
 
 def test_cli_sweep_refuses_an_earlier_sweeps_results_without_overwrite(tiny_source, tmp_path):
@@ -880,4 +880,65 @@ def test_the_csv_writes_paths_as_the_json_does(tiny_source, tiny_text, tmp_path)
     with open(result.files.csv, newline="") as handle:
         from_csv = [row["model_path"] for row in csv.DictReader(handle)]
     from_json = [row["model_path"] or "" for row in json.loads(result.files.json.read_text())["rows"]]
-    assert from_csv == from_json and from_csv[1].endswith("/out/models/svd-2x")
+    # relative to the folder the files are in: an out-dir under the temp folder was written `$TMPDIR/.../svd-2x`
+    # (not a temp folder of mla-convert's) while source and data stayed absolute
+    assert from_csv == from_json == ["", "models/svd-2x"]
+    assert json.loads(result.files.json.read_text())["points"][1]["model_path"] == "models/svd-2x"
+    assert load_sweep(result.files.json).points[0].model_path == str(tmp_path / "out" / "models" / "svd-2x")
+
+
+def test_only_mla_converts_scratch_folders_are_written_as_tmpdir():
+    import tempfile
+
+    from mla_convert.eval.sweep import _portable_paths
+
+    temp = tempfile.gettempdir()
+    assert _portable_paths(f"{temp}/mla-convert-sweep-x1/svd-2x") == "$TMPDIR/mla-convert-sweep-x1/svd-2x"
+    assert _portable_paths(f"{temp}/mla-convert-stats-x1") == "$TMPDIR/mla-convert-stats-x1"
+    assert "$TMPDIR" not in _portable_paths(f"{temp}/probe/sw1/models/activation-aware-2x")
+
+
+def test_overwrite_leaves_only_this_sweeps_models(tiny_source, tiny_text, tmp_path):
+    """`sweep --overwrite --keep-models` left the earlier sweep's kept models (svd-4x beside the new svd-2x) in
+    out/models, which the new sweep.md does not list; a folder mla-convert did not write stays."""
+    out = tmp_path / "out"
+    run_sweep(tiny_source, [4], tiny_text, out, context_length=64, max_windows=1, methods=["svd"],
+              calibration=TINY_CALIBRATION, keep_models=True)
+    assert (out / "models" / "svd-4x" / "mla_convert.json").is_file()
+    (out / "models" / "mine").mkdir()
+    (out / "models" / "mine" / "notes.txt").write_text("the user's")
+    result = run_sweep(tiny_source, [2], tiny_text, out, context_length=64, max_windows=1, methods=["svd"],
+                       calibration=TINY_CALIBRATION, keep_models=True, overwrite=True)
+    assert sorted(p.name for p in (out / "models").iterdir()) == ["mine", "svd-2x"]
+    assert (out / "models" / "mine" / "notes.txt").read_text() == "the user's"
+    assert [p.label for p in result.points] == ["weight-only SVD 2x"]
+
+
+def test_a_kept_models_card_has_a_convert_command_and_the_sweeps_perplexity(tiny_source, tiny_text, tmp_path):
+    """A kept model's card showed `mla-convert sweep (ratio 2, method weight-only SVD)` (not a command) and said
+    "no perplexity was measured" although the sweep had measured it."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    result = run_sweep(tiny_source, [2], tiny_text, tmp_path / "out", context_length=64, max_windows=2,
+                       methods=["svd"], calibration=TINY_CALIBRATION, keep_models=True)
+    (point,) = result.points
+    kept = Path(point.model_path)
+    report = json.loads((kept / "mla_convert.json").read_text())
+    assert report["evaluation"]["converted_perplexity"] == point.perplexity
+    assert report["evaluation"]["source_perplexity"] == result.source_point.perplexity
+    card = (kept / "README.md").read_text()
+    assert "no perplexity was measured" not in card
+    assert f"| MLA (this model) | {point.perplexity:,.4f} |" in card
+    (command,) = re.findall(r"```bash\n(mla-convert convert [^\n]*)\n```", card)
+    words = shlex.split(command)
+    assert words[:2] == ["mla-convert", "convert"] and words[3] == "svd-2x"
+    # the same command, its paths given here: convert accepts it and makes the same shape
+    again = tmp_path / "again"
+    run = CliRunner().invoke(cli.app, ["convert", str(tiny_source), str(again), *words[4:], "-q"])
+    assert run.exit_code == 0, run.output
+    options = json.loads((again / "mla_convert.json").read_text())["options"]
+    assert (options["kv_lora_rank"], options["rope_dim"]) == (point.kv_lora_rank, point.rope_dim)

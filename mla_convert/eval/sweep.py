@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -43,9 +44,9 @@ from ..convert.preflight import estimated_statistics_bytes
 from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
-from ..io.paths import absolute_path
+from ..io.paths import absolute_path, portable_path
 from ..io.resolve import needs_download
-from ..io.writer import SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
+from ..io.writer import STATS_SCRATCH_PREFIX, SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, optional_argument, path_argument
 from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
@@ -366,9 +367,10 @@ class SweepResult:
             text += f" Ratios met {how}: " + ", ".join(f"{asked} got {got}" for asked, got in rounded.items()) + "."
         return text
 
-    def csv_text(self) -> str:
-        """The rows as CSV; paths written portably as in the JSON (the CSV kept this machine's absolute model_path)."""
-        rows = self.rows()
+    def csv_text(self, out_dir: str | os.PathLike | None = None) -> str:
+        """The rows as CSV; paths written portably as in the JSON (the CSV kept this machine's absolute model_path),
+        a kept model's relative to `out_dir` (the folder the CSV is written in) when it lies below it."""
+        rows = [{**row, "model_path": _written_model_path(row["model_path"], out_dir)} for row in self.rows()]
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
@@ -376,7 +378,8 @@ class SweepResult:
             writer.writerow({k: "" if v is None else _portable_paths(v) if isinstance(v, str) else v for k, v in row.items()})
         return buffer.getvalue()
 
-    def to_dict(self) -> dict:
+    def to_dict(self, out_dir: str | os.PathLike | None = None) -> dict:
+        """Everything, to rebuild the result; a kept model's path relative to `out_dir` when it lies below it."""
         return {
             "model": self.model_name,
             "source": self.source,
@@ -388,8 +391,9 @@ class SweepResult:
             "max_windows": self.max_windows,
             "calibration": {**self.calibration, "passes": self.calibration_passes},
             "settings": self.settings,
-            "rows": self.rows(),
-            "points": [_point_to_dict(p) for p in self.all_points()],
+            "rows": [{**row, "model_path": _written_model_path(row["model_path"], out_dir)} for row in self.rows()],
+            "points": [{**_point_to_dict(p), "model_path": _written_model_path(p.model_path, out_dir)}
+                       for p in self.all_points()],
         }
 
     @classmethod
@@ -411,8 +415,8 @@ class SweepResult:
         out.mkdir(parents=True, exist_ok=True)
         files = SweepFiles.at(out, stem)
         _write_atomic(files.markdown, f"# KV-cache sweep: {self.model_name}\n\n{self.describe_protocol()}\n\n{self.markdown()}\n")
-        _write_atomic(files.csv, self.csv_text())
-        _write_atomic(files.json, json.dumps(_json_safe(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n")
+        _write_atomic(files.csv, self.csv_text(out))
+        _write_atomic(files.json, json.dumps(_json_safe(self.to_dict(out)), indent=2, default=str, allow_nan=False) + "\n")
         if self.source_point.ok:
             self.plot(files.png, title)
         self.files = files
@@ -451,16 +455,38 @@ def _json_safe(value):
 
 
 def _portable_paths(text: str) -> str:
-    aliases = ((tempfile.gettempdir(), "$TMPDIR"), (str(Path.cwd().parent), ".."), (str(Path.home()), "~"))
-    for prefix, alias in aliases:
+    """This machine's paths written portably: `$TMPDIR/...` only for mla-convert's own scratch folders in the temp
+    folder (anything else under it, e.g. an --out-dir in /tmp, was written as `$TMPDIR/probe/...`, a path no reader
+    could find again), then `../...` (relative to the working directory's parent) and `~/...`."""
+    temp = tempfile.gettempdir()
+    if len(temp) > 1:
+        scratch = "|".join(re.escape(prefix) for prefix in (SWEEP_SCRATCH_PREFIX, STATS_SCRATCH_PREFIX))
+        text = re.sub(re.escape(temp) + rf"(?=/(?:{scratch}))", "$TMPDIR", text)
+    for prefix, alias in ((str(Path.cwd().parent), ".."), (str(Path.home()), "~")):
         if len(prefix) > 1:
             text = re.sub(re.escape(prefix) + r"(?=/)", alias, text)
     return text
 
 
+def _written_model_path(path: str | None, out_dir: str | os.PathLike | None) -> str | None:
+    """A kept model's path as the files write it: relative to the folder they are in (`models/svd-2x`) when it lies
+    below it, else as it is."""
+    if path is None or out_dir is None or not os.path.isabs(path):
+        return path
+    out = os.path.abspath(out_dir)
+    if os.path.commonpath([out, os.path.abspath(path)]) != out:
+        return path
+    return os.path.relpath(path, out)
+
+
 def load_sweep(path: str | os.PathLike) -> SweepResult:
-    """A sweep from the JSON file `SweepResult.save` wrote."""
-    return SweepResult.from_dict(json.loads(Path(path).read_text()))
+    """A sweep from the JSON file `SweepResult.save` wrote (a kept model's relative path is relative to its folder)."""
+    result = SweepResult.from_dict(json.loads(Path(path).read_text()))
+    folder = absolute_path(path).parent
+    result.points = [dataclasses.replace(point, model_path=str(folder / point.model_path))
+                     if point.model_path is not None and not point.model_path.startswith(("$", "~", ".."))
+                     and not os.path.isabs(point.model_path) else point for point in result.points]
+    return result
 
 
 def _seconds(value: float | None) -> str:
@@ -707,7 +733,9 @@ def run_sweep(
     (`<stem>.md/.csv/.json/.png`) are rewritten after every point.  A point whose conversion or
     evaluation fails (e.g. non-finite weights) is recorded with its error and the sweep goes on.
     An `out_dir` that holds an earlier sweep's `<stem>.*` files is refused unless `overwrite` (as `convert` refuses an
-    existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.
+    existing output): they were silently replaced, and a sweep of fewer ratios lost the earlier rows.  With
+    `overwrite` the models the replaced sweep kept in `<out_dir>/models` go too (those mla-convert wrote, when the
+    calibration is done): the folder holds only the models this sweep lists.
     Every problem with the settings, the source (a local one: a hub id is not downloaded to check it) and each
     planned export is raised together in one PreflightError, with `caller_problems` (the CLI's refused flags).
     """
@@ -747,9 +775,9 @@ def run_sweep(
             problems.append(f"--out-dir {out}: exists and is not a folder")
         elif not out.exists() and not out.parent.is_dir():
             problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
-        earlier = [path.name for path in SweepFiles.at(out, stem).paths() if path.exists() or path.is_symlink()]
-        if earlier and not overwrite:
-            problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier)}); give --overwrite "
+        earlier_files = [path.name for path in SweepFiles.at(out, stem).paths() if path.exists() or path.is_symlink()]
+        if earlier_files and not overwrite:
+            problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier_files)}); give --overwrite "
                             "to replace them, or choose another --out-dir")
     if models_dir is not None and not Path(models_dir).is_dir():
         problems.append(f"--models-dir {models_dir}: no such folder")
@@ -792,7 +820,8 @@ def run_sweep(
                                  f"{context_length}: one window of {len(tokenized)} tokens")
                 context_length = len(tokenized)
             windows = plan_windows(len(tokenized), context_length, None, max_windows)
-            if out is not None:
+            replaced = out is not None and overwrite and bool(earlier_files)  # an earlier sweep's files, replaced below
+            if out is not None and not replaced:
                 _note_unlisted_models(out / "models", methods, ratios, progress)
             # out_dir is made by the first save, the models folder by the first kept model: neither is left behind,
             # empty, by a sweep refused above or interrupted before it measured anything ("nothing written in" it)
@@ -838,6 +867,8 @@ def run_sweep(
             result.calibration = {"description": converter.calibration_description,
                                   "tokens": int(converter.ids.numel()),
                                   "seconds": round(getattr(converter, "calibration_seconds", time.time() - started), 2)}
+            if replaced:  # the models the replaced sweep kept are its results too: only this sweep's stay listed
+                _remove_earlier_models(out / "models", methods if keep_root is not None else [], ratios, progress)
             if out is not None:
                 result.save(out, stem)
 
@@ -855,6 +886,8 @@ def run_sweep(
                         result.points.append(dataclasses.replace(earlier, requested_ratio=ratio,  # no time spent on it
                                                                  same_shape_as=earlier.requested_ratio,
                                                                  convert_seconds=None, eval_seconds=None))
+                        if replaced and keep_root is not None and _kept_model(keep_root / _folder_name(method, ratio)):
+                            shutil.rmtree(keep_root / _folder_name(method, ratio))  # the earlier sweep's, unlisted now
                         if out is not None:
                             result.save(out, stem)
                         continue
@@ -863,7 +896,8 @@ def run_sweep(
                     folder = (keep_root or scratch.path) / _folder_name(method, ratio)
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
-                                               keep=keep_root is not None)
+                                               keep=keep_root is not None, source=str(source), data=str(data),
+                                               source_result=source_result)
                     result.points.append(point)
                     if point.export_dtype and not any(p.export_dtype for p in result.points[:-1]):
                         result.cache_dtype = point.export_dtype  # the conversions' (the source row keeps its own)
@@ -913,6 +947,23 @@ def _note_unlisted_models(models: Path, methods: Sequence[str], ratios: Sequence
     if stale:
         progress.message(f"note: {models} holds models an earlier sweep kept that this one does not list "
                          f"({', '.join(stale)}); left as they are")
+
+
+def _remove_earlier_models(models: Path, methods: Sequence[str], ratios: Sequence[float], progress: Progress) -> None:
+    """With --overwrite, the models an earlier sweep kept in `<out_dir>/models` that this one will not replace (its
+    sweep.md would not list them): removed.  Only folders mla-convert wrote (holding mla_convert.json, not a link);
+    anything else is left as it is."""
+    if not models.is_dir():
+        return
+    planned = {_folder_name(method, ratio) for method in methods for ratio in ratios}
+    stale = sorted(folder for folder in models.iterdir() if folder.name not in planned and _kept_model(folder))
+    for folder in stale:
+        shutil.rmtree(folder)
+    if stale:
+        progress.message(f"removed the models the replaced sweep kept in {models} that this one does not list "
+                         f"({', '.join(folder.name for folder in stale)})")
+    if not any(models.iterdir()):
+        models.rmdir()
 
 
 def _folder_name(method: str, ratio: float) -> str:
@@ -974,6 +1025,41 @@ def _collect_preflight_problems(converter: Converter, base: ConvertOptions, rati
                 problems.append(_as_sweep_flags(str(error), ratio))
 
 
+def convert_command(source: str | os.PathLike, output: str | os.PathLike, options: ConvertOptions) -> str:
+    """The `mla-convert convert` command that makes the model `options` describe, paths written as convert records
+    its own command line (relative to the working directory below it, else the last part): every option that
+    differs from convert's default, the compression and method always."""
+    words = ["mla-convert", "convert", portable_path(str(source)), portable_path(os.path.abspath(output))]
+    if options.compression is not None:
+        words += ["--compression", _flag_value(options.compression)]
+    words += ["--method", options.method]
+    return shlex.join(words + _changed_flags(options, ConvertOptions(), skip={"compression", "method", "overwrite", "force"}))
+
+
+def _changed_flags(values, defaults, skip: set[str] = frozenset()) -> list[str]:
+    flags: list[str] = []
+    for spec in dataclasses.fields(values):
+        value, default = getattr(values, spec.name), getattr(defaults, spec.name)
+        if dataclasses.is_dataclass(value):
+            flags += _changed_flags(value, default)
+            continue
+        if spec.name in skip or value is None or value == default:
+            continue
+        flag = spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, _flag_value(value)]
+    return flags
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    return portable_path(value) if isinstance(value, str) else str(value)  # e.g. --calib-data, as convert records it
+
+
 def _as_sweep_flags(problem: str, ratio: float) -> str:
     """convert's message about its --compression, in the sweep's words (a ratio comes from --ratios)."""
     return problem.replace(f"--compression {ratio}", f"--ratios {ratio:g}").replace("--compression", "--ratios")
@@ -981,12 +1067,13 @@ def _as_sweep_flags(problem: str, ratio: float) -> str:
 
 def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
                        tokenized: TokenizedText, context_length: int, max_windows: int | None, eval_device: str | None,
-                       eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool) -> SweepPoint:
+                       eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool,
+                       source: str, data: str, source_result: PerplexityResult) -> SweepPoint:
     mla = pick_target_shape(converter.config, base.target, compression=ratio)
     common = dict(method=method, requested_ratio=ratio, kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.rope_dim,
                   values_per_token_layer=mla.kv_values_per_token_layer)
     options = dataclasses.replace(base, compression=ratio, method=METHOD_NAMES[method])
-    command = f"mla-convert sweep (ratio {ratio:g}, method {METHOD_LABELS[method]})"
+    command = convert_command(source, folder, options)  # the kept model's card: a command that makes this model
     if folder.exists() or folder.is_symlink():
         if not _kept_model(folder):
             return SweepPoint(result=None, error=f"{folder}: exists and is not a converted model; not replacing it", **common)
@@ -1008,6 +1095,11 @@ def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float,
         evaluation, eval_seconds, measured = _evaluate(conversion.output, tokenized, context_length, max_windows,
                                                        eval_device, eval_dtype, batch_size, progress, label)
         error = None
+        if keep:  # its card reports what the sweep measured (it said "no perplexity was measured")
+            from ..hub.card import record_perplexities
+
+            record_perplexities(conversion.output, evaluation, source_result, data, measured,
+                                str(resolve_device(eval_device)), measured_with="mla-convert sweep")
     except MLAConvertError as failure:
         evaluation, eval_seconds, error = None, None, str(failure).splitlines()[0]
         measured = report.get("cache", {}).get("dtype")

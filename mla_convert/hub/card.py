@@ -497,7 +497,8 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
         f"{evaluation['windows']} window{'s' if evaluation['windows'] != 1 else ''}" if evaluation.get("windows") else "",
         f"{evaluation['scored_tokens']:,} scored tokens" if evaluation.get("scored_tokens") else "",
     )
-    lines = [f"{lead} with `mla-convert eval`" + (f" ({setup})" if setup else "") + ":"]
+    tool = evaluation.get("measured_with") or "mla-convert eval"
+    lines = [f"{lead} with `{_text(tool)}`" + (f" ({setup})" if setup else "") + ":"]
     lines += ["", "| model | perplexity |", "|---|---:|"]
     if before is not None:
         lines.append(f"| original | {before:,.4f} |")  # as `eval` prints it (:.4g printed 5.4 beside 4.851)
@@ -990,13 +991,22 @@ def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
 
     The report is replaced atomically (written beside it, then renamed), then the card is regenerated.
     """
-    folder = Path(folder)
-    report = load_report(folder)
     model_label = next(label for label in evaluation.results if label != evaluation.baseline_label)
     converted, source = evaluation.results[model_label], evaluation.results[evaluation.baseline_label]
+    return record_perplexities(folder, converted, source, data, evaluation.settings.get("dtype"),
+                               evaluation.settings.get("device"))
+
+
+def record_perplexities(folder: str | Path, converted, source, data: str, dtype: str | None, device: str | None,
+                        measured_with: str = "mla-convert eval") -> Path:
+    """Write the perplexities of this converted folder and of its source (`PerplexityResult`s on the same windows of
+    `data`) into the report's `evaluation`, as `eval --update-card` does (`sweep` records its kept models' this way),
+    and regenerate the card."""
+    folder = Path(folder)
+    report = load_report(folder)
     data_path = Path(str(data)).expanduser()
     report["evaluation"] = {
-        "measured_with": "mla-convert eval",
+        "measured_with": measured_with,
         "protocol": ("non-overlapping windows, token-weighted NLL, first token of each window unscored"
                      if converted.stride == converted.context_length else
                      "sliding window (overlapping), token-weighted NLL, each token scored once, in the first window "
@@ -1009,8 +1019,8 @@ def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
         "source_perplexity": source.perplexity,
         "converted_perplexity": converted.perplexity,
         "ratio": converted.perplexity / source.perplexity,
-        "dtype": evaluation.settings.get("dtype"),
-        "device": evaluation.settings.get("device"),
+        "dtype": dtype,
+        "device": device,
     }
     temporary = folder / (REPORT_FILE + ".tmp")
     temporary.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
