@@ -1459,3 +1459,29 @@ def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stori
     run_finetune(_tiny_run_config(converted, tmp_path, "repeat", max_steps=1, warmup_steps=0, checkpoint_every=0, seq_len=64,
                                   teacher_samples=8, micro_batch_size=8), log=lines.append)
     assert "note: each optimizer step takes 16 windows and the data holds 8: windows repeat within a step" in lines
+
+
+def test_an_fp16_exports_fine_tuning_says_it_saves_bf16_and_keeps_the_conversions_options(tmp_path):
+    """`save_dtype` auto saves an fp16 export in bf16 (fp16 is not a fine-tuning save dtype): it used to do that
+    silently and to rewrite the conversion's recorded `options.dtype` to bfloat16, so the card showed the command's
+    `--dtype fp16` beside an option row `dtype | bfloat16`.  Now a note says so at run time, the saved dtype is the
+    fine-tuning section's, and the cache numbers stay config.json's (push checks them)."""
+    from mla_convert.finetune.config import FinetuneConfig as Config
+    from mla_convert.hub.card import cache_report_problems, export_config
+
+    source = save_tiny_model(tmp_path / "src", family="llama", weight_scale=3.0)
+    served = convert(source, tmp_path / "served", ConvertOptions(
+        compression=2, target="llama.cpp", dtype="fp16", calibration=CalibrationOptions(num_samples=4, seq_len=32))).output
+    converted_report = json.loads((served / "mla_convert.json").read_text())
+    assert converted_report["options"]["dtype"] == "float16"
+    lines = []
+    result = run_finetune(_tiny_run_config(served, tmp_path, "tuned", max_steps=2, checkpoint_every=0), log=lines.append)
+    assert any(line.startswith("note: the converted folder is fp16; the fine-tuned one is saved in bf16") for line in lines)
+    report = json.loads((result.output / "mla_convert.json").read_text())
+    assert report["options"] == converted_report["options"]  # the conversion's, as its command says
+    assert report["finetuning"]["saved_dtype"] == "bfloat16"
+    assert report["cache"]["dtype"] == "bfloat16"
+    assert cache_report_problems(report, export_config(result.output)) == []
+    card = (result.output / "README.md").read_text()
+    assert "| saved dtype | bfloat16 |" in card and "| `dtype` | bfloat16 |" not in card
+    assert "an fp16 folder, which is saved in bf16" in " ".join(Config.__dataclass_fields__["save_dtype"].metadata["help"].split())

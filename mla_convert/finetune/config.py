@@ -84,7 +84,8 @@ class FinetuneConfig:
     mixed_precision: str = setting("auto", "auto (bf16 autocast on a bf16-capable GPU, none on CPU), no, bf16 or fp16")
     gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory, about a third more time)")
     teacher_dtype: str = setting("auto", "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16")
-    save_dtype: str = setting("auto", "auto (the converted folder's dtype), fp32 or bf16")
+    save_dtype: str = setting("auto", "auto (the converted folder's dtype, except an fp16 "
+                                           "folder, which is saved in bf16), fp32 or bf16")
     num_threads: Optional[int] = setting(None, "CPU threads for torch (None: torch's default)")
     # --- evaluation: perplexity on non-overlapping windows, token-weighted NLL
     eval_data: Optional[str] = setting(None, "text to report perplexity on (file, folder or datasets spec); None: no evaluation")

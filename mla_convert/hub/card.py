@@ -664,7 +664,9 @@ def _load_id(repo_id: str | None) -> str:
 
 def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
     model = _load_id(repo_id)
-    fp32 = str(_get(report, "options", "dtype", default="")).lower() in ("fp32", "float32")
+    # the stored weights' dtype: a fine-tuned folder's cache section has it (its options stay the conversion's)
+    stored = _get(report, "cache", "dtype") or _get(report, "options", "dtype", default="")
+    fp32 = str(stored).lower() in ("fp32", "float32")
     dtype = "torch.float32" if fp32 else "torch.bfloat16"
     serving = isinstance(_get(report, "serving"), Mapping)  # rewritten for the engines: weights in a normal range
     return [
