@@ -393,11 +393,37 @@ def test_attention_training_selects_only_attention_parameters(tiny_llama):
 def test_config_yaml_then_flags_with_coercion(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: a\noutput: b\nlr: 1e-3\nmax_steps: 50\nmixed_precision: 'no'\ndata: null\n")
+    (tmp_path / "a").mkdir()
     config = parse_config(["--config", str(path), "--max-steps", "17", "--no-verify-save", "--teacher", "t", "--data", "none"])
-    # paths in the YAML are relative to the YAML file: an output always, an input when it exists there
+    # paths in the YAML are relative to the YAML file: an output and the model always, other inputs when they exist there
     assert (config.model, config.output, config.lr, config.max_steps, config.verify_save, config.teacher, config.data) == \
-        ("a", str(tmp_path / "b"), 1e-3, 17, False, "t", None)
+        (str(tmp_path / "a"), str(tmp_path / "b"), 1e-3, 17, False, "t", None)
     assert isinstance(config.lr, float)
+
+
+def test_a_yaml_config_refuses_a_relative_path_that_is_not_next_to_it(tmp_path, monkeypatch):
+    """`model: st-2x` missing next to the YAML file used to resolve silently from the current directory."""
+    here, configs = tmp_path / "cwd", tmp_path / "configs"
+    (here / "st-2x").mkdir(parents=True)
+    (here / "train.txt").write_text("text")
+    configs.mkdir()
+    monkeypatch.chdir(here)
+    path = configs / "run.yaml"
+    path.write_text("model: st-2x\noutput: out\ndata: train.txt\n")
+    with pytest.raises(FinetuneConfigError) as error:
+        parse_config(["--config", str(path)])
+    lines = str(error.value).splitlines()
+    assert any(line.startswith(f"model: 'st-2x' (in {path}) not found: looked for {configs / 'st-2x'}") for line in lines)
+    assert any(line.startswith(f"data: 'train.txt' (in {path}) is not next to the config file (looked for "
+                               f"{configs / 'train.txt'})") for line in lines)
+    # a flag given instead of the YAML's value: nothing to complain about; next to the file: found there
+    (configs / "st-2x").mkdir()
+    config = parse_config(["--config", str(path), "--data", "train.txt"])
+    assert (config.model, config.data) == (str(configs / "st-2x"), "train.txt")
+    # a hub id or dataset spec that is no path anywhere stays as written
+    path.write_text("model: st-2x\noutput: out\ndata: wikitext:wikitext-2-raw-v1:train\nteacher: org/model\n")
+    config = parse_config(["--config", str(path)])
+    assert (config.data, config.teacher) == ("wikitext:wikitext-2-raw-v1:train", "org/model")
 
 
 def test_config_errors_name_every_problem(tmp_path):
@@ -1262,6 +1288,7 @@ def test_a_flag_this_run_cannot_use_is_refused(tmp_path, flags, message):
 def test_a_recipe_key_this_run_cannot_use_is_a_note_and_switching_off_is_allowed(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model: m\noutput: o\nteacher_samples: 64\nsample_top_p: 0.9\n")
+    (tmp_path / "m").mkdir()  # beside the YAML (a missing one is refused while parsing), but no model folder
     text = tmp_path / "train.txt"
     text.write_text("words " * 50)
     notes = []
@@ -1277,7 +1304,7 @@ def test_a_recipe_key_this_run_cannot_use_is_a_note_and_switching_off_is_allowed
     assert notes == []
     from mla_convert.finetune.command import main as finetune_main
 
-    assert finetune_main(["--config", str(recipe), "--data", str(text)]) == 2  # (the model "m" does not exist)
+    assert finetune_main(["--config", str(recipe), "--data", str(text)]) == 2  # (the folder "m" holds no model)
     err = capsys.readouterr().err
     assert err.index("note: ") < err.index("error: ") and "teacher_samples, sample_top_p: not used" in err
 
