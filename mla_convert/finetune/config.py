@@ -84,7 +84,8 @@ class FinetuneConfig:
     mixed_precision: str = setting("auto", "auto (bf16 autocast on a bf16-capable GPU, none on CPU), no, bf16 or fp16")
     gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (less memory, about a third more time)")
     teacher_dtype: str = setting("auto", "auto (bf16 on GPU, fp32 on CPU), fp32 or bf16")
-    save_dtype: str = setting("auto", "auto (the converted folder's dtype), fp32 or bf16")
+    save_dtype: str = setting("auto", "auto (the converted folder's dtype, except an fp16 "
+                                           "folder, which is saved in bf16), fp32 or bf16")
     num_threads: Optional[int] = setting(None, "CPU threads for torch (None: torch's default)")
     # --- evaluation: perplexity on non-overlapping windows, token-weighted NLL
     eval_data: Optional[str] = setting(None, "text to report perplexity on (file, folder or datasets spec); None: no evaluation")
@@ -392,18 +393,42 @@ OUTPUT_PATHS = ("output", "checkpoint_dir")
 INPUT_PATHS = ("model", "teacher", "data", "eval_data", "resume")
 
 
+# Inputs that can only be local (a converted folder, a checkpoint): relative to the YAML file always, like outputs.
+LOCAL_INPUT_PATHS = ("model", "resume")
+
+
 def paths_relative_to(values: dict, folder: Path) -> dict:
-    """YAML values with their paths made relative to `folder` (the config's own): outputs always, inputs when they
-    are written as relative paths (`./`, `../`) or exist there (a hub id or a `datasets` spec stays as written)."""
+    """YAML values with their paths made relative to `folder` (the config's own): outputs and local-only inputs
+    (`model`, `resume`) always, other inputs when they are written as relative paths (`./`, `../`) or exist there (a
+    hub id or a `datasets` spec stays as written).  A relative path never resolves from the current directory."""
     out = dict(values)
     for key in OUTPUT_PATHS + INPUT_PATHS:
         value = out.get(key)
         if not isinstance(value, str) or not value or value == "auto" or Path(value).expanduser().is_absolute():
             continue
         candidate = folder / Path(value).expanduser()
-        if key in OUTPUT_PATHS or value.startswith(("./", "../")) or candidate.exists():
+        if key in OUTPUT_PATHS + LOCAL_INPUT_PATHS or value.startswith(("./", "../")) or candidate.exists():
             out[key] = str(candidate)
     return out
+
+
+def yaml_path_problems(values: dict, resolved: dict, config_file: str) -> list[str]:
+    """One line per input path of a YAML config that is not where the config says (`paths_relative_to` made it
+    relative to the file), and per value kept as a hub id or dataset spec that is a path of the current directory
+    only: relative paths in a YAML config are relative to the file, never to where the command runs."""
+    problems = []
+    for key in INPUT_PATHS:
+        value, found = values.get(key), resolved.get(key)
+        if not isinstance(value, str) or not value or value == "auto" or not isinstance(found, str):
+            continue
+        if found != value and not Path(found).exists():
+            problems.append(f"{key}: {value!r} (in {config_file}) not found: looked for {found} (paths in a YAML config "
+                            "are relative to the file's folder)")
+        elif found == value and not Path(value).expanduser().is_absolute() and Path(value).exists():
+            problems.append(f"{key}: {value!r} (in {config_file}) is not next to the config file (looked for "
+                            f"{Path(config_file).resolve().parent / value}) but in the current directory; paths in a "
+                            "YAML config are relative to the file's folder: write it as seen from there, or absolute")
+    return problems
 
 
 class _Refused:
@@ -456,7 +481,10 @@ def parse_config(argv: list[str] | None = None, prog: str | None = None, notes: 
     values = {}
     if config_file and "config" not in empty:
         try:
-            values = paths_relative_to(load_yaml_config(config_file), Path(config_file).resolve().parent)
+            written = load_yaml_config(config_file)
+            values = paths_relative_to(written, Path(config_file).resolve().parent)
+            problems += [problem for problem in yaml_path_problems(written, values, config_file)
+                         if problem.split(":")[0] not in given]  # a flag given instead: the YAML's value is unused
         except FinetuneConfigError as error:  # unreadable: its keys are unknown, the flags are still checked
             problems.append(str(error))
     config = config_from_mapping(values, problems=problems, refused=refused)  # all problems are reported below

