@@ -134,6 +134,8 @@ def converter_shaped_report() -> dict:
         "q_lora_rank": None,
         "rope_dim": 4,
     }
+    # exported in fp32: convert records the cache in the export's dtype (the card's loading snippet reads it there)
+    report["cache"].update(dtype="float32", source_bytes_per_token=1280, mla_bytes_per_token=320)
     report["calibration"] = {"description": "16 x 512 tokens sampled from the source model (seed 0)", "tokens": 8192}
     report["rope"] = {"grid": "offset 0, step 2", "candidates": [[0, 2, 41.0]]}
     report["summary"] = {"mean_kept_energy": 0.93, "min_kept_energy": 0.89, "seconds": 142.1}
