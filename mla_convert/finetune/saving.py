@@ -59,12 +59,14 @@ def fp16_save_note(save_dtype: str, converted: Path) -> str | None:
     saved in bf16: `FINETUNE_FP16`); None when auto keeps it or a dtype was chosen."""
     if save_dtype != "auto":
         return None
+    from ..errors import MLAConvertError
+    from ..source.config import ExportConfig, read_config_json
+
     try:
-        config = json.loads((Path(converted) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        stored = ExportConfig.from_dict(read_config_json(converted)).torch_dtype
+    except MLAConvertError:
         return None
-    stored = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
-    if str(stored).removeprefix("torch.") not in ("float16", "fp16", "half"):
+    if stored != torch.float16:
         return None
     return ("note: the converted folder is fp16; the fine-tuned one is saved in bf16 (save_dtype auto: fp16 is not "
             "a fine-tuning save dtype); give --save-dtype fp32 for fp32")
