@@ -55,20 +55,29 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def attention_kind(heads: int, kv_heads: int) -> str:
-    """MHA (a kv head per query head), MQA (one kv head) or GQA (query heads share kv heads)."""
-    if kv_heads == heads:
-        return "MHA"
-    return "MQA" if kv_heads == 1 else "GQA"
+class SourceAttentionShape:
+    """What a Llama / Mistral / Qwen2 attention is and caches, from its head counts: shared by the source's own config
+    and the shape an export's conversion report records (`num_heads`, `num_kv_heads`, `head_dim` are the user's)."""
 
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
-def kv_values_per_token_layer(kv_heads: int, head_dim: int) -> int:
-    """What a Llama / Mistral / Qwen2 attention caches per token and layer: one key and one value per kv head."""
-    return 2 * kv_heads * head_dim
+    @property
+    def attention_kind(self) -> str:
+        """MHA (a kv head per query head), MQA (one kv head) or GQA (query heads share kv heads)."""
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """Cached numbers per token per layer: one key and one value per kv head."""
+        return 2 * self.num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)
-class SourceConfig:
+class SourceConfig(SourceAttentionShape):
     """Every fact of the source config the conversion, the cache math and the export need, typed."""
 
     architecture: ArchitectureSpec
@@ -117,15 +126,6 @@ class SourceConfig:
         return _parse(raw)[1]
 
     # ------------------------------------------------------------------ attention shape
-    @property
-    def attention_kind(self) -> str:
-        return attention_kind(self.num_heads, self.num_kv_heads)
-
-    @property
-    def kv_values_per_token_layer(self) -> int:
-        """Cached numbers per token per layer: one key and one value per kv head."""
-        return kv_values_per_token_layer(self.num_kv_heads, self.head_dim)
-
     @property
     def max_kv_lora_rank(self) -> int:
         """Largest useful latent rank: the rank of the stacked NoPE-key/value projection.

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import PreflightError
 from ..units import human_bytes
-from .config import ExportConfig, SourceConfig, attention_kind, kv_values_per_token_layer
+from .config import ExportConfig, SourceAttentionShape, SourceConfig
 from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
@@ -142,7 +142,7 @@ def _positive_int(value) -> bool:
 
 
 @dataclass(frozen=True)
-class RecordedSource:
+class RecordedSource(SourceAttentionShape):
     """The model an export was converted from, as the export's conversion report (mla_convert.json) records it."""
 
     name: str
@@ -152,15 +152,6 @@ class RecordedSource:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
-
-    @property
-    def attention_kind(self) -> str:
-        return attention_kind(self.num_heads, self.num_kv_heads)
-
-    @property
-    def kv_values_per_token_layer(self) -> int:
-        """One key and one value per kv head (as SourceConfig counts them, from the recorded shape)."""
-        return kv_values_per_token_layer(self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_report(cls, report: dict) -> RecordedSource | None:
