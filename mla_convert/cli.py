@@ -187,12 +187,34 @@ def inspect(
         from .convert.preflight import sidecar_bytes
 
         options = dataclasses.replace(options, kv_lora_rank=report.mla.kv_lora_rank, rope_dim=report.mla.rope_dim)
+        source = _source_with_stored_dtype(source, folder if Path(model).expanduser().is_dir() else None, options)
         result = predict(source, options, device or "cpu", cpu_cores or torch.get_num_threads(), sidecar_bytes(folder))
         print_table(console, f"predicted conversion cost: {result.device_description}", ("phase", "wall time", "share"),
                     result.rows(), right=(1, 2))
         print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
         for note in result.notes:
             print_plain(f"note: {note}")
+
+
+def _source_with_stored_dtype(source, local_folder, options):
+    """The estimate's weight bytes in the dtype transformers loads: a config.json without one is resolved from a local
+    folder's headers, as convert does; a hub id's weights are not here to read, so the estimate says what it assumed."""
+    if source.dtype_stated:
+        return source
+    from .convert.pipeline import with_the_weights_dtype
+    from .errors import MLAConvertError
+    from .io.reader import CheckpointReader
+
+    note = ("note: config.json states no dtype and the weights are not read here; the estimate assumes float32 weights "
+            "(transformers loads the weights' own dtype)")
+    if local_folder is not None:
+        try:
+            with CheckpointReader(local_folder, allow_pickle=options.allow_pickle) as reader:
+                return with_the_weights_dtype(source, reader, print_plain, options.dtype)
+        except MLAConvertError:  # (already printed as what convert will refuse)
+            pass
+    print_plain(note)
+    return source
 
 
 # inspect's parameters that act on an MLA export: the cache table's context, batch and dtype, and the hub revision

@@ -717,3 +717,59 @@ def test_phase_timer_passes_the_end_of_a_phase_on_and_stops_its_clock():
     timer.stop()
     assert inner.calls == [("phase", "calibration"), ("end",), ("phase", "factorization")]
     assert seconds["calibration"] == measured and measured < 0.05
+
+
+# ----------------------------------------------------------------------------- a config.json without a dtype
+def _without_stated_dtype(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("stored, exported", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)])
+def test_auto_dtype_of_a_config_without_one_is_the_dtype_transformers_loads(tmp_path, stored, exported):
+    """transformers 5 loads a checkpoint whose config.json states no dtype in its weights' dtype; `--dtype auto` is
+    "the source's", so it exports that (fp16 as bf16), and says where it came from.  It used to read float32: a bf16
+    checkpoint was exported at twice its size."""
+    source = tmp_path / "src"
+    tiny_model(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64).to(stored).save_pretrained(source)
+    _without_stated_dtype(source)
+    loaded = AutoModelForCausalLM.from_pretrained(source, dtype="auto")  # the oracle: what transformers itself picks
+    assert loaded.dtype == stored
+    progress = RecordedMessages()
+    convert(source, tmp_path / "mla", fast_options(kv_lora_rank=12, rope_dim=8, dtype="auto"), progress=progress)
+    lines = progress.seen
+    config = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert config["dtype"] == str(exported).removeprefix("torch.")
+    assert {t.dtype for t in load_file(tmp_path / "mla" / "model.safetensors").values()} == {exported}
+    note = next(line for line in lines if "states no dtype" in line)
+    assert str(stored).removeprefix("torch.") in note and ("fp16 cannot hold" in note) == (stored == torch.float16)
+
+
+def test_the_weights_dtype_is_the_first_floating_tensor_of_the_first_shard_as_transformers_reads_it(tmp_path):
+    """Mixed dtypes (fp32 norms beside bf16 matrices): transformers takes the first floating-point tensor by name in
+    the first shard; so does the converter, and an explicit --dtype prints no note."""
+    from safetensors.torch import save_file
+
+    from mla_convert.convert.pipeline import with_the_weights_dtype
+    from mla_convert.io.reader import CheckpointReader
+    from mla_convert.source.config import SourceConfig
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    tensors = load_file(source / "model.safetensors")
+    save_file({name: (t if "norm" in name else t.to(torch.bfloat16)) for name, t in tensors.items()},
+              source / "model.safetensors", metadata={"format": "pt"})
+    _without_stated_dtype(source)
+    config = SourceConfig.from_folder(source)
+    assert not config.dtype_stated
+    first = sorted(tensors)[0]  # lm_head.weight: bf16 here
+    assert "norm" not in first
+    assert AutoModelForCausalLM.from_pretrained(source, dtype="auto").dtype == torch.bfloat16
+    lines = []
+    with CheckpointReader(source) as reader:
+        assert with_the_weights_dtype(config, reader, lines.append, "fp32").torch_dtype == torch.bfloat16
+    assert lines == []
+    stated = SourceConfig.from_folder(save_tiny_model(tmp_path / "stated", num_heads=4, head_dim=16, hidden_size=64))
+    with CheckpointReader(source) as reader:  # a stated dtype is the source's, whatever the weights hold
+        assert with_the_weights_dtype(stated, reader, lines.append) is stated

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_shapes_inspect import SMOLLM2, run_cli
 from tiny_models import tiny_config
 
@@ -224,3 +225,24 @@ def test_inspect_estimate_bad_flags_are_one_error_line(smollm2_config_folder, ar
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_inspect_estimate_of_a_folder_without_a_stated_dtype_counts_the_weights_dtype(tmp_path):
+    """A config.json without a dtype: the estimate reads the local folder's headers (bf16 here), as convert does, and
+    predicts what a config stating bf16 predicts; it counted float32 weights (twice the disk and memory)."""
+    from tiny_models import tiny_model
+
+    folders = {}
+    for name in ("stated", "unstated"):
+        folders[name] = tmp_path / name
+        tiny_model(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64).to(torch.bfloat16).save_pretrained(folders[name])
+    config = json.loads((folders["unstated"] / "config.json").read_text())
+    assert config.pop("dtype") == "bfloat16"
+    (folders["unstated"] / "config.json").write_text(json.dumps(config))
+    outputs = {name: run_cli("inspect", folder, "--estimate", "--cpu-cores", "2") for name, folder in folders.items()}
+    assert all(result.returncode == 0 for result in outputs.values()), outputs
+    tables = {name: result.stdout[result.stdout.index("predicted conversion cost"):].replace(str(folders[name]), "F")
+              for name, result in outputs.items()}
+    note = "note: config.json states no dtype; the weights are stored as bfloat16"
+    assert note in outputs["unstated"].stdout and note not in outputs["stated"].stdout
+    assert tables["unstated"] == tables["stated"]

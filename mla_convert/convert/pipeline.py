@@ -20,7 +20,7 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from ..options import CalibrationOptions, ConvertOptions, argument_problems, opt
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedRows, StreamedSourceModel
 from ..source.shapes import MLAShape
+from ..units import dtype_name
 from . import serving as S
 from . import target as T
 from .calibration import LayerInputStats, StatsStore, calibration_ids, layer_input_stats, rope_stats_for_layer
@@ -91,6 +92,20 @@ def untie_if_the_checkpoint_does(source: SourceConfig, reader: CheckpointReader,
     return source
 
 
+def with_the_weights_dtype(source: SourceConfig, reader: CheckpointReader, message: Callable[[str], None],
+                           dtype_option: str = "auto") -> SourceConfig:
+    """A config.json that states no dtype: transformers 5 loads the weights' own dtype, so that is the source's (and
+    what `--dtype auto` exports); reading it as float32 exported a bf16 checkpoint at twice its size."""
+    if source.dtype_stated:
+        return source
+    stored = reader.floating_dtype() or source.torch_dtype
+    if dtype_option == "auto":
+        message(f"note: config.json states no dtype; the weights are stored as {dtype_name(stored)}, which "
+                         "transformers loads and --dtype auto exports" + (" (as bfloat16: fp16 cannot hold the latent)"
+                                                                          if stored == torch.float16 else ""))
+    return dataclasses.replace(source, torch_dtype=stored)
+
+
 class Converter:
     """One source model, calibrated once, exported to one or more MLA shapes (sweeps reuse the calibration)."""
 
@@ -116,7 +131,8 @@ class Converter:
         # cannot act; a --revision that cannot act on a local folder): raised with pre-flight's problems
         # (`preflight`), so that the ranks', options' and output's problems come in the same run
         self.setting_problems = [*setting_problems, *revision]
-        self.config = untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress)
+        self.config = with_the_weights_dtype(untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress),
+                                             self.reader, self.progress.message, self.options.dtype)
         self.device = _device(self.options.device)
         self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
                                          resident_bytes=resident_weight_budget(self.device))

@@ -262,6 +262,16 @@ class CheckpointReader:
             self._infos = infos
         return self._infos
 
+    def floating_dtype(self) -> torch.dtype | None:
+        """The dtype transformers' `dtype="auto"` loads when config.json states none: the first floating-point tensor's,
+        by name, in the first file (None: no floating-point tensor)."""
+        infos = self.tensor_infos()
+        first = self.files[0] if self.files else None
+        for name in sorted(name for name, info in infos.items() if info.file == first):
+            if infos[name].dtype.is_floating_point and infos[name].dtype.itemsize > 1:  # (not fp8, as in transformers)
+                return infos[name].dtype
+        return None
+
     def header_problems(self) -> list[str]:
         """One line per shard whose header is unreadable or inconsistent (all shards, not just the first).
 

@@ -106,6 +106,9 @@ class SourceConfig(SourceAttentionShape):
     # the source's attention window when some layer slides and the window is shorter than its positions: the export
     # (full attention) agrees with the source only up to it, so it declares that many positions
     sliding_window: int | None = None
+    # False: config.json states no dtype, and `torch_dtype` is a float32 placeholder until the weights' headers are
+    # read (`convert.pipeline.with_the_weights_dtype`): transformers 5 then loads the weights' own dtype
+    dtype_stated: bool = True
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -441,6 +444,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
         rms_norm_eps=eps,
         max_position_embeddings=max_positions,
         torch_dtype=dtype,
+        dtype_stated=any(raw.get(key) is not None for key in ("dtype", "torch_dtype")),
         hidden_act=hidden_act,
         bos_token_id=token_ids["bos_token_id"],
         eos_token_id=token_ids["eos_token_id"],
