@@ -64,6 +64,10 @@ def test_eval_update_card_writes_the_measured_numbers(converted, stories260k, ti
     card = (folder / "README.md").read_text()
     assert "## Quality" in card and f"{evaluation['converted_perplexity']:,.4f}" in card
     assert f"{evaluation['source_perplexity']:,.4f}" in card
+    # what each model computed in, which the card's sentence omitted
+    assert (evaluation["dtype"], evaluation["source_dtype"]) == (measured["settings"]["dtype"],
+                                                                 measured["settings"]["baseline_dtype"]) != (None, None)
+    assert f"scored tokens, computed in {evaluation['dtype']}):" in card
     assert "wrote the evaluation" in result.output
 
 

@@ -587,3 +587,30 @@ def test_a_source_with_a_provenance_record_gets_a_card_that_names_the_dequantize
     report, text = texts["plain"]
     assert report["source"]["provenance"] is None
     assert "quantized copy" not in text and "dequantized" not in text
+
+
+@pytest.mark.parametrize("recorded, words", [
+    ({"dtype": "bfloat16", "source_dtype": "float32"}, "original computed in float32, MLA (this model) in bfloat16"),
+    ({"dtype": "float32", "source_dtype": "float32"}, "scored tokens, computed in float32)"),
+    ({"dtype": "bfloat16"}, "MLA (this model) computed in bfloat16)"),  # a report from before source_dtype was kept
+])
+def test_the_quality_sentence_says_what_each_model_computed_in(recorded, words):
+    """A bf16 evaluation and an fp32 one of the same weights differ; the card's sentence named the text, context and
+    windows but not the dtype, which the report had recorded all along."""
+    report = stories260k_report()
+    report["evaluation"].update(scored_tokens=5100, **recorded)
+    text = str(build_model_card(report))
+    assert words in text
+    report["evaluation"].pop("dtype")
+    assert "computed in" not in str(build_model_card(report))
+
+
+def test_a_fine_tuned_cards_per_layer_fit_says_it_is_the_conversions():
+    """After fine-tuning, the per-layer table still showed the conversion's kept energy and errors as if they were the
+    fine-tuned model's."""
+    report = stories260k_report()
+    said = "Measured when the model was converted, before fine-tuning"
+    assert "## Per-layer fit" in str(build_model_card(report)) and said not in str(build_model_card(report))
+    report["finetuning"] = {"steps": 10, "trained": "attention", "loss": "1 x KL(teacher || student)"}
+    text = str(build_model_card(report))
+    assert text.index(said) > text.index("## Per-layer fit")

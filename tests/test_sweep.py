@@ -933,6 +933,8 @@ def test_a_kept_models_card_has_a_convert_command_and_the_sweeps_perplexity(tiny
     card = (kept / "README.md").read_text()
     assert "no perplexity was measured" not in card
     assert f"| MLA (this model) | {point.perplexity:,.4f} |" in card
+    assert (report["evaluation"]["dtype"], report["evaluation"]["source_dtype"]) == ("float32", "float32")
+    assert "scored tokens, computed in float32):" in card  # the sweep's compute dtype, which the card omitted
     (command,) = re.findall(r"```bash\n(mla-convert convert [^\n]*)\n```", card)
     words = shlex.split(command)
     assert words[:2] == ["mla-convert", "convert"] and words[3] == "svd-2x"

@@ -897,7 +897,7 @@ def run_sweep(
                     point = _convert_and_score(converter, base, ratio, method, folder, tokenized, context_length,
                                                max_windows, eval_device, eval_dtype, batch_size, progress, label,
                                                keep=keep_root is not None, source=str(source), data=str(data),
-                                               source_result=source_result)
+                                               source_result=source_result, source_dtype=source_dtype)
                     result.points.append(point)
                     if point.export_dtype and not any(p.export_dtype for p in result.points[:-1]):
                         result.cache_dtype = point.export_dtype  # the conversions' (the source row keeps its own)
@@ -1068,7 +1068,8 @@ def _as_sweep_flags(problem: str, ratio: float) -> str:
 def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float, method: str, folder: Path,
                        tokenized: TokenizedText, context_length: int, max_windows: int | None, eval_device: str | None,
                        eval_dtype: str, batch_size: int, progress: Progress, label: str, keep: bool,
-                       source: str, data: str, source_result: PerplexityResult) -> SweepPoint:
+                       source: str, data: str, source_result: PerplexityResult,
+                       source_dtype: str | None = None) -> SweepPoint:
     mla = pick_target_shape(converter.config, base.target, compression=ratio)
     common = dict(method=method, requested_ratio=ratio, kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.rope_dim,
                   values_per_token_layer=mla.kv_values_per_token_layer)
@@ -1099,7 +1100,8 @@ def _convert_and_score(converter: Converter, base: ConvertOptions, ratio: float,
             from ..hub.card import record_perplexities
 
             record_perplexities(conversion.output, evaluation, source_result, data, measured,
-                                str(resolve_device(eval_device)), measured_with="mla-convert sweep")
+                                str(resolve_device(eval_device)), measured_with="mla-convert sweep",
+                                source_dtype=source_dtype)
     except MLAConvertError as failure:
         evaluation, eval_seconds, error = None, None, str(failure).splitlines()[0]
         measured = report.get("cache", {}).get("dtype")

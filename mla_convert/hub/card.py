@@ -518,6 +518,7 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
             "context_length") else "",
         f"{evaluation['windows']} window{'s' if evaluation['windows'] != 1 else ''}" if evaluation.get("windows") else "",
         f"{evaluation['scored_tokens']:,} scored tokens" if evaluation.get("scored_tokens") else "",
+        _compute_dtypes(evaluation, converted_label),
     )
     tool = evaluation.get("measured_with") or "mla-convert eval"
     lines = [f"{lead} with `{_text(tool)}`" + (f" ({setup})" if setup else "") + ":"]
@@ -529,6 +530,18 @@ def _evaluation_lines(evaluation: Mapping[str, Any], converted_label: str, lead:
     if before and after is not None:
         lines.append(f"| change | {100 * (after - before) / before:+.1f}% |")
     return lines + [""]
+
+
+def _compute_dtypes(evaluation: Mapping[str, Any], converted_label: str) -> str:
+    """What the two models computed in, as far as the evaluation recorded it (a report from before the source's dtype
+    was recorded names the converted model's alone)."""
+    converted, source = (_text(evaluation[key]) if isinstance(evaluation.get(key), str) else None
+                         for key in ("dtype", "source_dtype"))
+    if converted is None:
+        return ""
+    if source is None:
+        return f"{converted_label} computed in {converted}"
+    return f"computed in {converted}" if source == converted else f"original computed in {source}, {converted_label} in {converted}"
 
 
 def _section_quality(report: Mapping[str, Any]) -> list[str]:
@@ -605,6 +618,9 @@ def _section_layers(report: Mapping[str, Any]) -> list[str]:
         return []
     energies = [e for e in (_number(layer.get("kept_energy")) for layer in layers) if e is not None]
     lines = ["## Per-layer fit", ""]
+    if isinstance(_get(report, "finetuning"), Mapping):  # fine-tuning changed the weights these numbers describe
+        lines += ["Measured when the model was converted, before fine-tuning: they describe the conversion's fit, "
+                  "not the fine-tuned weights.", ""]
     if energies:
         lines.append(
             "Fraction of the key/value energy kept by the low-rank fit (`kept_energy`), over layers: "
@@ -1020,11 +1036,11 @@ def record_evaluation(folder: str | Path, evaluation, data: str) -> Path:
     model_label = next(label for label in evaluation.results if label != evaluation.baseline_label)
     converted, source = evaluation.results[model_label], evaluation.results[evaluation.baseline_label]
     return record_perplexities(folder, converted, source, data, evaluation.settings.get("dtype"),
-                               evaluation.settings.get("device"))
+                               evaluation.settings.get("device"), source_dtype=evaluation.settings.get("baseline_dtype"))
 
 
 def record_perplexities(folder: str | Path, converted, source, data: str, dtype: str | None, device: str | None,
-                        measured_with: str = "mla-convert eval") -> Path:
+                        measured_with: str = "mla-convert eval", source_dtype: str | None = None) -> Path:
     """Write the perplexities of this converted folder and of its source (`PerplexityResult`s on the same windows of
     `data`) into the report's `evaluation`, as `eval --update-card` does (`sweep` records its kept models' this way),
     and regenerate the card."""
@@ -1045,7 +1061,8 @@ def record_perplexities(folder: str | Path, converted, source, data: str, dtype:
         "source_perplexity": source.perplexity,
         "converted_perplexity": converted.perplexity,
         "ratio": converted.perplexity / source.perplexity,
-        "dtype": dtype,
+        "dtype": dtype,  # what each model computed in (a card's perplexity means little without it)
+        "source_dtype": source_dtype,
         "device": device,
     }
     temporary = folder / (REPORT_FILE + ".tmp")
