@@ -142,21 +142,22 @@ def options_from_record(recorded: dict) -> ConvertOptions:
 
 
 # --------------------------------------------------------------------------- validation
-def option_problems(options: Any, types_only: bool = False) -> list[str]:
+def option_problems(options: Any, types_only: bool = False, _prefix: str = "") -> list[str]:
     """Every value outside its declared range, one line each, named by its flag.
 
     `types_only`: just the values of the wrong type (a str where a number belongs, from the Python API), which
-    the other checks cannot even compare and so must stop before them.
+    the other checks cannot even compare and so must stop before them.  Only the API can pass one, so these are named
+    by their Python names (`calibration.seq_len`), not by flags.
     """
     problems = []
     hints = typing.get_type_hints(type(options))
     for spec in dataclasses.fields(options):
         value = getattr(options, spec.name)
         if dataclasses.is_dataclass(value):
-            problems += option_problems(value, types_only)
+            problems += option_problems(value, types_only, f"{_prefix}{spec.name}.")
             continue
         if isinstance(hints[spec.name], type) and dataclasses.is_dataclass(hints[spec.name]):
-            problems.append(f"{spec.name} {value!r}: must be {hints[spec.name].__name__}")
+            problems.append(f"{_prefix}{spec.name} {value!r}: must be {hints[spec.name].__name__}")
             continue
         meta, flag = spec.metadata, spec.metadata.get("flag") or spec.name
         if value is None:
@@ -165,7 +166,8 @@ def option_problems(options: Any, types_only: bool = False) -> list[str]:
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, (expected, *meta.get("also", ()))) or (expected is not bool and isinstance(value, bool)):
-            problems.append(f"{flag} {value!r}: must be {' or '.join(t.__name__ for t in (expected, *meta.get('also', ())))}")
+            problems.append(f"{_prefix}{spec.name} {value!r}: must be "
+                            f"{' or '.join(t.__name__ for t in (expected, *meta.get('also', ())))}")
             continue
         if types_only:
             continue

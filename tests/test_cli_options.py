@@ -88,7 +88,7 @@ def test_flags_reach_the_options_dataclass(monkeypatch):
     ({"calibration": CalibrationOptions(seq_len=1)}, "--calib-seq-len 1: must be at least 2 (attention needs two positions)"),
     ({"calibration": CalibrationOptions(top_p=1.5)}, "--calib-top-p 1.5: must be at most 1"),
     ({"calibration": CalibrationOptions(temperature=float("nan"))}, "--calib-temperature nan: must be a finite number"),
-    ({"calibration": CalibrationOptions(num_samples=True)}, "--calib-samples True: must be int"),
+    ({"calibration": CalibrationOptions(num_samples=True)}, "calibration.num_samples True: must be int"),
 ])
 def test_option_ranges_are_checked_in_one_place(changes, message):
     problems = option_problems(dataclasses.replace(ConvertOptions(), **changes))
