@@ -149,3 +149,37 @@ def test_unsupported_architecture_lists_the_supported_ones(config):
     for spec in SUPPORTED_ARCHITECTURES:
         for name in spec.hf_architectures:
             assert name in message
+
+
+@pytest.mark.parametrize("model_type, named", [("mistral", "LlamaForCausalLM"), ("llama", "MistralForCausalLM"),
+                                               ("qwen2", "LlamaForCausalLM")])
+def test_model_type_decides_the_family_as_transformers_builds_it(tmp_path, model_type, named):
+    """`model_type: mistral` with a 16-token window under `architectures: [LlamaForCausalLM]` converted as a Llama
+    without a window (the export diverged past 16 tokens); the reverse claimed a 4096-token window that transformers'
+    LlamaConfig does not have.  AutoModelForCausalLM builds the class of model_type: so does the converter."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mla_convert.source.config import SourceConfig
+
+    family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}[model_type]
+    config = tiny_config(family=family).to_dict()
+    config.pop("layer_types", None)  # (derived again from use_sliding_window / max_window_layers)
+    config.update(architectures=[named], sliding_window=16 if model_type != "llama" else None,
+                  use_sliding_window=model_type == "qwen2", max_window_layers=0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))  # the oracle
+    source = SourceConfig.from_folder(tmp_path)
+    assert built.__class__.__name__ == source.architecture.hf_architectures[0]
+    layer_types = getattr(built.config, "layer_types", None)
+    window = getattr(built.config, "sliding_window", None) if "sliding_attention" in (layer_types or ["sliding_attention"]) else None
+    assert source.sliding_window == window == (None if model_type == "llama" else 16)
+
+
+def test_a_model_type_transformers_builds_otherwise_is_refused_whatever_architectures_says():
+    """model_type gemma under LlamaForCausalLM: transformers builds a Gemma, which mla-convert does not convert; an
+    unknown model_type (no transformers class) still maps by architectures."""
+    with pytest.raises(UnsupportedArchitectureError, match="^unsupported model_type 'gemma': transformers builds"):
+        architecture_for_config(["LlamaForCausalLM"], "gemma")
+    assert architecture_for_config(["LlamaForCausalLM"], "my_llama") is LLAMA

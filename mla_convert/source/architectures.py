@@ -107,23 +107,39 @@ def supported_architecture_names() -> list[str]:
 
 
 def architecture_for_config(architectures: str | list[str] | None, model_type: str | None = None) -> ArchitectureSpec:
-    """The record for a config: the first `architectures` entry we support, else its `model_type`.
+    """The record for a config: its `model_type`'s family, as `AutoModelForCausalLM` builds it.
 
-    `AutoModelForCausalLM` picks the class from `model_type` alone, so a config whose `architectures` names
-    `LlamaModel` or a misspelt class loads as a Llama there; it converts as one here too.  A config naming another
-    head (`LlamaForSequenceClassification`) is refused: its weights are not a language model's.
+    transformers picks the class from `model_type` alone, whatever `architectures` says: a config whose
+    `architectures` names `LlamaModel`, a misspelt class or another family's class (`model_type: mistral` under
+    `LlamaForCausalLM` loads as a sliding Mistral) converts as `model_type`'s family.  `architectures` decides only
+    when `model_type` is one transformers does not know.  A config naming another head
+    (`LlamaForSequenceClassification`) is refused: its weights are not a language model's.
     """
     names = [architectures] if isinstance(architectures, str) else list(architectures or [])
-    for name in names:
-        for spec in SUPPORTED_ARCHITECTURES:
-            if name in spec.hf_architectures:
-                return spec
-    if all(name.endswith(("ForCausalLM", "Model")) for name in names):
-        for spec in SUPPORTED_ARCHITECTURES:
-            if model_type in spec.model_types:
-                return spec
+    by_name = next((spec for name in names for spec in SUPPORTED_ARCHITECTURES if name in spec.hf_architectures), None)
+    by_type = next((spec for spec in SUPPORTED_ARCHITECTURES if model_type in spec.model_types), None)
+    language_model = by_name is not None or all(name.endswith(("ForCausalLM", "Model")) for name in names)
+    if by_type is not None and language_model:
+        return by_type
+    if by_name is not None and not _known_model_type(model_type):
+        return by_name
+    if by_name is not None:  # e.g. model_type gemma under LlamaForCausalLM: transformers builds a Gemma
+        raise UnsupportedArchitectureError(
+            f"unsupported model_type {model_type!r}: transformers builds the model from model_type, not from "
+            f"architectures ({', '.join(names)}); mla-convert supports model_type "
+            f"{', '.join(t for spec in SUPPORTED_ARCHITECTURES for t in spec.model_types)}"
+        )
     raise UnsupportedArchitectureError(
         f"unsupported architecture {(names[0] if names else None) or model_type!r}; "
         f"mla-convert supports: {', '.join(supported_architecture_names())} "
         "(SmolLM/SmolLM2 and TinyLlama are LlamaForCausalLM)"
     )
+
+
+def _known_model_type(model_type: str | None) -> bool:
+    """Whether transformers has a config class for `model_type` (then it, not `architectures`, decides the model)."""
+    if not model_type:
+        return False
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
