@@ -117,3 +117,25 @@ def test_a_partial_rotary_factor_is_refused_with_the_reason():
         SourceConfig.from_dict(config)
     assert any("partial_rotary_factor 0.5 is not supported: only part of each head rotates" in problem
                for problem in refused.value.problems), refused.value.problems
+
+
+def test_a_pad_token_id_of_minus_one_is_no_pad_token(tmp_path):
+    """transformers-4.2x-era Llama configs carry `pad_token_id: -1` ("no pad token"); transformers loads them, and
+    mla-convert refused them as "outside the vocabulary".  The export states no pad id, and loads."""
+    import json
+
+    from tiny_models import save_tiny_model
+
+    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.options import CalibrationOptions
+
+    LlamaConfig(**{k: v for k, v in SMOLLM2.items() if k != "architectures"}, pad_token_id=-1)  # transformers takes it
+    assert SourceConfig.from_dict({**SMOLLM2, "pad_token_id": -1}).pad_token_id is None
+    assert "bos_token_id -1 is outside the vocabulary" in " ".join(problems_of(bos_token_id=-1))  # only pad means none
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "pad_token_id": -1}))
+    convert(source, tmp_path / "mla", ConvertOptions(kv_lora_rank=12, rope_dim=8, dtype="fp32", calibration=CalibrationOptions(
+        num_samples=4, seq_len=32, error_samples=2)))
+    exported = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert exported.get("pad_token_id") is None

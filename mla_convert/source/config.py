@@ -512,7 +512,8 @@ def _dtype(raw: Mapping[str, Any], problems: list[str], absent: torch.dtype | No
 
 
 def _token_ids(raw: Mapping[str, Any], vocab: int | None, problems: list[str]) -> dict:
-    """Special token ids as DeepseekV3Config accepts them: integers (eos: or a list of them) inside the vocabulary."""
+    """Special token ids as DeepseekV3Config accepts them: integers (eos: or a list of them) inside the vocabulary; a
+    negative pad id (transformers loads it, and pads with nothing) is no pad id."""
     out: dict = {}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = raw.get(key)
@@ -524,6 +525,8 @@ def _token_ids(raw: Mapping[str, Any], vocab: int | None, problems: list[str]) -
         if (many and not value) or not all(_is_int(i) for i in ids):
             problems.append(f"config.json: {key} must be a token id (an integer{' or a list of them' if key == 'eos_token_id' else ''}); "
                             f"found {value!r}")
+            continue
+        if key == "pad_token_id" and value < 0:  # -1: "no pad token" in transformers-4.2x-era Llama configs
             continue
         outside = [i for i in ids if vocab is not None and not 0 <= i < vocab]
         if outside:
