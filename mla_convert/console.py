@@ -104,7 +104,9 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("kept energy (mean / min over layers)", f"{summary['mean_kept_energy']:.3f} / {summary['min_kept_energy']:.3f}"),
     ]
     if summary.get("mean_attention_error") is not None:
-        rows.append(("attention output error (mean, relative)", f"{summary['mean_attention_error']:.3f}"))
+        # measured on the float32 fit: rounding the weights to the export's dtype adds its own error on top
+        rounded = "" if options.get("dtype") in (None, "float32") else f"; of the float32 fit, before the {options['dtype']} export"
+        rows.append((f"attention output error (mean, relative{rounded})", f"{summary['mean_attention_error']:.3f}"))
     rows += [
         ("RoPE grid", report["rope"]["grid"] + (f"; {report['rope']['note']}" if report["rope"].get("note") else "")),
         ("calibration", report["calibration"]["description"]),

@@ -773,3 +773,17 @@ def test_the_weights_dtype_is_the_first_floating_tensor_of_the_first_shard_as_tr
     stated = SourceConfig.from_folder(save_tiny_model(tmp_path / "stated", num_heads=4, head_dim=16, hidden_size=64))
     with CheckpointReader(source) as reader:  # a stated dtype is the source's, whatever the weights hold
         assert with_the_weights_dtype(stated, reader, lines.append) is stated
+
+
+def test_the_summary_says_its_attention_error_is_the_float32_fits_when_the_export_is_rounded(tmp_path):
+    """A full-rank MQA conversion to bf16 printed "attention output error 0.000" while the bf16 export's logits differ
+    by ~2e-2: the error is measured on the float32 fit, before the weights are rounded, and now says so."""
+    from mla_convert.console import summary_rows
+
+    source = save_tiny_model(tmp_path / "src", num_heads=4, num_kv_heads=1, head_dim=16, hidden_size=64)
+    labels = {}
+    for dtype in ("bf16", "fp32"):
+        result = convert(source, tmp_path / dtype, fast_options(kv_lora_rank=16, rope_dim=16, dtype=dtype))
+        labels[dtype] = next(label for label, _ in summary_rows(result.report) if label.startswith("attention output error"))
+    assert labels == {"bf16": "attention output error (mean, relative; of the float32 fit, before the bfloat16 export)",
+                      "fp32": "attention output error (mean, relative)"}
