@@ -116,7 +116,7 @@ def inspect(
     from .eval.checks import positive_problems
     from .io.resolve import resolve_config_path, revision_problems
     from .source.config import SourceConfig, is_export_config, read_config_json
-    from .source.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows
+    from .source.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows, windowed_ratio
     from .units import parse_dtype
 
     # whether the model is an MLA export decides which flags can act, so its config.json (a hub id's from the hub or
@@ -171,6 +171,7 @@ def inspect(
         console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     change = (f"[bold]{report.ratio:.2f}x[/] smaller KV cache" if report.ratio >= 1 else
               f"[bold]{report.ratio:.2f}x[/]: the MLA cache is {1 / report.ratio:.2f}x larger than the source's")
+    change += windowed_ratio(report.source_cost, report.mla_cost, context, batch)
     console.print(f"compression ratio: {change}", highlight=False, soft_wrap=True)
     print_table(console, "shapes each --target allows for this model", ("target", "shapes", "KV ratios"), target_rows(report.source))
     if Path(model).expanduser().is_dir():  # the shapes come from config.json alone; say now what convert will refuse
@@ -262,7 +263,10 @@ def _print_export(model: str, found) -> None:
     else:
         change = f"{ratio:.2f}x smaller KV cache" if ratio >= 1 else \
             f"{ratio:.2f}x: the MLA cache is {1 / ratio:.2f}x larger than the source's"
-        print_plain(f"compression ratio: {change} (the source's cache from {report}, the export's from config.json)")
+        from .source.inspect import windowed_ratio
+
+        print_plain(f"compression ratio: {change} (the source's cache from {report}, the export's from config.json)"
+                    + windowed_ratio(found.source_cost, found.mla_cost, found.context, found.batch))
     record = f"mla_convert/convert/{RUNS_FILE.name}"
     for engine, problems in found.blocked.items():  # the verdict mla_convert.json and the card give, from config.json
         print_plain(f"engine {engine}: cannot run this export as is (config.json, --target {found.target}): "

@@ -224,6 +224,53 @@ def test_a_windowed_sources_cache_is_counted_over_its_window(tmp_path):
         in result.stdout
 
 
+def test_a_source_sliding_some_layers_is_counted_so_in_the_export_inspection(tmp_path):
+    """A Qwen2 whose layer 0 attends to every token and layer 1 slides over 16: the export's inspection counted both
+    layers of the source at 16 tokens; convert's note, the report and the card said the source slides, as if all did."""
+    from mla_convert.convert.decisions import Progress
+
+    class Notes(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    source = save_tiny_model(tmp_path / "src", family="qwen2", num_heads=4, num_kv_heads=1, head_dim=16, hidden_size=64,
+                             num_layers=2)
+    config = config_of(source)
+    config.update(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                  layer_types=["full_attention", "sliding_attention"])
+    (source / "config.json").write_text(json.dumps(config))
+    notes = Notes()
+    result = convert(source, tmp_path / "mla", ConvertOptions(kv_lora_rank=16, rope_dim=8, calibration=CALIBRATION,
+                                                               dtype="fp32", effort="fast"), progress=notes)
+    out = Path(result.output)
+    inspected = invoke(out, "--context", 100, "--dtype", "fp32")
+    assert inspected.exit_code == 0, inspected.output
+    # the source caches 2 * 1 * 16 = 32 values per token and layer: all 100 tokens in layer 0, 16 in layer 1; the
+    # export 24 of all 100 in both
+    source_bytes, mla_bytes = 32 * 4 * (100 + 16), 2 * 24 * 4 * 100
+    assert table(inspected.stdout)["cache for 100 tokens x batch 1"] == \
+        (binary(source_bytes) + " (16-token window in 1 of 2 layers)", binary(mla_bytes))
+    flowing = " ".join(inspected.stdout.split())
+    assert "note: the source slides its attention over 16 tokens in 1 of its 2 layers, so those layers cache at most" \
+        in flowing
+    assert (f"at 100 tokens x batch 1, where the source's sliding layers keep at most 16 tokens, the cache is "
+            f"{mla_bytes / source_bytes:.2f}x larger for the MLA") in flowing
+    assert (result.report["source"]["sliding_window"], result.report["source"]["sliding_layers"]) == (16, 1)
+    assert any(note.startswith("note: the source slides its attention over 16 tokens in 1 of its 2 layers; DeepseekV3")
+               for note in notes.seen), notes.seen
+    assert "slides its attention over a window of 16 tokens in 1 of its 2 layers;" in (out / "README.md").read_text()
+    # a report written before the count was recorded: every layer slid (the only windowed sources it converted)
+    report = json.loads((out / "mla_convert.json").read_text())
+    del report["source"]["sliding_layers"]
+    (out / "mla_convert.json").write_text(json.dumps(report))
+    older = invoke(out, "--context", 100, "--dtype", "fp32")
+    assert table(older.stdout)["cache for 100 tokens x batch 1"] == (binary(2 * 32 * 4 * 16) + " (16-token window)",
+                                                                      binary(mla_bytes))
+
+
 # --------------------------------------------------------------------------- the report it reads
 def test_a_report_of_another_conversion_is_not_used(exports, tmp_path):
     folder = copy_export(exports["plain"], tmp_path / "mixed")

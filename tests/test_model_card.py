@@ -209,6 +209,19 @@ def test_the_kv_table_sizes_a_sequence_the_model_can_hold():
         "| one sequence of 16 tokens (max_position_embeddings) | 10.0 KiB | 2.5 KiB |"
 
 
+def test_the_context_caveat_says_how_many_layers_slide():
+    """A source sliding 2 of its 5 layers was said to slide its attention over the window, as if every layer did."""
+    def caveat(**source):
+        report = stories260k_report()
+        report["source"].update(max_position_embeddings=512, sliding_window=16, **source)
+        return next(line for line in str(build_model_card(report)).splitlines() if line.startswith("- **Context: 16 tokens.**"))
+
+    assert "The source model slides its attention over a window of 16 tokens in 2 of its 5 layers; DeepSeek-V3 " \
+        "attends to every position." in caveat(sliding_layers=2)
+    assert "slides its attention over a window of 16 tokens; DeepSeek-V3" in caveat(sliding_layers=5)
+    assert "slides its attention over a window of 16 tokens; DeepSeek-V3" in caveat()  # an older report: every layer
+
+
 def test_card_with_hub_source_names_base_model_license_finetuning_and_caveats():
     report = smollm2_report()
     card = build_model_card(report, repo_id="alice/smollm2-mla")

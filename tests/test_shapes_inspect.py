@@ -365,3 +365,82 @@ def test_the_transformers_target_row_spans_the_ratios_of_the_shapes_it_allows():
     widest = mqa.max_kv_lora_rank + mqa.max_rope_dim
     assert ratios.startswith(f"{mqa.kv_values_per_token_layer / widest:.2f}x to ") and widest > mqa.kv_values_per_token_layer
     assert f"kv_lora_rank <= {mqa.max_kv_lora_rank}" in shapes
+
+
+def _tokens_each_layer_attends(model, context: int) -> list[int]:
+    """Tokens each layer's attention reads from transformers' own DynamicCache when it decodes token `context`, after
+    a forward of the `context - 1` before it: every one in a full layer, the window in a sliding one (the
+    DynamicSlidingWindowLayer keeps window - 1 between steps and adds the token being decoded)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    read = {}
+    for index, layer in enumerate(cache.layers):
+        def update(*args, _update=layer.update, _index=index, **kwargs):
+            keys, values = _update(*args, **kwargs)
+            read[_index] = keys.shape[-2]
+            return keys, values
+        layer.update = update
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, context - 1)), cache=cache, use_cache=True)
+        model(input_ids=torch.randint(0, 128, (1, 1)), cache=cache, use_cache=True)
+    return [read[index] for index in range(len(cache.layers))]
+
+
+def test_only_the_sliding_layers_of_a_mixed_source_are_counted_at_their_window(tmp_path):
+    """Qwen2 with layer 0 full and layer 1 sliding over 16 tokens: inspect counted both layers' caches at 16 tokens
+    ("2.00 KiB (16-token window)" for 4096 tokens), while transformers' cache holds every token in layer 0."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, use_sliding_window=True,
+                         sliding_window=16, max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    folder = tmp_path / "mixed"
+    config.save_pretrained(folder)
+    source = SourceConfig.from_folder(folder)
+    context = 64
+    read = _tokens_each_layer_attends(Qwen2ForCausalLM(config).eval(), context)
+    assert read == [context, 16]
+    per_token_layer = 2 * 2 * 16 * 4  # keys and values of 2 kv heads of head_dim 16, float32
+    report = inspect_shapes(source, kv_lora_rank=16, rope_dim=16, dtype=torch.float32, context=context)
+    assert report.source_cost.bytes_for(context) == per_token_layer * sum(read) == per_token_layer * (64 + 16)
+    rows = {quantity: (source, mla) for quantity, source, mla in report.rows()}
+    assert rows[f"cache for {context} tokens x batch 1"] == (f"{human_bytes(per_token_layer * 80)} (16-token window in 1 of 2 layers)",
+                                                             human_bytes(32 * 4 * 2 * context))
+    assert (source.sliding_window, source.sliding_layers, source.num_layers) == (16, 1, 2)
+    [note] = report.notes()
+    assert note.startswith("the source slides its attention over 16 tokens in 1 of its 2 layers, so those layers cache at "
+                           "most that many per sequence and the others every token")
+    # the command: the table, and the ratio line beside the per-token ratio (64 values / 32) the cache at the context
+    result = run_cli("inspect", folder, "-r", "16", "-d", "16", "--dtype", "fp32", "--context", "4096")
+    assert result.returncode == 0, result.stderr
+    flowing = " ".join(result.stdout.split())
+    source_bytes, mla_bytes = per_token_layer * (4096 + 16), 32 * 4 * 2 * 4096
+    assert f"| {human_bytes(source_bytes)} (16-token window in 1 of 2 layers) | {human_bytes(mla_bytes)} |" in flowing
+    assert (f"compression ratio: 2.00x smaller KV cache per cached token; at 4096 tokens x batch 1, where the source's "
+            f"sliding layers keep at most 16 tokens, the cache is {source_bytes / mla_bytes:.2f}x smaller "
+            f"({human_bytes(source_bytes)} vs {human_bytes(mla_bytes)})") in flowing
+    # an explicit layer_types list is read the same way
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.save_pretrained(folder)
+    assert SourceConfig.from_folder(folder).sliding_layers == 1
+
+
+def test_a_source_that_slides_every_layer_keeps_its_numbers():
+    """Mistral (no layer_types) slides every layer: all are counted at the window, as before."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=16)
+    source = SourceConfig.from_dict({**config.to_dict(), "architectures": ["MistralForCausalLM"]})
+    assert (source.sliding_window, source.sliding_layers) == (16, 2)
+    read = _tokens_each_layer_attends(MistralForCausalLM(config).eval(), 64)
+    assert read == [16, 16]
+    report = inspect_shapes(source, kv_lora_rank=16, rope_dim=16, dtype=torch.float32, context=64)
+    rows = {quantity: (source, mla) for quantity, source, mla in report.rows()}
+    assert rows["cache for 64 tokens x batch 1"] == (f"{human_bytes(256 * 32)} (16-token window)", human_bytes(128 * 2 * 64))
+    assert report.ratio == 2.0
+    [note] = report.notes()
+    assert note.startswith("the source slides its attention over 16 tokens, so it caches at most that many per sequence")

@@ -29,7 +29,7 @@ from ..io.paths import special_file_problems, within
 from ..io.reader import CheckpointReader
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
-from ..source.config import SourceConfig
+from ..source.config import SourceConfig, sliding_phrase
 from ..source.shapes import MLAShape, pick_target_shape, shape_choice_note, shape_problems
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from . import target as T
@@ -496,7 +496,8 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
                 "transformers fixes the latent norms at that value and the serving engines use one eps for all norms; "
                 "the layer norms compute slightly differently from the source's, which the attention error does not measure")
     if source.sliding_window is not None:
-        message(f"note: the source slides its attention over {source.sliding_window} tokens; DeepseekV3 attends to every "
+        slides = sliding_phrase(source.sliding_window, source.sliding_layers, source.num_layers)
+        message(f"note: the source slides its attention {slides}; DeepseekV3 attends to every "
                 f"position, so the export declares max_position_embeddings {source.sliding_window} (the source: "
                 f"{source.max_position_embeddings}), the context where the two agree")
     if not T.target_of(options.target).serving and options.kv_lora_rank is None and options.rope_dim is None:

@@ -129,6 +129,7 @@ def build_report(facts: ConversionFacts) -> dict:
             "max_position_embeddings": source.max_position_embeddings,
             "rms_norm_eps": source.rms_norm_eps,
             "sliding_window": source.sliding_window,
+            "sliding_layers": source.sliding_layers,  # of num_layers (None: no window)
             # a source that is not the hub checkpoint itself (the demo's dequantized Q4_1 SmolLM2): the card says so
             "provenance": read_provenance(facts.source_folder),
         },

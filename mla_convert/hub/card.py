@@ -838,8 +838,11 @@ def _section_caveats(report: Mapping[str, Any], numbers: Mapping[str, Any]) -> l
         )
     window = _get(report, "source", "sliding_window")
     if isinstance(window, int):
+        layers, sliding = _get(report, "source", "num_layers"), _get(report, "source", "sliding_layers")
+        some = (f" in {sliding} of its {layers} layers" if isinstance(sliding, int) and isinstance(layers, int)
+                and 0 < sliding < layers else "")  # (an older report records no count: every layer slid)
         lines.append(
-            f"- **Context: {window} tokens.** The source model slides its attention over a window of {window} tokens; "
+            f"- **Context: {window} tokens.** The source model slides its attention over a window of {window} tokens{some}; "
             "DeepSeek-V3 attends to every position. The two read the same tokens only up to the window, so this export "
             f"declares `max_position_embeddings` = {window} (the source: "
             f"{_text(_get(report, 'source', 'max_position_embeddings', default='more'))})."

@@ -106,6 +106,9 @@ class SourceConfig(SourceAttentionShape):
     # the source's attention window when some layer slides and the window is shorter than its positions: the export
     # (full attention) agrees with the source only up to it, so it declares that many positions
     sliding_window: int | None = None
+    # how many of the layers slide over `sliding_window` (the rest attend to every position): Qwen2's layer_types can
+    # mix the two; Mistral slides every layer.  None when no layer slides
+    sliding_layers: int | None = None
     # False: config.json states no dtype, and `torch_dtype` is a float32 placeholder until the weights' headers are
     # read (`convert.pipeline.with_the_weights_dtype`): transformers 5 then loads the weights' own dtype
     dtype_stated: bool = True
@@ -416,7 +419,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     initializer_range = read.number("initializer_range", 0.02)
     max_positions = read.size("max_position_embeddings") or _family_default(arch, "max_position_embeddings",
                                                                             DEFAULT_MAX_POSITIONS)
-    window = _sliding_window(raw, arch, hidden, heads, head_dim, max_positions)
+    window, sliding_layers = _sliding_window(raw, arch, hidden, heads, head_dim, max_positions, sizes["num_hidden_layers"])
     dtype = _dtype(raw, read.problems)
     vocab = sizes["vocab_size"]
     token_ids = _token_ids(raw, vocab, read.problems)
@@ -452,6 +455,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
         initializer_range=initializer_range,
         license=license_,
         sliding_window=window,
+        sliding_layers=sliding_layers,
     ), []
 
 
@@ -477,24 +481,35 @@ def _family_default(arch: ArchitectureSpec, key: str, fallback: int) -> int:
 
 
 def _sliding_window(raw: Mapping[str, Any], arch: ArchitectureSpec, hidden: int | None, heads: int | None,
-                    head_dim: int | None, max_positions: int) -> int | None:
-    """The window of the source's sliding layers, when there are any and it is shorter than the positions.
+                    head_dim: int | None, max_positions: int, num_layers: int | None) -> tuple[int | None, int | None]:
+    """(the window of the source's sliding layers, how many layers slide), when there are any and the window is
+    shorter than the positions; (None, None) otherwise.
 
     As transformers' config class decides it: a missing `sliding_window` is the family's default (Mistral: 4096),
     Qwen2's `layer_types` win over `use_sliding_window` / `max_window_layers`, whose own defaults apply when absent.
+    A family whose config has no `layer_types` (Mistral) slides every layer.
     """
     if not arch.may_slide or not (heads and head_dim):
-        return None
+        return None, None
     try:
         config = _family_config(raw, arch, heads, head_dim)
     except Exception:  # the RoPE check builds the same class and reports why it refuses
-        return None
+        return None, None
     window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
     if not _is_int(window) or window <= 0 or window >= max_positions:
-        return None
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
+        return None, None
+    if layer_types is None:
+        return window, num_layers
+    sliding = sum(kind == "sliding_attention" for kind in layer_types)
+    return (window, sliding) if sliding else (None, None)
+
+
+def sliding_phrase(window: int, sliding_layers: int | None, num_layers: int | None) -> str:
+    """How the source slides, as the notes and the card say it: "over 16 tokens", or "over 16 tokens in 1 of its 2
+    layers" when only some layers slide (`sliding_layers` None: every layer, as an older report records it)."""
+    if sliding_layers is None or num_layers is None or sliding_layers >= num_layers:
+        return f"over {window} tokens"
+    return f"over {window} tokens in {sliding_layers} of its {num_layers} layers"
 
 
 def _dtype(raw: Mapping[str, Any], problems: list[str], absent: torch.dtype | None = torch.float32) -> torch.dtype | None:

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import PreflightError
 from ..units import human_bytes
-from .config import ExportConfig, SourceAttentionShape, SourceConfig
+from .config import ExportConfig, SourceAttentionShape, SourceConfig, sliding_phrase
 from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
@@ -28,20 +28,15 @@ class InspectReport:
     def ratio(self) -> float:
         return self.source_cost.values_per_token_layer / self.mla_cost.values_per_token_layer
 
-    @property
-    def source_cached_tokens(self) -> int:
-        """Tokens the source caches per sequence at `context`: a sliding window keeps at most its window."""
-        window = self.source.sliding_window
-        return min(self.context, window) if window else self.context
-
     def notes(self) -> list[str]:
         """What the table's "cache for N tokens" row needs said: a window that caps the source's cache, and positions
         the export does not declare (it attends to every position, so a windowed source's export declares the window)."""
         notes = []
-        if self.source.sliding_window and self.context > self.source.sliding_window:
-            notes.append(f"the source slides its attention over {self.source.sliding_window} tokens, so it caches at most "
-                         f"that many per sequence (counted so above); the export attends to every position and declares "
-                         f"max_position_embeddings {self.source.export_max_positions}, the context where the two agree")
+        s = self.source
+        if s.sliding_window and self.context > s.sliding_window:
+            notes.append(f"{window_note(s.sliding_window, s.sliding_layers, s.num_layers)}; the export attends to every "
+                         f"position and declares max_position_embeddings {s.export_max_positions}, the context where "
+                         "the two agree")
         if self.context > self.source.export_max_positions and not self.source.sliding_window:
             notes.append(f"the cache row's context ({self.context}, --context) is longer than the model's max_position_embeddings "
                          f"{self.source.export_max_positions}, which the export keeps")
@@ -49,30 +44,48 @@ class InspectReport:
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(quantity, source, MLA) rows for the before/after table."""
-        return cache_rows(self.source_cost, self.mla_cost, self.context, self.batch, self.source_cached_tokens)
+        return cache_rows(self.source_cost, self.mla_cost, self.context, self.batch)
 
 
 UNKNOWN = "unknown"
 
 
-def cache_rows(source: CacheCost | None, mla: CacheCost, context: int, batch: int,
-               source_cached_tokens: int | None = None) -> list[tuple[str, str, str]]:
+def window_note(window: int, sliding_layers: int | None, num_layers: int) -> str:
+    """The note on a window that caps the source's cache row (`sliding_layers` None: every layer slides)."""
+    if sliding_layers is None or sliding_layers >= num_layers:
+        return (f"the source slides its attention {sliding_phrase(window, sliding_layers, num_layers)}, so it caches at "
+                "most that many per sequence (counted so above)")
+    return (f"the source slides its attention {sliding_phrase(window, sliding_layers, num_layers)}, so those layers "
+            "cache at most that many per sequence and the others every token (counted so above)")
+
+
+def windowed_ratio(source: CacheCost | None, mla: CacheCost, context: int, batch: int) -> str:
+    """What the ratio line adds when a window caps the source's cache at `context` (the ratio itself is per cached
+    token): the ratio of the two caches the table's row shows; "" when no window caps it."""
+    if source is None or not source.window_label(context) or not context * batch:
+        return ""
+    at = source.bytes_for(context, batch) / mla.bytes_for(context, batch)
+    change = f"{at:.2f}x smaller" if at >= 1 else f"{1 / at:.2f}x larger for the MLA"
+    return (f" per cached token; at {context} tokens x batch {batch}, where the source's sliding layers keep at most "
+            f"{source.window} tokens, the cache is {change} ({human_bytes(source.bytes_for(context, batch))} vs "
+            f"{human_bytes(mla.bytes_for(context, batch))})")
+
+
+def cache_rows(source: CacheCost | None, mla: CacheCost, context: int, batch: int) -> list[tuple[str, str, str]]:
     """(quantity, source, MLA) rows of the before/after table; every source cell "unknown" when `source` is None (an
-    export whose source is not recorded: its numbers are never guessed).  `source_cached_tokens`: what the source
-    caches of `context` per sequence (less under a sliding window)."""
+    export whose source is not recorded: its numbers are never guessed).  The source's cache for `context` is what its
+    CacheCost holds: its sliding layers keep at most their window."""
     if not context * batch:
         return []
-    cached = context if source_cached_tokens is None else source_cached_tokens
 
     def of_source(cell) -> str:
         return UNKNOWN if source is None else cell(source)
 
-    window = f" ({cached}-token window)" if cached != context else ""
     return [
         ("cached values / token / layer", of_source(lambda s: f"{s.values_per_token_layer}"), f"{mla.values_per_token_layer}"),
         ("bytes / token / layer", of_source(lambda s: f"{s.bytes_per_token_layer}"), f"{mla.bytes_per_token_layer}"),
         ("bytes / token (all layers)", of_source(lambda s: human_bytes(s.bytes_per_token)), human_bytes(mla.bytes_per_token)),
-        (f"cache for {context} tokens x batch {batch}", of_source(lambda s: human_bytes(s.bytes_for(cached, batch)) + window),
+        (f"cache for {context} tokens x batch {batch}", of_source(lambda s: human_bytes(s.bytes_for(context, batch)) + s.window_label(context)),
          human_bytes(mla.bytes_for(context, batch))),
         ("tokens cached per GiB", of_source(lambda s: f"{(1 << 30) // s.bytes_per_token:,}"),
          f"{(1 << 30) // mla.bytes_per_token:,}"),
@@ -152,6 +165,7 @@ class RecordedSource(SourceAttentionShape):
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    sliding_layers: int | None = None  # None with a window: every layer slides (a report before mla-convert recorded it)
 
     @classmethod
     def from_report(cls, report: dict) -> RecordedSource | None:
@@ -163,8 +177,11 @@ class RecordedSource(SourceAttentionShape):
         if not all(_positive_int(value) for value in sizes.values()):
             return None
         window = section.get("sliding_window")
+        window = window if _positive_int(window) else None
+        sliding = section.get("sliding_layers")  # (an older report has none: every layer slid then)
+        sliding = sliding if window and _positive_int(sliding) and sliding <= sizes["num_layers"] else None
         return cls(name=str(section.get("name_or_path") or "?"), architecture=str(section.get("architecture") or "?"),
-                   sliding_window=window if _positive_int(window) else None, **sizes)
+                   sliding_window=window, sliding_layers=sliding, **sizes)
 
 
 @dataclass(frozen=True)
@@ -211,7 +228,8 @@ class ExportInspection:
     def source_cost(self) -> CacheCost | None:
         if self.source is None:
             return None
-        return CacheCost(self.source.kv_values_per_token_layer, self.source.num_layers, self.dtype)
+        return CacheCost(self.source.kv_values_per_token_layer, self.source.num_layers, self.dtype,
+                         self.source.sliding_window, self.source.sliding_layers)
 
     @property
     def ratio(self) -> float | None:
@@ -219,21 +237,17 @@ class ExportInspection:
         source = self.source_cost
         return None if source is None else source.bytes_per_token / self.mla_cost.bytes_per_token
 
-    @property
-    def source_cached_tokens(self) -> int:
-        window = self.source.sliding_window if self.source is not None else None
-        return min(self.context, window) if window else self.context
-
     def rows(self) -> list[tuple[str, str, str]]:
-        return cache_rows(self.source_cost, self.mla_cost, self.context, self.batch, self.source_cached_tokens)
+        return cache_rows(self.source_cost, self.mla_cost, self.context, self.batch)
 
     def notes(self) -> list[str]:
         from ..convert.engines import LLAMA_CPP_LITE_LAYERS, PATCHES
 
         notes = []
-        if self.source is not None and self.source.sliding_window and self.context > self.source.sliding_window:
-            notes.append(f"the source slides its attention over {self.source.sliding_window} tokens, so it caches at most "
-                         "that many per sequence (counted so above); the export attends to every position")
+        s = self.source
+        if s is not None and s.sliding_window and self.context > s.sliding_window:
+            notes.append(f"{window_note(s.sliding_window, s.sliding_layers, s.num_layers)}; the export attends to every "
+                         "position")
         if self.context > self.export.max_position_embeddings:
             notes.append(f"the cache row's context ({self.context}, --context) is longer than the export's max_position_embeddings "
                          f"{self.export.max_position_embeddings}")

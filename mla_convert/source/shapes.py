@@ -279,11 +279,15 @@ def shape_choice_note(source: SourceConfig, target: Target | str | None, mla: ML
 
 @dataclass(frozen=True)
 class CacheCost:
-    """KV-cache size of one model for a given context, batch and dtype."""
+    """KV-cache size of one model for a given context, batch and dtype.  `window`: the tokens a sliding layer keeps at
+    most, in `sliding_layers` of the `num_layers` (None: every layer, where there is a window); the other layers keep
+    every token."""
 
     values_per_token_layer: int
     num_layers: int
     dtype: torch.dtype
+    window: int | None = None
+    sliding_layers: int | None = None
 
     @property
     def bytes_per_token_layer(self) -> int:
@@ -291,18 +295,39 @@ class CacheCost:
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes one cached token takes in every layer (a sliding layer's too, up to its window)."""
         return self.bytes_per_token_layer * self.num_layers
 
+    @property
+    def windowed_layers(self) -> int:
+        """Layers whose cache the window caps (0: no window)."""
+        if not self.window:
+            return 0
+        return self.num_layers if self.sliding_layers is None else min(self.sliding_layers, self.num_layers)
+
     def bytes_for(self, context: int, batch: int = 1) -> int:
-        return self.bytes_per_token * context * batch
+        """The cache after `context` tokens: a sliding layer holds at most its window of them, the others all."""
+        sliding = self.windowed_layers
+        capped = min(context, self.window) if sliding else context
+        return self.bytes_per_token_layer * batch * ((self.num_layers - sliding) * context + sliding * capped)
+
+    def window_label(self, context: int) -> str:
+        """What the cache row says after the source's bytes at `context` when a window caps them: " (16-token
+        window)", or " (16-token window in 1 of 2 layers)" when only some layers slide; "" otherwise."""
+        sliding = self.windowed_layers
+        if not sliding or context <= self.window:
+            return ""
+        layers = f" in {sliding} of {self.num_layers} layers" if sliding < self.num_layers else ""
+        return f" ({self.window}-token window{layers})"
 
     def max_context(self, memory_bytes: int, batch: int = 1) -> int:
-        """Largest context whose cache fits `memory_bytes` at this batch size."""
+        """Largest context whose cache fits `memory_bytes` at this batch size (every token in every layer: a window
+        is not counted)."""
         return memory_bytes // (self.bytes_per_token * batch)
 
 
 def cache_costs(source: SourceConfig, mla: MLAShape, dtype: torch.dtype) -> tuple[CacheCost, CacheCost]:
     return (
-        CacheCost(source.kv_values_per_token_layer, source.num_layers, dtype),
+        CacheCost(source.kv_values_per_token_layer, source.num_layers, dtype, source.sliding_window, source.sliding_layers),
         CacheCost(mla.kv_values_per_token_layer, source.num_layers, dtype),
     )
