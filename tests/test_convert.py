@@ -617,6 +617,8 @@ def test_qwen2_window_settings_that_slide_no_layer_change_nothing(tmp_path):
     # transformers 5 saves layer_types, and its Qwen2 model follows them over max_window_layers
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2, layer_types=["sliding_attention"] * 2), 16),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=["full_attention"] * 2), None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, layer_types=["full_attention", "sliding_attention"]), 16),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None), 16),
     ("qwen2", dict(use_sliding_window=True, sliding_window=100, max_window_layers=None, layer_types=None), None),  # default 28
     ("mistral", dict(sliding_window=None, max_position_embeddings=8192), 4096),  # a missing key: MistralConfig's 4096
 ])
@@ -637,6 +639,9 @@ def test_which_layers_slide_is_what_transformers_builds(family, changes, window)
     built = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
     slides = "sliding_attention" in (getattr(built, "layer_types", None) or ["sliding_attention"])
     assert (window is not None) == (slides and (built.sliding_window or 1 << 30) < built.max_position_embeddings)
+    # and how many layers slide: those transformers builds as sliding (every layer of a family without layer_types)
+    sliding = sum(kind == "sliding_attention" for kind in getattr(built, "layer_types", None) or ["sliding_attention"] * 2)
+    assert SourceConfig.from_dict(config).sliding_layers == (sliding if window is not None else None)
 
 
 def test_missing_positions_are_the_familys_transformers_default(tmp_path):
