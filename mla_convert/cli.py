@@ -211,7 +211,9 @@ def _source_with_stored_dtype(source, local_folder, options):
     if local_folder is not None:
         try:
             with CheckpointReader(local_folder, allow_pickle=options.allow_pickle) as reader:
-                return with_the_weights_dtype(source, reader, print_plain, options.dtype)
+                resolved = with_the_weights_dtype(source, reader, print_plain, options.dtype)
+            if resolved is not source:  # (the same object: a damaged shard kept the weights' dtype unread)
+                return resolved
         except MLAConvertError:  # (already printed as what convert will refuse)
             pass
     print_plain(note)

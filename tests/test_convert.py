@@ -780,6 +780,28 @@ def test_the_weights_dtype_is_the_first_floating_tensor_of_the_first_shard_as_tr
         assert with_the_weights_dtype(stated, reader, lines.append) is stated
 
 
+@pytest.mark.parametrize("stated", [True, False])
+def test_a_damaged_shard_of_a_config_without_a_dtype_is_reported_with_the_other_problems(tmp_path, stated):
+    """Reading the weights' dtype (config.json states none) read every shard's header and raised on a truncated one
+    from the constructor, so `-r 0` went unreported until the shard was fixed; with a stated dtype both came in one
+    run.  Now both do."""
+    import os
+
+    source = tmp_path / "src"
+    tiny_model(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64).save_pretrained(source, max_shard_size="100KB")
+    if not stated:
+        _without_stated_dtype(source)
+    last = sorted(source.glob("*.safetensors"))[-1]
+    assert last.name != sorted(source.glob("*.safetensors"))[0].name  # the dtype is read from the first, intact one
+    os.truncate(last, last.stat().st_size // 2)
+    with pytest.raises(PreflightError) as raised:
+        convert(source, tmp_path / "mla", fast_options(kv_lora_rank=0, rope_dim=8))
+    message = str(raised.value)
+    assert "--kv-lora-rank 0" in message or "kv_lora_rank 0" in message, message
+    assert f"{last.name}: truncated or corrupt" in message
+    assert not (tmp_path / "mla").exists()
+
+
 def test_the_summary_says_its_attention_error_is_the_float32_fits_when_the_export_is_rounded(tmp_path):
     """A full-rank MQA conversion to bf16 printed "attention output error 0.000" while the bf16 export's logits differ
     by ~2e-2: the error is measured on the float32 fit, before the weights are rounded, and now says so."""

@@ -246,3 +246,25 @@ def test_inspect_estimate_of_a_folder_without_a_stated_dtype_counts_the_weights_
     note = "note: config.json states no dtype; the weights are stored as bfloat16"
     assert note in outputs["unstated"].stdout and note not in outputs["stated"].stdout
     assert tables["unstated"] == tables["stated"]
+
+
+def test_inspect_estimate_of_a_damaged_folder_without_a_stated_dtype_says_what_it_assumed(tmp_path):
+    """A shard too damaged to read leaves the weights' dtype unknown: the estimate says it assumed float32 (beside
+    convert's refusal of the shard) instead of silently counting float32 weights."""
+    import os
+
+    from tiny_models import tiny_model
+
+    folder = tmp_path / "unstated"
+    tiny_model(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64).to(torch.bfloat16).save_pretrained(
+        folder, max_shard_size="100KB")
+    config = json.loads((folder / "config.json").read_text())
+    assert config.pop("dtype") == "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    last = sorted(folder.glob("*.safetensors"))[-1]
+    os.truncate(last, last.stat().st_size // 2)
+    result = run_cli("inspect", folder, "--estimate", "--cpu-cores", "2")
+    output = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stderr
+    assert f"note: convert will refuse these weights: {last}: truncated or corrupt" in output
+    assert "the estimate assumes float32 weights" in output and "the weights are stored as" not in output

@@ -502,7 +502,7 @@ def test_a_text_shorter_than_the_context_is_described_by_its_real_length(tiny_pa
             (10, 10, 1, 9)
     evaluation = json.loads((converted / "mla_convert.json").read_text())["evaluation"]
     assert (evaluation["context_length"], evaluation["stride"]) == (10, 10)
-    assert "context 10 tokens, 1 window, 9 scored tokens):" in (converted / "README.md").read_text()
+    assert "context 10 tokens, 1 window, 9 scored tokens, computed in float32):" in (converted / "README.md").read_text()
     # the API says the same; a text at least as long as the context keeps the context asked for
     report = run_eval(converted, text, context_length=32, max_tokens=10, progress=False)
     assert (report.settings["context_length"], report.settings["stride"]) == (10, 10) and len(report.notes) == 1

@@ -95,10 +95,14 @@ def untie_if_the_checkpoint_does(source: SourceConfig, reader: CheckpointReader,
 def with_the_weights_dtype(source: SourceConfig, reader: CheckpointReader, message: Callable[[str], None],
                            dtype_option: str = "auto") -> SourceConfig:
     """A config.json that states no dtype: transformers 5 loads the weights' own dtype, so that is the source's (and
-    what `--dtype auto` exports); reading it as float32 exported a bf16 checkpoint at twice its size."""
+    what `--dtype auto` exports); reading it as float32 exported a bf16 checkpoint at twice its size.  A shard too
+    damaged to read returns `source` itself: pre-flight reports the damage beside every other problem, in one run."""
     if source.dtype_stated:
         return source
-    stored = reader.floating_dtype() or source.torch_dtype
+    try:
+        stored = reader.floating_dtype() or source.torch_dtype
+    except CheckpointError:  # a damaged shard: pre-flight reports it beside every other problem, so don't raise here
+        return source
     if dtype_option == "auto":
         message(f"note: config.json states no dtype; the weights are stored as {dtype_name(stored)}, which "
                          "transformers loads and --dtype auto exports" + (" (as bfloat16: fp16 cannot hold the latent)"
