@@ -529,3 +529,28 @@ def test_a_special_data_path_and_an_empty_json_are_named_for_what_they_are(tiny_
     with pytest.raises(PreflightError, match="^--json: must not be empty$"):
         run_eval(converted, text, context_length=32, json_path="", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_models_computing_in_different_dtypes_are_named_beside_the_ratio(tiny_pair, tmp_path):
+    """Under `--dtype auto` a float32 source and a bfloat16 export each compute in their own dtype, so the ratio
+    mixes bfloat16's rounding into the conversion's error; eval printed it without saying so.  A note names both
+    dtypes and the flag that evens them out; with --dtype fp32 (one dtype for both) there is no note."""
+    from typer.testing import CliRunner
+
+    from mla_convert import cli
+
+    source, _, text = tiny_pair
+    bf16 = convert(source, tmp_path / "bf16", ConvertOptions(compression=2, effort="fast", dtype="bf16",
+                                                             calibration=CalibrationOptions(num_samples=2, seq_len=16))).output
+    report = run_eval(bf16, text, baseline=source, context_length=32, max_windows=2, progress=False)
+    assert (report.settings["dtype"], report.settings["baseline_dtype"]) == ("bfloat16", "float32")
+    assert report.notes == [f"{source} (baseline) computed in float32, {bf16} in bfloat16 (each in its stored dtype): "
+                            "the ratio includes the difference in precision as well as the conversion's error; "
+                            "--dtype fp32 computes both in float32"]
+    assert run_eval(bf16, text, baseline=source, context_length=32, max_windows=2, dtype="fp32", progress=False).notes == []
+    assert run_eval(bf16, text, context_length=32, max_windows=2, progress=False).notes == []  # no baseline: nothing to mix
+    result = CliRunner().invoke(cli.app, ["eval", str(bf16), "--baseline", str(source), "--data", str(text),
+                                          "--context", "32", "--max-windows", "2"])
+    assert result.exit_code == 0, result.output
+    assert "note: " + str(source) + " (baseline) computed in float32, " + str(bf16) + " in bfloat16" in \
+        " ".join(result.output.split())

@@ -441,6 +441,14 @@ def _refuse_wrong_types(model, data, baseline, json_path, **numbers) -> None:
         raise PreflightError(problems)
 
 
+def _dtypes_differ_note(baseline_label: str, baseline_dtype: str, model_label: str, model_dtype: str) -> str:
+    """Each model computes in its own stored dtype under `--dtype auto`: a float32 source beside a bfloat16 export
+    puts bfloat16's rounding into the ratio, which a reader would otherwise take for the conversion's alone."""
+    return (f"{baseline_label} computed in {baseline_dtype}, {model_label} in {model_dtype} (each in its stored dtype): "
+            "the ratio includes the difference in precision as well as the conversion's error; --dtype fp32 computes "
+            "both in float32")
+
+
 def run_eval(
     model: str | os.PathLike,
     data: str | os.PathLike,
@@ -540,6 +548,8 @@ def run_eval(
         device=str(_model_device(model_obj)),
         total_tokens=len(tokenized),
     )
+    if settings["baseline_dtype"] not in (None, settings["dtype"]):
+        notes.append(_dtypes_differ_note(baseline_label, settings["baseline_dtype"], model_label, settings["dtype"]))
     report = EvalReport(results, settings, baseline_label, notes)
     if json_path is not None:
         absolute_path(json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
