@@ -445,8 +445,7 @@ def _dtypes_differ_note(baseline_label: str, baseline_dtype: str, model_label: s
     """Each model computes in its own stored dtype under `--dtype auto`: a float32 source beside a bfloat16 export
     puts bfloat16's rounding into the ratio, which a reader would otherwise take for the conversion's alone."""
     return (f"{baseline_label} computed in {baseline_dtype}, {model_label} in {model_dtype} (each in its stored dtype): "
-            "the ratio includes the difference in precision as well as the conversion's error; --dtype fp32 computes "
-            "both in float32")
+            "the ratio includes the difference in precision too; --dtype fp32 computes both in float32")
 
 
 def run_eval(
