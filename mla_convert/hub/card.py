@@ -550,8 +550,8 @@ def _section_quality(report: Mapping[str, Any]) -> list[str]:
     if not isinstance(evaluation, Mapping) and not isinstance(finetuning, Mapping):
         return []
     lines = ["## Quality", ""]
-    if provenance := _provenance_sentence(report):  # "original" below is the copy that was converted
-        lines += [provenance, ""]
+    if _provenance_sentence(report):  # said in full at the top; here only what "original" means in the tables
+        lines += ["\"Original\" below is the dequantized copy named at the top of this card, not the hub checkpoint.", ""]
     if isinstance(evaluation, Mapping):
         lines += _evaluation_lines(evaluation, "MLA (this model)")
         lines.append("Lower is better. Judge the model on your own task before relying on it.")
