@@ -289,11 +289,14 @@ def test_a_serving_exports_card_does_not_say_its_weights_cannot_be_float16():
     report = stories260k_report()
     assert "never float16" in " ".join(str(build_model_card(report)).split())
     report["serving"] = {"target": "llama.cpp", "magnitudes": {"kv_a_latent_rows": {"median_nonzero": 1.7e-3,
-                                                                                    "frac_below_f16_normal": 0.01}}}
+                                                                                    "frac_below_f16_normal": 0.01,
+                                                                                    "frac_zero_in_f16": 3e-4}}}
     text = " ".join(str(build_model_card(report)).split())
     assert "never float16" not in text and "**Use bfloat16 or float32, not float16.**" not in text
     assert "Load it in bfloat16, float32 or float16: its weights fit float16's range (see the caveats below)." in text
-    assert "**Weights in a normal float range.**" in text
+    assert "**Latent weight scale.**" in text
+    assert "1.0% of them lie below float16's normal range (worst layer; subnormal there, with fewer significant bits, " \
+        "0.03% rounding to zero)" in text
     assert "fine-tuning trained the stock norm" not in text
 
 
@@ -305,7 +308,8 @@ def test_a_fine_tuned_cards_linearity_caveat_says_it_was_measured_on_the_convers
     report = stories260k_report()
     if serving:
         report["serving"] = {"target": "llama.cpp", "magnitudes": {"kv_a_latent_rows": {"median_nonzero": 1.7e-3,
-                                                                                        "frac_below_f16_normal": 0.01}}}
+                                                                                        "frac_below_f16_normal": 0.01,
+                                                                                    "frac_zero_in_f16": 3e-4}}}
     report["finetuning"] = {"steps": 10, "tokens": 1000, "train": "attention"}
     text = " ".join(str(build_model_card(report)).split())
     regime = "in that range" if serving else "where the epsilon dominates"

@@ -164,7 +164,7 @@ def updated_report(report: dict, finetuning: dict, dtype: torch.dtype, converted
 
 def remeasure_serving_magnitudes(report: dict, weights: dict[str, torch.Tensor]) -> None:
     """A serving export's `magnitudes` (what f16 / Q8_0 / Q4_K do to its weights, per layer and worst case) measured
-    again on the fine-tuned stored weights, in place: the card's "weights in a normal float range" must describe this
+    again on the fine-tuned stored weights, in place: the card's "latent weight scale" caveat must describe this
     folder, not the one it was trained from."""
     from ..convert import target as T
     from ..convert.serving import layer_magnitudes, summarize_magnitudes

@@ -810,11 +810,13 @@ def _section_caveats(report: Mapping[str, Any], numbers: Mapping[str, Any]) -> l
 
     if isinstance(latent, Mapping) and _number(latent.get("median_nonzero")) is not None:
         lines.append(
-            f"- **Weights in a normal float range.** This export was rewritten for serving (`--target {_text(serving.get('target'))}`): "
+            f"- **Latent weight scale.** This export was rewritten for serving (`--target {_text(serving.get('target'))}`): "
             "the latent scale that keeps DeepSeek-V3's `kv_a_layernorm` linear was chosen from calibration data and shared "
             "between the input norm and its consumers, so the latent rows of `kv_a_proj_with_mqa` have median "
             f"{latent['median_nonzero']:.2g} and {_number(latent.get('frac_below_f16_normal')) or 0:.1%} of them lie below "
-            "float16's normal range (worst layer). The norm is linear up to about 1 % of its epsilon on the calibration "
+            "float16's normal range (worst layer; subnormal there, with fewer significant bits"
+            + (f", {_number(latent.get('frac_zero_in_f16')):.2%} rounding to zero"
+               if _number(latent.get("frac_zero_in_f16")) is not None else "") + "). The norm is linear up to about 1 % of its epsilon on the calibration "
             "tokens, not provably for every input." + trained("in that range")
         )
     else:
