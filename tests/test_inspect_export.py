@@ -95,7 +95,9 @@ def test_inspect_on_an_export_prints_its_cache_and_its_sources_from_their_files(
     # where each number comes from, the shape and the source as the files state them
     assert f"{folder}: MLA export (DeepseekV3), 3 layers, 8 heads; caches kv_lora_rank 12 + qk_rope_head_dim 4 values " \
            "per token and layer (config.json)" in out
-    assert "source (mla_convert.json): ../src, LlamaForCausalLM (GQA), 3 layers, 8 query heads, 4 kv heads, head_dim 8" in out
+    # (the report's ../src, shown from the working folder: the repository, so absolute)
+    assert f"source (mla_convert.json): {exports['source'].resolve()}, LlamaForCausalLM (GQA), 3 layers, 8 query heads, " \
+        "4 kv heads, head_dim 8" in out
     assert "| quantity | source (mla_convert.json) | MLA (config.json) |" in out
     assert "compression ratio: 4.00x smaller KV cache (the source's cache from mla_convert.json, the export's from " \
            "config.json)" in out
@@ -451,3 +453,27 @@ def test_the_api_refuses_what_it_cannot_inspect(exports, tmp_path):
                                       "config.json: qk_rope_head_dim 7 is odd; RoPE rotates pairs of dimensions"]
     result = invoke(folder)
     assert result.exit_code == 2 and result.stderr.splitlines() == [f"error: {p}" for p in refused.value.problems]
+
+
+def test_a_local_source_is_shown_where_it_is_not_as_the_report_records_it(exports, tmp_path, monkeypatch):
+    """The report names a local source relative to the export folder (`../src`); inspect printed that as it was, which
+    read from the working folder names another place.  It shows the source's real place from the working folder
+    (absolute when that would climb out of it); a hub id, or a path that no longer exists, stays as recorded."""
+    from mla_convert.source.inspect import inspect_export
+
+    plain, source = exports["plain"], exports["source"]
+    assert json.loads((plain / "mla_convert.json").read_text())["source"]["name_or_path"] == "../src"
+    deeper = tmp_path / "a" / "b"
+    deeper.mkdir(parents=True)
+    monkeypatch.chdir(deeper)
+    assert inspect_export(plain).source.name == str(source.resolve())
+    assert f"source (mla_convert.json): {source.resolve()}, LlamaForCausalLM" in invoke(plain).output
+    monkeypatch.chdir(exports["root"])
+    assert inspect_export(plain).source.name == "src"
+    moved = tmp_path / "moved"
+    shutil.copytree(plain, moved)  # its report still says ../src, which is not beside it
+    assert inspect_export(moved).source.name == "../src"
+    report = json.loads((moved / "mla_convert.json").read_text())
+    report["source"]["name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (moved / "mla_convert.json").write_text(json.dumps(report))
+    assert inspect_export(moved).source.name == "HuggingFaceTB/SmolLM2-135M-Instruct"

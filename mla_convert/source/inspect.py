@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,17 @@ class RecordedSource(SourceAttentionShape):
                    sliding_window=window, sliding_layers=sliding, **sizes)
 
 
+def _shown_source_path(recorded: str, folder: Path) -> str:
+    """The report names a local source relative to the export folder (so that the two can move together); printed
+    as it was, `../../../models/llama` read as relative to the working folder, a place that is not the source.  A
+    path that exists from the folder is shown from the working folder (absolute when that would climb out of it)."""
+    if not recorded or Path(recorded).is_absolute() or not (folder / recorded).exists():
+        return recorded
+    target = (folder / recorded).resolve()
+    relative = os.path.relpath(target)
+    return relative if not relative.startswith("..") else str(target)
+
+
 @dataclass(frozen=True)
 class ExportInspection:
     """What an MLA export caches (from its config.json) and, where its conversion report records them, the source it was
@@ -317,6 +329,8 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype | None = None, c
     source = target = None
     if report is not None:
         source = RecordedSource.from_report(report)
+        if source is not None:
+            source = dataclasses.replace(source, name=_shown_source_path(source.name, folder))
         options = report.get("options")
         target = options.get("target") if isinstance(options, dict) else None
         target = target if isinstance(target, str) and target in TARGETS else None
