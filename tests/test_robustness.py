@@ -294,6 +294,17 @@ def _(ws):
     return []
 
 
+@case("overflowing-logits", "finite weights whose logits overflow (calibration text sampled from the model)",
+      "model.norm.weight set to 3e38 and token 5's embedding (and head) row to ones: every weight finite, the logits "
+      "NaN/Inf", "sampling calibration text from the source model", "not finite")
+def _(ws):
+    ws.edit_tensor("model.norm.weight", lambda weight: torch.full_like(weight, 3e38))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in json.loads((ws.src / INDEX).read_text())["weight_map"]:
+            ws.edit_tensor(name, lambda weight: weight.index_fill(0, torch.tensor([5]), 1.0))
+    return []
+
+
 # --------------------------------------------------------------------------- B. config.json
 @case("missing-config", "missing config.json", "config.json deleted", "config.json: missing")
 def _(ws):

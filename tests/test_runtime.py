@@ -632,6 +632,27 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token(top_p):
     assert torch.equal(chosen, logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("poison", ["nan", "+inf", "every -inf"])
+def test_logits_that_are_not_finite_are_a_named_error_not_a_multinomial_traceback(poison):
+    """NaN / +Inf logits (a model whose activations overflow) reached torch.multinomial, whose RuntimeError named no
+    model; a row where every token is -Inf too.  -Inf on some tokens (masked ones) stays a valid distribution."""
+    from mla_convert.errors import NonFiniteError
+    from mla_convert.eval.sampling import top_p_sample
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))  # (batch, vocab)
+    masked = logits.clone()
+    masked[:, 10:] = float("-inf")
+    assert int(top_p_sample(masked, 1.0, 0.9, torch.Generator().manual_seed(1)).max()) < 10
+    if poison == "nan":
+        logits[1, 7] = float("nan")
+    elif poison == "+inf":
+        logits[2, 3] = float("inf")
+    else:
+        logits[0] = float("-inf")
+    with pytest.raises(NonFiniteError, match="next-token logits are not finite"):
+        top_p_sample(logits, 1.0, 0.9, torch.Generator().manual_seed(1))
+
+
 def test_generate_refusing_pickles_offers_no_allow_pickle_flag(tiny_folder, tmp_path):
     """generate reads safetensors only and has no --allow-pickle, but its refusal of a pickled-only folder said
     "... or pass --allow-pickle to load them" and a folder without weights "(expected ... or, with --allow-pickle,

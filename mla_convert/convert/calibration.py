@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..errors import MLAConvertError, OutputWriteError
+from ..errors import MLAConvertError, NonFiniteError, OutputWriteError
 from ..eval.sampling import NUCLEUS_CANDIDATES, top_p_sample
 from ..io.writer import STATS_SCRATCH_PREFIX, ScratchFolder, write_failure_errno
 from ..options import CalibrationOptions
@@ -133,7 +133,13 @@ def sample_from_model(
                 del layer
                 model.release()
             logits = model.logits(model.final_norm(hidden))[:, -1].cpu()  # (rows, vocab); sampled on the CPU: same RNG anywhere
-            rows[:, t + 1] = top_p_sample(logits, temperature, top_p, generator, NUCLEUS_CANDIDATES)
+            try:
+                rows[:, t + 1] = top_p_sample(logits, temperature, top_p, generator, NUCLEUS_CANDIDATES)
+            except NonFiniteError as error:  # every weight is finite (checked before): the forward pass overflows
+                raise NonFiniteError(
+                    f"sampling calibration text from the source model, token {t + 1}: {error}. Every weight is finite "
+                    "(checked), so the source model itself computes this: check the checkpoint (transformers computes "
+                    "the same NaN); --calib-data would calibrate on a text, but the model would still not work") from None
             model.release()
             done += 1
             if progress:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import NonFiniteError
+
 NUCLEUS_CANDIDATES = 1024
 
 
@@ -22,6 +24,9 @@ def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generat
     model's own step there; the tail it drops is less likely than every kept token.  None is exact.
     """
     probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # (torch.multinomial's own error was a traceback naming no model)
+        raise NonFiniteError("the model's next-token logits are not finite (NaN, +Inf, or -Inf for every token: its "
+                             "activations overflow its dtype), so no token can be sampled")
     top_probs, order = probs.topk(min(candidates or probs.shape[-1], probs.shape[-1]), dim=-1)  # sorted, descending
     keep = top_probs.cumsum(-1) - top_probs < top_p  # (batch, candidates)
     keep[..., 0] = True  # the top token always (a top_p below float32's smallest number compared as 0 kept none)
