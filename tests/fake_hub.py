@@ -10,6 +10,13 @@ huggingface_hub 2.x sends for `create_repo`, `create_branch` and `upload_folder`
     POST /api/models/{ns}/{name}/preupload/{rev}     ask how each file is to be uploaded
     POST /api/models/{ns}/{name}/commit/{rev}        the commit, as ndjson
 
+and, for downloads (`model_info`, `snapshot_download`, `hf_hub_download` of a repo put there with `add_model`):
+
+    GET  /api/models/{ns}/{name}[/revision/{rev}]    repo info with its files and their sizes (`siblings`)
+    GET  /api/models/{ns}/{name}/tree/{rev}          the file list snapshot_download filters
+    HEAD /{ns}/{name}/resolve/{rev}/{path}           a file's commit, ETag and size
+    GET  /{ns}/{name}/resolve/{rev}/{path}           a file's bytes
+
 The preupload answer is "regular" for every file, so the client sends file contents inline (base64)
 in the commit.  That is the Hub protocol's own path for small files; the other answer, "lfs", makes
 the client (with `hf_xet` installed, as here) upload through Xet storage: a separate CAS service with
@@ -105,6 +112,16 @@ class FakeHub:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    # ------------------------------------------------------------------ state for download tests
+    def add_model(self, repo_id: str, files: dict[str, bytes]) -> None:
+        """A public model repository holding `files` (name -> bytes) on main, ready to be downloaded."""
+        self.repos[repo_id] = FakeRepo(repo_id=repo_id, visibility="public", branches={"main": dict(files)})
+
+    def downloaded(self) -> list[str]:
+        """The file names whose bytes were sent (GET .../resolve/...), in order."""
+        return ["/".join(r.path.strip("/").split("/")[4:]) for r in self.requests
+                if r.method == "GET" and r.path.strip("/").split("/")[2:3] == ["resolve"]]
+
     # ------------------------------------------------------------------ queries for tests
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         return dict(self.repos[repo_id].branches[revision])
@@ -171,6 +188,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self):  # noqa: N802
         self._handle("PUT")
 
+    def do_HEAD(self):  # noqa: N802
+        self._handle("HEAD")
+
     def _handle(self, method: str) -> None:
         split = urlsplit(self.path)
         segments = [unquote(part) for part in split.path.strip("/").split("/")]
@@ -203,8 +223,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._create_repo(record)
         if method == "POST" and segments == ["api", "validate-yaml"]:
             return self._validate_yaml(record)
-        if method == "GET" and len(segments) == 4 and segments[:2] == ["api", "models"]:
+        if method == "GET" and segments[:2] == ["api", "models"] and (len(segments) == 4 or segments[4:5] == ["revision"]):
             return self._repo_info(f"{segments[2]}/{segments[3]}", record)
+        if method == "GET" and segments[:2] == ["api", "models"] and segments[4:5] == ["tree"]:
+            return self._tree(f"{segments[2]}/{segments[3]}", record)
+        if method in ("GET", "HEAD") and len(segments) >= 5 and segments[2] == "resolve":
+            return self._resolve(f"{segments[0]}/{segments[1]}", "/".join(segments[4:]), method == "GET")
         if method == "POST" and len(segments) == 6 and segments[:2] == ["api", "models"]:
             repo_id, action, ref = f"{segments[2]}/{segments[3]}", segments[4], segments[5]
             if action in ("branch", "preupload", "commit"):
@@ -235,8 +259,42 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.hub.repos.get(repo_id)
         if repo is None:
             return self._reply(404, {"error": "Repository not found"}, "RepoNotFound")
-        sha = repo.commits[-1]["oid"] if repo.commits else "0" * 40
-        self._reply(200, {"id": repo_id, "modelId": repo_id, "sha": sha, "private": repo.private})
+        self._reply(200, {"id": repo_id, "modelId": repo_id, "sha": self._sha(repo), "private": repo.private,
+                          "siblings": [{"rfilename": name, "size": len(data)} for name, data in repo.branches["main"].items()]})
+
+    @staticmethod
+    def _sha(repo: FakeRepo) -> str:
+        if repo.commits:
+            return repo.commits[-1]["oid"]
+        content = repo.branches["main"]  # a repo made with add_model: its content's hash, so a changed repo is new
+        return hashlib.sha1(b"".join(name.encode() + hashlib.sha1(data).digest() for name, data in sorted(content.items()))).hexdigest()
+
+    def _tree(self, repo_id: str, record: RecordedRequest) -> None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._reply(404, {"error": "Repository not found"}, "RepoNotFound")
+        data = json.dumps([{"type": "file", "path": name, "size": len(content), "oid": hashlib.sha1(content).hexdigest()}
+                           for name, content in repo.branches["main"].items()]).encode()
+        self._send(200, data, {"Content-Type": "application/json"})
+
+    def _resolve(self, repo_id: str, name: str, with_body: bool) -> None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None or name not in repo.branches["main"]:
+            return self._send(404, b"", {"X-Error-Code": "EntryNotFound" if repo else "RepoNotFound"})
+        content = repo.branches["main"][name]
+        self._send(200, content if with_body else b"", {"X-Repo-Commit": self._sha(repo),
+                                                        "ETag": f'"{hashlib.sha1(content).hexdigest()}"'},
+                   length=len(content))
+
+    def _send(self, status: int, data: bytes, headers: dict[str, str], length: int | None = None) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data) if length is None else length))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
 
     def _validate_yaml(self, record: RecordedRequest) -> None:
         content = record.json().get("content", "")

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
+import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError
 
@@ -24,6 +29,7 @@ HUB_PATTERNS = [
     "chat_template.jinja",
 ]
 HUB_PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
 def looks_like_hub_id(text: str) -> bool:
@@ -64,13 +70,75 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, al
     patterns = HUB_PATTERNS + (HUB_PICKLE_PATTERNS if allow_pickle else [])
     try:
         with hub_reads():  # offline at once (cache only) when the hub cannot be reached
-            return Path(snapshot_download(repo_id=text, revision=revision, allow_patterns=patterns))
+            chosen = _files_to_fetch(text, revision, allow_pickle)
+            return Path(snapshot_download(repo_id=text, revision=revision,
+                                          allow_patterns=patterns if chosen is None else chosen))
     except RepositoryNotFoundError as error:
         raise CheckpointError(f"{text}: no such model on the Hugging Face hub (or it is private: log in with `hf auth login`)") from error
     except LocalEntryNotFoundError as error:
         raise CheckpointError(_unreachable(text)) from error
     except HfHubHTTPError as error:
         raise CheckpointError(f"{text}: download from the hub failed ({error})") from error
+
+
+def hub_files_to_fetch(files: Iterable[str], allow_pickle: bool, read_index: Callable[[str], Any]) -> list[str]:
+    """The files of a hub repository a conversion reads: the weights transformers' `from_pretrained` would load
+    (`model.safetensors`, else the safetensors index and the shards it names; with `allow_pickle` the same for
+    `pytorch_model.bin`), plus config, generation config and tokenizer files at the top level.  Never a repository's
+    other copies of the weights: `*.safetensors` also fetched Mistral's `consolidated.safetensors` beside its shards,
+    twice the download.  `read_index(name)` fetches and parses an index (its `weight_map` names the shards)."""
+    names = set(files)
+    extras = sorted(name for name in names if any(fnmatch.fnmatchcase(name, pattern) for pattern in HUB_PATTERNS
+                                                  if not pattern.endswith(WEIGHT_SUFFIXES)))
+    formats = [("model.safetensors", "model.safetensors.index.json")]
+    if allow_pickle:
+        formats.append(("pytorch_model.bin", "pytorch_model.bin.index.json"))
+    for single, index in formats:  # in transformers' order: one file before an index, safetensors before pickles
+        if single in names:
+            return [single, *extras]
+        if index in names:
+            weight_map = read_index(index).get("weight_map")
+            shards = sorted({shard for shard in (weight_map or {}).values() if isinstance(shard, str)})
+            return [index, *shards, *extras]
+    return extras
+
+
+def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> list[str] | None:
+    """`hub_files_to_fetch` for this repository, after checking that what is not cached yet fits the hub cache's disk
+    (a 16 GB download onto a disk with 10 GB free failed part way).  None when the hub is not reachable: the cache
+    then serves whatever it holds."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from ..units import human_bytes
+
+    try:
+        info = HfApi().model_info(hub_id, revision=revision, files_metadata=True)
+    except OfflineModeIsEnabled:
+        return None
+    sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
+
+    def read_index(name: str) -> Any:
+        path = Path(hf_hub_download(repo_id=hub_id, filename=name, revision=revision))
+        try:
+            index = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"{hub_id}: {name} on the hub is not valid JSON ({error})") from error
+        if not isinstance(index, dict):
+            raise CheckpointError(f"{hub_id}: {name} on the hub is not a JSON object")
+        return index
+
+    chosen = hub_files_to_fetch(sizes, allow_pickle, read_index)
+    missing = [name for name in chosen if not isinstance(try_to_load_from_cache(hub_id, name, revision=info.sha), str)]
+    needed = sum(sizes.get(name, 0) for name in missing)
+    cache = Path(constants.HF_HUB_CACHE)
+    existing = next(folder for folder in (cache, *cache.parents) if folder.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise CheckpointError(f"{hub_id}: downloading it needs {human_bytes(needed)} ({len(missing)} files) in {cache}, "
+                              f"which has {human_bytes(free)} free; free some space, or point HF_HUB_CACHE (or HF_HOME) "
+                              "at a larger disk")
+    return chosen
 
 
 def _unreachable(hub_id: str) -> str:
