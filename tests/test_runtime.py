@@ -653,6 +653,30 @@ def test_logits_that_are_not_finite_are_a_named_error_not_a_multinomial_tracebac
         top_p_sample(logits, 1.0, 0.9, torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_generate_from_a_model_whose_logits_overflow_is_an_error_not_text(tiny_folder, tmp_path, sample):
+    """Finite weights whose logits overflow (the final norm's gain at 3e38, one token's head row all ones): greedy
+    decoding printed the argmax of NaN logits as text, exit 0; sampling raised torch.multinomial's traceback."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    folder = Path(shutil.copytree(tiny_folder, tmp_path / "overflowing"))
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], 3e38)
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[head][5] = 1.0
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in weights.values())
+    result = CliRunner().invoke(app, ["generate", str(folder), "Once upon", "--device", "cpu", "--max-new-tokens", "4",
+                                      *(["--sample"] if sample else [])])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert ("error: new token 1: the model's next-token logits are not finite (NaN, +Inf, or -Inf for every token: "
+            f"its activations overflow its dtype), so no token can be {'sampled' if sample else 'chosen'}") in text, text
+
+
 def test_generate_refusing_pickles_offers_no_allow_pickle_flag(tiny_folder, tmp_path):
     """generate reads safetensors only and has no --allow-pickle, but its refusal of a pickled-only folder said
     "... or pass --allow-pickle to load them" and a folder without weights "(expected ... or, with --allow-pickle,

@@ -13,6 +13,15 @@ import torch
 from ..errors import NonFiniteError
 
 NUCLEUS_CANDIDATES = 1024
+NON_FINITE_LOGITS = ("the model's next-token logits are not finite (NaN, +Inf, or -Inf for every token: its activations "
+                     "overflow its dtype)")
+
+
+def check_logits_choosable(logits: torch.Tensor) -> None:
+    """Greedy decoding's check: argmax over NaN logits returns a token all the same (an export computing NaN printed
+    text and no error).  A row is choosable when its softmax is finite: no NaN, no +Inf, not -Inf everywhere."""
+    if not bool(torch.isfinite(torch.softmax(logits.float(), dim=-1)).all()):
+        raise NonFiniteError(NON_FINITE_LOGITS + ", so no token can be chosen")
 
 
 def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
@@ -25,8 +34,7 @@ def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generat
     """
     probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
     if not bool(torch.isfinite(probs).all()):  # (torch.multinomial's own error was a traceback naming no model)
-        raise NonFiniteError("the model's next-token logits are not finite (NaN, +Inf, or -Inf for every token: its "
-                             "activations overflow its dtype), so no token can be sampled")
+        raise NonFiniteError(NON_FINITE_LOGITS + ", so no token can be sampled")
     top_probs, order = probs.topk(min(candidates or probs.shape[-1], probs.shape[-1]), dim=-1)  # sorted, descending
     keep = top_probs.cumsum(-1) - top_probs < top_p  # (batch, candidates)
     keep[..., 0] = True  # the top token always (a top_p below float32's smallest number compared as 0 kept none)

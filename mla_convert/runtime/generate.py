@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..eval.sampling import top_p_sample
+from ..errors import NonFiniteError
+from ..eval.sampling import check_logits_choosable, top_p_sample
 from .errors import GenerationSettingsError
 from .generation_settings import GenerationSettings
 from .model import AbsorbedMLAModel
@@ -143,11 +144,15 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
         if chain:  # each sequence's penalties see its own tokens so far, prompt included, as in generate()
             logits = torch.cat([settings.apply(chain, prompts[index] + outputs[index], logits[row : row + 1])
                                 for row, index in enumerate(active)])
-        if do_sample:
-            chosen = [int(top_p_sample(logits[row : row + 1].float(), temperature, top_p, generators[index])[0])
-                      for row, index in enumerate(active)]
-        else:
-            chosen = logits.float().argmax(dim=-1).tolist()
+        try:
+            if do_sample:
+                chosen = [int(top_p_sample(logits[row : row + 1].float(), temperature, top_p, generators[index])[0])
+                          for row, index in enumerate(active)]
+            else:
+                check_logits_choosable(logits)
+                chosen = logits.float().argmax(dim=-1).tolist()
+        except NonFiniteError as error:  # which step: a model that overflows only past some length shows it here
+            raise NonFiniteError(f"new token {step + 1}: {error}") from None
         still_active = []
         for index, token in zip(active, chosen):
             outputs[index].append(token)
