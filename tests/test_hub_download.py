@@ -40,8 +40,9 @@ def mistral_style(tmp_path_factory) -> dict[str, bytes]:
     return files
 
 
-def run_convert(hub: FakeHub, home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1",
+def run_convert(hub: FakeHub | str, home: Path, *args: str) -> subprocess.CompletedProcess:
+    endpoint = hub if isinstance(hub, str) else hub.url
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1",
            "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}", "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     return subprocess.run([sys.executable, "-m", "mla_convert", "convert", *args, *QUICK], capture_output=True,
                           text=True, env=env, timeout=300)
@@ -61,6 +62,10 @@ def test_only_the_weights_transformers_loads_are_downloaded(mistral_style, tmp_p
                                       "tokenizer.json", "tokenizer_config.json"])
     report = json.loads((tmp_path / "mla" / "mla_convert.json").read_text())
     assert report["source"]["hub_id"] == "someone/tiny-mistral"
+    # without the hub, the cache still serves what was downloaded (nothing listens on port 9)
+    done = run_convert("http://127.0.0.1:9", tmp_path / "hf", "someone/tiny-mistral", str(tmp_path / "offline"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "offline" / "model.safetensors").read_bytes() == (tmp_path / "mla" / "model.safetensors").read_bytes()
 
 
 def test_a_download_larger_than_the_free_disk_is_refused_before_it_starts(mistral_style, tmp_path):

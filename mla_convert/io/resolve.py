@@ -71,6 +71,8 @@ def resolve_model_path(model: str | os.PathLike, revision: str | None = None, al
     try:
         with hub_reads():  # offline at once (cache only) when the hub cannot be reached
             chosen = _files_to_fetch(text, revision, allow_pickle)
+            if chosen is None and (cached := _cached_snapshot(text, revision, allow_pickle)) is not None:
+                return cached
             return Path(snapshot_download(repo_id=text, revision=revision,
                                           allow_patterns=patterns if chosen is None else chosen))
     except RepositoryNotFoundError as error:
@@ -114,7 +116,7 @@ def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> li
 
     try:
         info = HfApi().model_info(hub_id, revision=revision, files_metadata=True)
-    except OfflineModeIsEnabled:
+    except (OfflineModeIsEnabled, *_connection_errors()):  # snapshot_download then serves the cache, as it does
         return None
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
 
@@ -139,6 +141,41 @@ def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> li
                               f"which has {human_bytes(free)} free; free some space, or point HF_HUB_CACHE (or HF_HOME) "
                               "at a larger disk")
     return chosen
+
+
+def _cached_snapshot(hub_id: str, revision: str | None, allow_pickle: bool) -> Path | None:
+    """Offline: the cached snapshot when it holds every file a conversion reads.  huggingface_hub 2.x refuses a
+    snapshot with files missing that the hub listed (a repository's second copy of the weights, skipped on purpose,
+    or shards `from_pretrained` fetched without the rest), so the cache is read here rather than through it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(hub_id, "config.json", revision=revision)
+    if not isinstance(config, str):
+        return None
+    folder = Path(config).parent
+
+    def read_index(name: str) -> Any:
+        try:
+            index = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            index = None
+        return index if isinstance(index, dict) else {}  # (the reader names a damaged index; here: "not complete")
+
+    needed = hub_files_to_fetch([path.name for path in folder.iterdir()], allow_pickle, read_index)
+    complete = all((folder / name).is_file() for name in needed) and any(name.endswith(WEIGHT_SUFFIXES) for name in needed)
+    return folder if complete else None
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub's HTTP client raises when the hub cannot be reached (snapshot_download falls back to the
+    cache on these); its HTTP library is `httpx2` in huggingface_hub 2.x, `httpx` before."""
+    for name in ("httpx2", "httpx"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        return module.ConnectError, module.TimeoutException, module.ProxyError
+    return ()
 
 
 def _unreachable(hub_id: str) -> str:
