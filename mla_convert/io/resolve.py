@@ -53,7 +53,8 @@ def revision_problems(revision: str | None, *models: str | os.PathLike | None) -
 
 
 def resolve_model_path(model: str | os.PathLike, revision: str | None = None, allow_pickle: bool = False) -> Path:
-    """A local folder as is; otherwise a hub id downloaded with `snapshot_download` (weights, config, tokenizer)."""
+    """A local folder as is; otherwise a hub id: the files `hub_files_to_fetch` picks (weights, config, tokenizer),
+    downloaded with `snapshot_download` once they fit the disk; with the hub out of reach, the cache's copy."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -107,8 +108,8 @@ def hub_files_to_fetch(files: Iterable[str], allow_pickle: bool, read_index: Cal
 
 def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> list[str] | None:
     """`hub_files_to_fetch` for this repository, after checking that what is not cached yet fits the hub cache's disk
-    (a 16 GB download onto a disk with 10 GB free failed part way).  None when the hub is not reachable: the cache
-    then serves whatever it holds."""
+    (a download larger than the free space failed part way, with huggingface_hub's "No space left on device"
+    traceback).  None when the hub is not reachable: the cache then serves whatever it holds."""
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import OfflineModeIsEnabled
 
