@@ -195,6 +195,31 @@ def inspect(
         print_table(console, "predicted memory and disk", ("quantity", "predicted"), result.resource_rows(), right=(1,))
         for note in result.notes:
             print_plain(f"note: {note}")
+        if not Path(model).expanduser().is_dir():
+            _print_hub_download(model, revision, options.allow_pickle)
+
+
+def _print_hub_download(hub_id: str, revision: str | None, allow_pickle: bool) -> None:
+    """A hub id is downloaded before it converts: how much, beside the estimate's disk rows (which count the output and
+    the statistics only)."""
+    from .errors import MLAConvertError
+    from .io.hub_access import hub_reads
+    from .io.resolve import hub_download
+    from .units import human_bytes
+
+    try:
+        with hub_reads():
+            download = hub_download(hub_id, revision, allow_pickle)
+    except MLAConvertError as error:
+        print_plain(f"note: the download's size is unknown ({error})")
+        return
+    if download is None:
+        print_plain(f"note: the hub cannot be reached, so the size of {hub_id}'s download is unknown")
+    elif not download.missing:
+        print_plain(f"note: {hub_id}: the {len(download.files)} files a conversion reads are in the hub cache already")
+    else:
+        print_plain(f"note: {hub_id} is downloaded first: {human_bytes(download.missing_bytes)} in "
+                    f"{len(download.missing)} files not yet in the hub cache ({download.cache})")
 
 
 def _source_with_stored_dtype(source, local_folder, options):

@@ -40,12 +40,16 @@ def mistral_style(tmp_path_factory) -> dict[str, bytes]:
     return files
 
 
-def run_convert(hub: FakeHub | str, home: Path, *args: str) -> subprocess.CompletedProcess:
+def run_cli(hub: FakeHub | str, home: Path, *args: str) -> subprocess.CompletedProcess:
     endpoint = hub if isinstance(hub, str) else hub.url
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}", "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "mla_convert", "convert", *args, *QUICK], capture_output=True,
-                          text=True, env=env, timeout=300)
+           "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}", "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "mla_convert", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def run_convert(hub: FakeHub | str, home: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_cli(hub, home, "convert", *args, *QUICK)
 
 
 def test_only_the_weights_transformers_loads_are_downloaded(mistral_style, tmp_path):
@@ -89,6 +93,31 @@ def test_a_download_larger_than_the_free_disk_is_refused_before_it_starts(mistra
     assert f"in {home / 'hub'}, which has " in lines[0] and "point HF_HUB_CACHE (or HF_HOME) at a larger disk" in lines[0]
     assert fetched == ["model.safetensors.index.json"]  # the index names the shards; no weight was fetched
     assert not (tmp_path / "mla").exists()
+
+
+def test_inspect_estimate_of_a_hub_id_says_how_much_is_downloaded_first(mistral_style, tmp_path):
+    """The estimate's disk rows count the output and the statistics; a hub id is downloaded before either, which
+    `--estimate` did not mention.  It says how much (what is not cached yet), and when the hub is out of reach."""
+    from mla_convert.units import human_bytes
+
+    home = tmp_path / "hf"
+    read = ["model.safetensors.index.json", *(name for name in mistral_style if name.startswith("model-")),
+            "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    estimate = ("inspect", "someone/tiny-mistral", "--estimate", "--cpu-cores", "2")
+    with FakeHub() as hub:
+        hub.add_model("someone/tiny-mistral", mistral_style)
+        before = run_cli(hub, home, *estimate)
+        assert before.returncode == 0, before.stderr
+        # config.json was fetched to read the shape, the index to name the shards: the rest is still to come
+        still = [name for name in read if name not in ("config.json", "model.safetensors.index.json")]
+        assert (f"note: someone/tiny-mistral is downloaded first: {human_bytes(sum(len(mistral_style[n]) for n in still))} "
+                f"in {len(still)} files not yet in the hub cache ({home / 'hub'})") in before.stdout, before.stdout
+        assert run_convert(hub, home, "someone/tiny-mistral", str(tmp_path / "mla")).returncode == 0
+        after = run_cli(hub, home, *estimate)
+    assert f"note: someone/tiny-mistral: the {len(read)} files a conversion reads are in the hub cache already" in after.stdout
+    offline = run_cli("http://127.0.0.1:9", home, *estimate)
+    assert offline.returncode == 0, offline.stderr
+    assert "note: the hub cannot be reached, so the size of someone/tiny-mistral's download is unknown" in offline.stdout
 
 
 @pytest.mark.parametrize("files, allow_pickle, expected", [

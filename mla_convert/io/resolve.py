@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +107,21 @@ def hub_files_to_fetch(files: Iterable[str], allow_pickle: bool, read_index: Cal
     return extras
 
 
-def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> list[str] | None:
-    """`hub_files_to_fetch` for this repository, after checking that what is not cached yet fits the hub cache's disk
-    (a download larger than the free space failed part way, with huggingface_hub's "No space left on device"
-    traceback).  None when the hub is not reachable: the cache then serves whatever it holds."""
+@dataclass(frozen=True)
+class HubDownload:
+    """What converting a hub id downloads: the files it reads, and those of them not in the hub cache yet."""
+
+    files: list[str]
+    missing: list[str]
+    missing_bytes: int
+    cache: Path  # the hub cache folder they go to
+
+
+def hub_download(hub_id: str, revision: str | None = None, allow_pickle: bool = False) -> HubDownload | None:
+    """The download a conversion of `hub_id` starts with (`hub_files_to_fetch`, sized from the hub's file list; an
+    index is fetched to name the shards).  None when the hub is not reachable."""
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import OfflineModeIsEnabled
-
-    from ..units import human_bytes
 
     try:
         info = HfApi().model_info(hub_id, revision=revision, files_metadata=True)
@@ -133,15 +141,25 @@ def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> li
 
     chosen = hub_files_to_fetch(sizes, allow_pickle, read_index)
     missing = [name for name in chosen if not isinstance(try_to_load_from_cache(hub_id, name, revision=info.sha), str)]
-    needed = sum(sizes.get(name, 0) for name in missing)
-    cache = Path(constants.HF_HUB_CACHE)
-    existing = next(folder for folder in (cache, *cache.parents) if folder.exists())
+    return HubDownload(chosen, missing, sum(sizes.get(name, 0) for name in missing), Path(constants.HF_HUB_CACHE))
+
+
+def _files_to_fetch(hub_id: str, revision: str | None, allow_pickle: bool) -> list[str] | None:
+    """`hub_download`'s files, after checking that what is not cached yet fits the hub cache's disk (a download larger
+    than the free space failed part way, with huggingface_hub's "No space left on device" traceback).  None when the
+    hub is not reachable: the cache then serves whatever it holds."""
+    from ..units import human_bytes
+
+    download = hub_download(hub_id, revision, allow_pickle)
+    if download is None:
+        return None
+    existing = next(folder for folder in (download.cache, *download.cache.parents) if folder.exists())
     free = shutil.disk_usage(existing).free
-    if needed > free:
-        raise CheckpointError(f"{hub_id}: downloading it needs {human_bytes(needed)} ({len(missing)} files) in {cache}, "
-                              f"which has {human_bytes(free)} free; free some space, or point HF_HUB_CACHE (or HF_HOME) "
-                              "at a larger disk")
-    return chosen
+    if download.missing_bytes > free:
+        raise CheckpointError(f"{hub_id}: downloading it needs {human_bytes(download.missing_bytes)} "
+                              f"({len(download.missing)} files) in {download.cache}, which has {human_bytes(free)} free; "
+                              "free some space, or point HF_HUB_CACHE (or HF_HOME) at a larger disk")
+    return download.files
 
 
 def _cached_snapshot(hub_id: str, revision: str | None, allow_pickle: bool) -> Path | None:
