@@ -17,11 +17,15 @@ NON_FINITE_LOGITS = ("the model's next-token logits are not finite (NaN, +Inf, o
                      "overflow its dtype)")
 
 
-def check_logits_choosable(logits: torch.Tensor) -> None:
-    """Greedy decoding's check: argmax over NaN logits returns a token all the same (an export computing NaN printed
-    text and no error).  A row is choosable when its softmax is finite: no NaN, no +Inf, not -Inf everywhere."""
-    if not bool(torch.isfinite(torch.softmax(logits.float(), dim=-1)).all()):
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The most likely token of each (batch, vocab) row.  argmax over NaN logits returns a token all the same (an
+    export computing NaN printed text and no error), so a row whose largest logit is not finite is refused: NaN
+    propagates through the max, and +Inf, or -Inf everywhere, is no distribution (one reduction, not a softmax, on
+    the decode loop)."""
+    scores = logits.float()
+    if not bool(torch.isfinite(scores.amax(dim=-1)).all()):
         raise NonFiniteError(NON_FINITE_LOGITS + ", so no token can be chosen")
+    return scores.argmax(dim=-1).tolist()
 
 
 def top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,

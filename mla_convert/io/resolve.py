@@ -129,15 +129,9 @@ def hub_download(hub_id: str, revision: str | None = None, allow_pickle: bool = 
         return None
     sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
 
-    def read_index(name: str) -> Any:
-        path = Path(hf_hub_download(repo_id=hub_id, filename=name, revision=revision))
-        try:
-            index = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"{hub_id}: {name} on the hub is not valid JSON ({error})") from error
-        if not isinstance(index, dict):
-            raise CheckpointError(f"{hub_id}: {name} on the hub is not a JSON object")
-        return index
+    def read_index(name: str) -> dict:
+        return _json_object(Path(hf_hub_download(repo_id=hub_id, filename=name, revision=revision)),
+                            f"{hub_id}: {name} on the hub")
 
     chosen = hub_files_to_fetch(sizes, allow_pickle, read_index)
     missing = [name for name in chosen if not isinstance(try_to_load_from_cache(hub_id, name, revision=info.sha), str)]
@@ -173,16 +167,26 @@ def _cached_snapshot(hub_id: str, revision: str | None, allow_pickle: bool) -> P
         return None
     folder = Path(config).parent
 
-    def read_index(name: str) -> Any:
+    def read_index(name: str) -> dict:
         try:
-            index = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            index = None
-        return index if isinstance(index, dict) else {}  # (the reader names a damaged index; here: "not complete")
+            return _json_object(folder / name, name)
+        except (OSError, CheckpointError):  # (the reader names a damaged index; here it only means "not complete")
+            return {}
 
     needed = hub_files_to_fetch([path.name for path in folder.iterdir()], allow_pickle, read_index)
     complete = all((folder / name).is_file() for name in needed) and any(name.endswith(WEIGHT_SUFFIXES) for name in needed)
     return folder if complete else None
+
+
+def _json_object(path: Path, what: str) -> dict:
+    """An index file's JSON object; `what` names it in the error."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{what} is not valid JSON ({error})") from error
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{what} is not a JSON object")
+    return index
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:

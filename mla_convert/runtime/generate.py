@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NonFiniteError
-from ..eval.sampling import check_logits_choosable, top_p_sample
+from ..eval.sampling import greedy_tokens, top_p_sample
 from .errors import GenerationSettingsError
 from .generation_settings import GenerationSettings
 from .model import AbsorbedMLAModel
@@ -149,8 +149,7 @@ def run_generation(model: AbsorbedMLAModel, prompts: list[list[int]], max_new_to
                 chosen = [int(top_p_sample(logits[row : row + 1].float(), temperature, top_p, generators[index])[0])
                           for row, index in enumerate(active)]
             else:
-                check_logits_choosable(logits)
-                chosen = logits.float().argmax(dim=-1).tolist()
+                chosen = greedy_tokens(logits)
         except NonFiniteError as error:  # which step: a model that overflows only past some length shows it here
             raise NonFiniteError(f"new token {step + 1}: {error}") from None
         still_active = []
