@@ -165,16 +165,21 @@ class _Handler(BaseHTTPRequestHandler):
             return b"".join(chunks)
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _reply(self, status: int, payload: dict, error_code: str | None = None) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
+    def _reply(self, status: int, payload: dict | list, error_code: str | None = None) -> None:
+        headers = {"Content-Type": "application/json"}
         if status >= 400:
-            self.send_header("X-Error-Message", payload.get("error", "error"))
+            headers["X-Error-Message"] = payload.get("error", "error")
             if error_code:
-                self.send_header("X-Error-Code", error_code)
+                headers["X-Error-Code"] = error_code
+        self._send(status, json.dumps(payload).encode(), headers)
+
+    def _send(self, status: int, data: bytes, headers: dict[str, str], length: int | None = None) -> None:
+        """`data` with `headers`; `length` is the Content-Length a HEAD answer announces without a body."""
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data) if length is None else length))
+        self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
         self.close_connection = True
@@ -273,9 +278,8 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.hub.repos.get(repo_id)
         if repo is None:
             return self._reply(404, {"error": "Repository not found"}, "RepoNotFound")
-        data = json.dumps([{"type": "file", "path": name, "size": len(content), "oid": hashlib.sha1(content).hexdigest()}
-                           for name, content in repo.branches["main"].items()]).encode()
-        self._send(200, data, {"Content-Type": "application/json"})
+        self._reply(200, [{"type": "file", "path": name, "size": len(content), "oid": hashlib.sha1(content).hexdigest()}
+                          for name, content in repo.branches["main"].items()])
 
     def _resolve(self, repo_id: str, name: str, with_body: bool) -> None:
         repo = self.hub.repos.get(repo_id)
@@ -285,16 +289,6 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, content if with_body else b"", {"X-Repo-Commit": self._sha(repo),
                                                         "ETag": f'"{hashlib.sha1(content).hexdigest()}"'},
                    length=len(content))
-
-    def _send(self, status: int, data: bytes, headers: dict[str, str], length: int | None = None) -> None:
-        self.send_response(status)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data) if length is None else length))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-        self.close_connection = True
 
     def _validate_yaml(self, record: RecordedRequest) -> None:
         content = record.json().get("content", "")
