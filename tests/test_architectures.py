@@ -2,7 +2,8 @@
 
 The expected names come from real checkpoints of tiny random models (every family, with and without
 bias, tied and untied), read back from disk, so a template typo or a wrong bias rule shows up as a
-set difference.
+set difference.  A family that fuses projections (Phi-3) names each role as rows of the stored matrix; those rows
+must be the ones transformers' modeling code splits off.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import torch
 from tiny_models import FAMILIES, tiny_config
 
 from mla_convert.errors import MLAConvertError, UnsupportedArchitectureError
-from mla_convert.io.reader import CheckpointReader
+from mla_convert.io.reader import CheckpointReader, split_row_view
 from mla_convert.source.architectures import (
     LLAMA,
     MISTRAL,
+    PHI3,
     QWEN2,
     SUPPORTED_ARCHITECTURES,
     architecture_for_config,
@@ -42,12 +44,24 @@ def spec_of(config: dict):
     return architecture_for_config((config.get("architectures") or [None])[0], config.get("model_type"))
 
 
-def expected_names(spec, config: dict) -> set[str]:
+def role_rows(config: dict) -> dict[str, int]:
+    """Each projection's rows, from the config as written (what a fused family's role names need)."""
+    q, kv = (config[key] * config["head_dim"] for key in ("num_attention_heads", "num_key_value_heads"))
+    return {"q_weight": q, "k_weight": kv, "v_weight": kv, "gate_weight": config["intermediate_size"],
+            "up_weight": config["intermediate_size"]}
+
+
+def layer_roles(spec, config: dict, layer: int) -> dict[str, str]:
     qkv, o, mlp = bias_flags(spec, config)
+    return {**spec.attention_weight_names(layer, qkv, o, role_rows(config)),
+            **spec.mlp_weight_names(layer, mlp, role_rows(config)), **spec.norm_weight_names(layer)}
+
+
+def expected_names(spec, config: dict) -> set[str]:
+    """The stored names: a row view counts as the matrix it is rows of."""
     names = {spec.embed, spec.final_norm} | (set() if config.get("tie_word_embeddings") else {spec.lm_head})
     for layer in range(config["num_hidden_layers"]):
-        names |= set(spec.attention_weight_names(layer, qkv, o).values())
-        names |= set(spec.mlp_weight_names(layer, mlp).values()) | set(spec.norm_weight_names(layer).values())
+        names |= {(split_row_view(name) or (name,))[0] for name in layer_roles(spec, config, layer).values()}
     return names
 
 
@@ -61,6 +75,8 @@ CASES = {
     "mistral-tied": ("mistral", True, {}),
     "qwen2": ("qwen2", False, {}),
     "qwen2-tied": ("qwen2", True, {}),
+    "phi3": ("phi3", False, {}),
+    "phi3-tied": ("phi3", True, {}),
 }
 
 
@@ -85,6 +101,7 @@ def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
         ("llama-mlp-bias-tied", False, False, True),
         ("mistral", False, False, False),
         ("qwen2", True, False, False),
+        ("phi3", False, False, False),
     ],
 )
 def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):
@@ -93,21 +110,51 @@ def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias
     config = read_config_json(tmp_path)
     spec = spec_of(config)
     assert bias_flags(spec, config) == (qkv_bias, o_bias, mlp_bias)
-    roles = spec.attention_weight_names(1, qkv_bias, o_bias)
+    roles = spec.attention_weight_names(1, qkv_bias, o_bias, role_rows(config))
     assert ("k_bias" in roles) == qkv_bias and ("o_bias" in roles) == o_bias
-    assert roles["k_weight"] == "model.layers.1.self_attn.k_proj.weight"
-    assert ("down_bias" in spec.mlp_weight_names(1, mlp_bias)) == mlp_bias
+    assert roles["k_weight"] == ("model.layers.1.self_attn.qkv_proj.weight[64:96]" if spec is PHI3 else
+                                 "model.layers.1.self_attn.k_proj.weight")
+    assert ("down_bias" in spec.mlp_weight_names(1, mlp_bias, role_rows(config))) == mlp_bias
     # The role names are what the converter looks tensors up by; their shapes must be the projections'.
-    infos = CheckpointReader(tmp_path).tensor_infos()
-    assert infos[roles["q_weight"]].shape == (config["num_attention_heads"] * config["head_dim"], config["hidden_size"])
-    assert infos[roles["k_weight"]].shape == (config["num_key_value_heads"] * config["head_dim"], config["hidden_size"])
+    reader = CheckpointReader(tmp_path)
+    assert reader.info(roles["q_weight"]).shape == (config["num_attention_heads"] * config["head_dim"], config["hidden_size"])
+    assert reader.info(roles["k_weight"]).shape == (config["num_key_value_heads"] * config["head_dim"], config["hidden_size"])
     if qkv_bias:
-        assert infos[roles["v_bias"]].shape == (config["num_key_value_heads"] * config["head_dim"],)
+        assert reader.info(roles["v_bias"]).shape == (config["num_key_value_heads"] * config["head_dim"],)
+
+
+def test_fused_roles_are_the_rows_transformers_splits_off(tmp_path):
+    """Phi-3's qkv_proj is [q | k | v] and its gate_up_proj [gate | up]; the reader's row views must return exactly the
+    projections transformers' Phi3Attention / Phi3MLP compute with, and nothing is read twice or left out."""
+    save_family(tmp_path, "phi3", False)
+    config = read_config_json(tmp_path)
+    model = FAMILIES["phi3"][1].from_pretrained(tmp_path)
+    layer = model.model.layers[2]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    qkv = layer.self_attn.qkv_proj.weight.detach()  # (q_rows + 2 kv_rows, hidden)
+    gate, up = layer.mlp.gate_up_proj.weight.detach().chunk(2)  # as Phi3MLP splits it
+    expected = {"q_weight": qkv[:q_rows], "k_weight": qkv[q_rows:q_rows + kv_rows], "v_weight": qkv[q_rows + kv_rows:],
+                "gate_weight": gate, "up_weight": up, "o_weight": layer.self_attn.o_proj.weight.detach(),
+                "down_weight": layer.mlp.down_proj.weight.detach()}
+    roles = layer_roles(PHI3, config, 2)
+    with CheckpointReader(tmp_path) as reader:
+        read = reader.get_many(roles[role] for role in expected)
+        for role, weight in expected.items():
+            assert torch.equal(read[roles[role]], weight), role
+        # a block of a view's rows (how large MLP matrices are streamed) is the same block of the projection
+        assert torch.equal(reader.get_rows(roles["up_weight"], 5, 9), up[5:9])
+        assert torch.equal(reader.get_rows(roles["up_weight"], 90, 200), up[90:])  # clamped to the view's rows
+        # rows past the stored matrix are an error naming it, not a short tensor
+        past = roles["v_weight"].replace(f"{q_rows + 2 * kv_rows}]", f"{q_rows + 2 * kv_rows + 1}]")
+        with pytest.raises(MLAConvertError, match="qkv_proj.weight' has shape .* too few rows"):
+            reader.get(past)
 
 
 @pytest.mark.parametrize(
     "architecture, spec",
-    [("LlamaForCausalLM", LLAMA), ("MistralForCausalLM", MISTRAL), ("Qwen2ForCausalLM", QWEN2)],
+    [("LlamaForCausalLM", LLAMA), ("MistralForCausalLM", MISTRAL), ("Qwen2ForCausalLM", QWEN2),
+     ("Phi3ForCausalLM", PHI3)],
 )
 def test_each_supported_family_maps(architecture, spec):
     assert architecture_for_config(architecture, "whatever") is spec
@@ -152,7 +199,7 @@ def test_unsupported_architecture_lists_the_supported_ones(config):
 
 
 @pytest.mark.parametrize("model_type, named", [("mistral", "LlamaForCausalLM"), ("llama", "MistralForCausalLM"),
-                                               ("qwen2", "LlamaForCausalLM")])
+                                               ("qwen2", "LlamaForCausalLM"), ("phi3", "LlamaForCausalLM")])
 def test_model_type_decides_the_family_as_transformers_builds_it(tmp_path, model_type, named):
     """`model_type: mistral` with a 16-token window under `architectures: [LlamaForCausalLM]` converted as a Llama
     without a window (the export diverged past 16 tokens); the reverse claimed a 4096-token window that transformers'
@@ -163,7 +210,7 @@ def test_model_type_decides_the_family_as_transformers_builds_it(tmp_path, model
 
     from mla_convert.source.config import SourceConfig
 
-    family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}[model_type]
+    family = model_type
     config = tiny_config(family=family).to_dict()
     config.pop("layer_types", None)  # (derived again from use_sliding_window / max_window_layers)
     config.update(architectures=[named], sliding_window=16 if model_type != "llama" else None,

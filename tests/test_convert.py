@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from tiny_models import mapped_files, save_tiny_model, tiny_model
+from safetensors.torch import load_file, save_file
+from tiny_models import llama_with_the_weights_of, mapped_files, save_tiny_model, tiny_model
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3RotaryEmbedding
 
@@ -102,6 +102,7 @@ def test_mha_full_rank_conversion_keeps_everything(tmp_path):
         dict(family="llama", num_kv_heads=4, attention_bias=True),
         dict(family="qwen2", num_kv_heads=2),
         dict(family="mistral", num_kv_heads=1),
+        dict(family="phi3", num_kv_heads=2),
     ],
 )
 def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwargs):
@@ -122,6 +123,51 @@ def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwarg
     assert torch.equal(cached, uncached)
     measured = measure_kv_cache(model, tokens=20)
     assert measured.bytes_per_token == (12 + 8) * config["num_hidden_layers"] * 2  # bf16 latent + RoPE key
+
+
+@pytest.mark.parametrize("num_kv_heads, rank, shard", [(2, 12, "5GB"), (1, 16, "20KB")])
+def test_a_fused_phi3_converts_to_the_export_of_the_same_weights_stored_llama_style(tmp_path, num_kv_heads, rank, shard):
+    """Phi-3 computes Llama's function with q/k/v in one matrix and gate/up in another.  The oracle: the Llama holding
+    the same weights split (transformers gives both the same logits) converts to the same export, byte for byte, at
+    a reduced rank (approximate: every decision the converter makes must see the same numbers) and at MQA's full rank
+    (exact: the export then reproduces the source's logits), from one file and from 20 KB shards (a layer's tensors
+    spread over several)."""
+    phi3 = tiny_model(family="phi3", num_heads=4, num_kv_heads=num_kv_heads, head_dim=16, hidden_size=64, weight_scale=3.0)
+    llama = llama_with_the_weights_of(phi3)
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(phi3(ids).logits, llama(ids).logits)
+    phi3.save_pretrained(tmp_path / "phi3", max_shard_size=shard)
+    llama.save_pretrained(tmp_path / "llama")
+    options = fast_options(kv_lora_rank=rank, rope_dim=16 if rank == 16 else 8)
+    exports = {name: convert(tmp_path / name, tmp_path / f"{name}-mla", options) for name in ("phi3", "llama")}
+    phi3_tensors, llama_tensors = (load_file(tmp_path / f"{name}-mla" / "model.safetensors") for name in ("phi3", "llama"))
+    assert sorted(phi3_tensors) == sorted(llama_tensors)
+    assert all(torch.equal(phi3_tensors[name], llama_tensors[name]) for name in phi3_tensors)
+    assert (json.loads((tmp_path / "phi3-mla" / "config.json").read_text())
+            == json.loads((tmp_path / "llama-mla" / "config.json").read_text()))
+    assert exports["phi3"].report["source"]["architecture"] == "Phi3ForCausalLM"
+    if rank == 16:  # MQA, full rank, every frequency: exact
+        assert all(layer["kept_energy"] > 1 - 1e-9 for layer in exports["phi3"].report["layers"])
+        torch.testing.assert_close(logits_of(tmp_path / "phi3-mla", ids), logits_of(tmp_path / "phi3", ids),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_phi3_fused_matrix_of_the_wrong_size_is_named_as_stored_before_anything_runs(tmp_path):
+    """The roles of a fused matrix are rows of it: a qkv_proj with too few rows, or a missing gate_up_proj, is reported
+    by the stored name and shape transformers would load, and nothing is written."""
+    source = save_tiny_model(tmp_path / "src", family="phi3", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.1.self_attn.qkv_proj.weight"] = tensors["model.layers.1.self_attn.qkv_proj.weight"][:100].clone()
+    del tensors["model.layers.0.mlp.gate_up_proj.weight"]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PreflightError) as refused:
+        convert(source, tmp_path / "out", fast_options(kv_lora_rank=12, rope_dim=8))
+    assert refused.value.problems == [
+        f"{source}: tensor 'model.layers.0.mlp.gate_up_proj.weight' is missing (expected shape [192, 64])",
+        f"{source / 'model.safetensors'}: tensor 'model.layers.1.self_attn.qkv_proj.weight' has shape [100, 64], "
+        "expected [128, 64]"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_rope_grid_of_the_export_matches_transformers(tmp_path):

@@ -56,12 +56,12 @@ class PhaseRecorder(Progress):
 
 @st.composite
 def conversions(draw):
-    family = draw(st.sampled_from(["llama", "qwen2"]))
+    family = draw(st.sampled_from(["llama", "qwen2", "phi3"]))
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
     head_dim = draw(st.integers(2, 16))  # odd ones included: pre-flight must refuse them
     hidden = draw(st.sampled_from([16, 32, 48, 64]))
-    bias = family == "qwen2" or draw(st.booleans())
+    bias = family == "qwen2" or (family == "llama" and draw(st.booleans()))  # phi3: never
     max_rank = min(2 * kv_heads * head_dim, hidden + int(bias))
     return dict(
         model=dict(family=family, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
@@ -108,6 +108,9 @@ def write_checkpoint(folder: Path, family: str, num_heads: int, num_kv_heads: in
         tensors[p + "mlp.gate_proj.weight"] = normal(intermediate_size, hidden_size)
         tensors[p + "mlp.up_proj.weight"] = normal(intermediate_size, hidden_size)
         tensors[p + "mlp.down_proj.weight"] = normal(hidden_size, intermediate_size)
+        if family == "phi3":  # stored fused, as Phi3ForCausalLM saves them: [q | k | v] and [gate | up]
+            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
         tensors[p + "input_layernorm.weight"] = torch.ones(hidden_size)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden_size)
     folder.mkdir(parents=True)

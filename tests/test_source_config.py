@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from mla_convert.errors import CheckpointError, PreflightError
@@ -105,7 +106,8 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
-                                      "convert and sweep take the Llama / Mistral / Qwen2 model it was converted from "
+                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 model it was converted "
+                                      "from "
                                       "(`mla-convert inspect` reports what an export caches)"]
 
 
@@ -117,6 +119,47 @@ def test_a_partial_rotary_factor_is_refused_with_the_reason():
         SourceConfig.from_dict(config)
     assert any("partial_rotary_factor 0.5 is not supported: only part of each head rotates" in problem
                for problem in refused.value.problems), refused.value.problems
+
+
+# microsoft/phi-4's config.json as published (Phi3ForCausalLM: fused qkv_proj and gate_up_proj)
+PHI4 = {"architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "auto_map": {},
+        "bos_token_id": 100257, "embd_pdrop": 0.0, "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 5120,
+        "initializer_range": 0.02, "intermediate_size": 17920, "max_position_embeddings": 16384, "model_type": "phi3",
+        "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 10,
+        "original_max_position_embeddings": 16384, "pad_token_id": 100257, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+        "rope_scaling": None, "rope_theta": 250000, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.47.0", "use_cache": True, "vocab_size": 100352}
+
+
+def test_phi4_reads_as_a_gqa_source_whose_fused_matrices_are_named_by_rows():
+    source = SourceConfig.from_dict(PHI4)
+    assert (source.architecture.family, source.num_heads, source.num_kv_heads, source.head_dim) == ("phi3", 40, 10, 128)
+    assert source.rope_parameters["rope_theta"] == 250000 and source.sliding_window is None
+    assert source.torch_dtype == torch.bfloat16
+    assert source.attention_weight_names(3) == {
+        "q_weight": "model.layers.3.self_attn.qkv_proj.weight[0:5120]",
+        "k_weight": "model.layers.3.self_attn.qkv_proj.weight[5120:6400]",
+        "v_weight": "model.layers.3.self_attn.qkv_proj.weight[6400:7680]",
+        "o_weight": "model.layers.3.self_attn.o_proj.weight"}
+    assert source.mlp_weight_names(3) == {"gate_weight": "model.layers.3.mlp.gate_up_proj.weight[0:17920]",
+                                          "up_weight": "model.layers.3.mlp.gate_up_proj.weight[17920:35840]",
+                                          "down_weight": "model.layers.3.mlp.down_proj.weight"}
+
+
+@pytest.mark.parametrize("changes, reason", [
+    # Phi-4-mini rotates 96 of its 128 head dimensions
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75 is not supported"),
+    # the 128k-context Phi-3 variants: two factor lists over the 48 frequencies of a 96-wide head
+    ({"hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 131072,
+      "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+      "rope_scaling": {"type": "longrope", "long_factor": [1.5] * 48, "short_factor": [1.0] * 48}},
+     "RoPE type 'longrope' (as transformers resolves this config) is not supported"),
+])
+def test_phi_variants_whose_rope_deepseek_cannot_express_are_refused(changes, reason):
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_dict({**PHI4, **changes})
+    assert any(reason in problem for problem in refused.value.problems), refused.value.problems
 
 
 def test_a_pad_token_id_of_minus_one_is_no_pad_token(tmp_path):

@@ -38,6 +38,8 @@ def streamed_logits(folder, ids):
         dict(family="llama", num_heads=4, num_kv_heads=1),
         dict(family="mistral", num_heads=4, num_kv_heads=2),
         dict(family="qwen2", num_heads=4, num_kv_heads=2),
+        dict(family="phi3", num_heads=4, num_kv_heads=2),  # q/k/v and gate/up read as rows of fused matrices
+        dict(family="phi3", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
     ],
 )
 def test_streamed_forward_matches_transformers_on_tiny_models(tmp_path, kwargs):
@@ -138,7 +140,8 @@ def test_narrow_weights_widened_in_row_blocks_give_the_whole_product(bias, monke
     torch.testing.assert_close(model_module.widened_linear(x, same), torch.nn.functional.linear(x, same), rtol=0, atol=0)
 
 
-def test_mlp_matrices_larger_than_a_block_stay_in_their_shard_and_run_block_by_block(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "phi3"])  # phi3: gate and up are row views of one gate_up_proj
+def test_mlp_matrices_larger_than_a_block_stay_in_their_shard_and_run_block_by_block(tmp_path, monkeypatch, family):
     """An MLP matrix that spans several widened blocks is not loaded with its layer: its rows are read a block at a
     time and each block's mapping is closed, so after `load_layer` and after the layer ran no shard is mapped (at
     Llama-3-8B width the mapped MLP was 0.33 GiB of resident pages through every peak of the layer).  The output
@@ -146,7 +149,7 @@ def test_mlp_matrices_larger_than_a_block_stay_in_their_shard_and_run_block_by_b
     from mla_convert.source import model as model_module
 
     folder = tmp_path / "m"
-    tiny_model(family="llama", num_heads=4, num_kv_heads=2, weight_scale=4.0).to(torch.bfloat16).save_pretrained(folder)
+    tiny_model(family=family, num_heads=4, num_kv_heads=2, weight_scale=4.0).to(torch.bfloat16).save_pretrained(folder)
     shape = SourceConfig.from_folder(folder)
     monkeypatch.setattr(model_module, "WIDENED_BLOCK_BYTES", 5 * shape.intermediate_size * 4)  # 5 to 7 rows a block
     mlp_names = shape.mlp_weight_names(0)

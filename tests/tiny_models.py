@@ -15,6 +15,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -23,6 +25,7 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),  # q/k/v stored in one matrix, gate/up in another
 }
 
 
@@ -61,7 +64,7 @@ def tiny_config(
     )
     if family == "llama":
         kwargs["attention_bias"] = attention_bias
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
     config = config_cls(**kwargs)
     config.architectures = [FAMILIES[family][1].__name__]
@@ -80,6 +83,31 @@ def tiny_model(seed: int = 0, weight_scale: float = 1.0, **config_kwargs):
             elif param.dim() == 2:
                 param.mul_(weight_scale)
     return model
+
+
+def llama_with_the_weights_of(phi3: Phi3ForCausalLM) -> LlamaForCausalLM:
+    """The Llama that computes what `phi3` computes: its fused qkv_proj split into q/k/v_proj and its gate_up_proj
+    into gate/up_proj, as Phi3Attention and Phi3MLP split them (the oracle of the fused-family conversion)."""
+    c = phi3.config
+    llama = LlamaForCausalLM(tiny_config(
+        family="llama", num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        hidden_size=c.hidden_size, num_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
+        intermediate_size=c.intermediate_size, tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters={k: v for k, v in c.rope_parameters.items() if k != "partial_rotary_factor"},
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps)).eval()
+    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    state = {}
+    for name, tensor in phi3.state_dict().items():
+        if "qkv_proj" in name:
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_rows, kv_rows, kv_rows])):
+                state[name.replace("qkv_proj", part)] = rows
+        elif "gate_up_proj" in name:
+            for part, rows in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                state[name.replace("gate_up_proj", part)] = rows
+        else:
+            state[name] = tensor
+    llama.load_state_dict(state, strict=True)
+    return llama
 
 
 def mapped_files(folder: Path) -> set[str]:

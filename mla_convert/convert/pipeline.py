@@ -347,7 +347,7 @@ class Converter:
     def _copy_table(self, writer: CheckpointWriter, source_name: str, target_name: str, dtype: torch.dtype) -> None:
         """Copy a carried-over tensor (embeddings, head, final norm, large MLP matrices) in row blocks, releasing each
         block's mapping."""
-        info = self.reader.tensor_infos()[source_name]
+        info = self.reader.info(source_name)
 
         def rows(start: int, stop: int) -> torch.Tensor:
             block = self.reader.get_rows(source_name, start, stop).to(dtype)

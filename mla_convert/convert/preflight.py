@@ -26,7 +26,7 @@ import torch
 from ..devices import device_problems
 from ..errors import MLAConvertError, NonFiniteError, PreflightError
 from ..io.paths import special_file_problems, within
-from ..io.reader import CheckpointReader
+from ..io.reader import CheckpointReader, split_row_view
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
 from ..source.config import SourceConfig, sliding_phrase
@@ -52,7 +52,7 @@ SIDECAR_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 
 # --------------------------------------------------------------------------- tensors
 def expected_tensor_shapes(shape: SourceConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the converter will read, with the shape it must have."""
+    """Every stored tensor the converter will read, with the shape it must have."""
     arch = shape.architecture
     d, H, G, h, V, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.vocab_size, shape.intermediate_size
     out = {arch.embed: (V, d), arch.final_norm: (d,)}
@@ -68,7 +68,12 @@ def expected_tensor_shapes(shape: SourceConfig) -> dict[str, tuple[int, ...]]:
             "input_norm": (d,), "post_attn_norm": (d,),
         }
         for role, name in names.items():
-            out[name] = expected[role]
+            view = split_row_view(name)
+            if view is None:
+                out[name] = expected[role]
+            else:  # a role stored fused with others (Phi-3's qkv_proj): the stored matrix holds their rows in turn
+                stored, _, stop = view
+                out[stored] = (max(stop, out.get(stored, (0,))[0]), *expected[role][1:])
     return out
 
 

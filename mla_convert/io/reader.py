@@ -4,6 +4,10 @@ A 70B checkpoint does not fit in the memory of the machines people convert on, s
 loads a whole checkpoint: tensors are read by name from `safetensors` shards that are opened on
 demand, and at most one shard is held open at a time.  A layer's reads are planned up front and grouped
 by shard, so a layer whose q/k/v straddle two shards costs two opens, not six.
+
+Families that store several projections in one matrix (Phi-3's `qkv_proj`, its `gate_up_proj`) are read through
+row views: the name `"<stored name>[start:stop]"` means rows start:stop of the stored matrix, read without the rest.
+The converter then handles a fused checkpoint by the same roles as a split one.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import struct
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -29,6 +34,21 @@ SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
+_ROW_VIEW = re.compile(r"^(?P<stored>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+
+
+def row_view_name(stored: str, start: int, stop: int) -> str:
+    """The name under which the reader serves rows start:stop of the stored matrix `stored`."""
+    return f"{stored}[{start}:{stop}]"
+
+
+def split_row_view(name: str) -> tuple[str, int, int] | None:
+    """(stored name, start, stop) for a row-view name; None for a plain tensor name."""
+    match = _ROW_VIEW.match(name)
+    if match is None or int(match["start"]) >= int(match["stop"]):
+        return None
+    return match["stored"], int(match["start"]), int(match["stop"])
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -230,7 +250,30 @@ class CheckpointReader:
         return list(self.weight_map)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return self._stored_name(name) in self.weight_map
+
+    def _stored_name(self, name: str) -> str:
+        """The stored tensor that holds `name` (itself, unless it is a row view of a stored matrix)."""
+        if name in self.weight_map:
+            return name
+        view = split_row_view(name)
+        return view[0] if view is not None else name
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape and dtype of a stored tensor or of a row view (headers only); a view's rows must lie inside the
+        stored matrix."""
+        infos = self.tensor_infos()
+        if name in infos:
+            return infos[name]
+        view = split_row_view(name)
+        if view is None or view[0] not in infos:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        stored, start, stop = view
+        whole = infos[stored]
+        if not whole.shape or stop > whole.shape[0]:
+            raise CheckpointError(f"{self.folder / whole.file}: tensor {stored!r} has shape {list(whole.shape)}, too few "
+                                  f"rows for rows {start}:{stop}")
+        return TensorInfo(name, whole.file, (stop - start, *whole.shape[1:]), whole.dtype)
 
     def tensor_infos(self) -> dict[str, TensorInfo]:
         """Shape and dtype of every tensor, from headers only (no tensor data is read)."""
@@ -295,9 +338,9 @@ class CheckpointReader:
         """Group the requested names by shard, shards in `files` order: the order `get_many` reads them."""
         by_file: dict[str, list[str]] = {}
         for name in names:
-            if name not in self.weight_map:
+            if name not in self:
                 raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-            by_file.setdefault(self.weight_map[name], []).append(name)
+            by_file.setdefault(self.weight_map[self._stored_name(name)], []).append(name)
         order = {file: rank for rank, file in enumerate(self.files)}
         # Read the shard that is already open first: it costs nothing to switch to.
         return sorted(by_file.items(), key=lambda item: (item[0] != self._open_file, order[item[0]]))
@@ -322,7 +365,11 @@ class CheckpointReader:
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of a tensor, reading only those rows (embedding tables of large vocabularies)."""
         if name not in self.weight_map:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+            view = split_row_view(name)
+            if view is None or view[0] not in self.weight_map:
+                raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+            stored, first, last = view
+            return self.get_rows(stored, first + start, min(first + stop, last))
         file = self.weight_map[name]
         handle = self._handle(file)
         try:
@@ -340,11 +387,21 @@ class CheckpointReader:
                 yield name, self._read(self._handle(file), file, name)
 
     def _read(self, handle, file: str, name: str) -> torch.Tensor:
+        view = None if name in self.weight_map else split_row_view(name)
         try:
+            if view is not None:  # rows of a fused matrix, checked against its shape (headers) before reading
+                rows = self.info(name).shape[0]
+                stored, start, _ = view
+                if self.format == "safetensors":
+                    with signals_deferred():
+                        return handle.get_slice(stored)[start:start + rows]
+                return handle[stored][start:start + rows].clone()
             if self.format == "safetensors":
                 with signals_deferred():
                     return handle.get_tensor(name)
             return handle[name].clone()
+        except CheckpointError:
+            raise
         except Exception as error:  # safetensors raises its own error types; name the file for the user
             raise CheckpointError(f"{self.folder / file}: cannot read tensor {name!r} ({error})") from error
 

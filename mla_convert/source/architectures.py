@@ -16,6 +16,17 @@ from ..errors import UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)
+class FusedMatrix:
+    """One stored matrix that holds several roles' rows one after another (Phi-3's `qkv_proj` is [q | k | v]).
+
+    The roles are read as row views of it (`io.reader.row_view_name`), so the converter sees the same roles as for
+    a family that stores each projection on its own."""
+
+    template: str  # the stored weight's name; `{i}` is the layer index
+    roles: tuple[str, ...]  # in stored order, e.g. ("q_weight", "k_weight", "v_weight")
+
+
+@dataclass(frozen=True)
 class ArchitectureSpec:
     """How one decoder-only family stores its weights and describes its attention."""
 
@@ -48,24 +59,44 @@ class ArchitectureSpec:
     # so the converter agrees with the model transformers builds.  DeepseekV3 attends to every position, which is
     # the same attention for contexts up to the window.
     may_slide: bool = False
+    # Matrices stored fused; their roles' names are row views, which need each role's row count (`rows`).
+    fused: tuple[FusedMatrix, ...] = ()
 
-    def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool) -> dict[str, str]:
-        """Names of one layer's attention tensors, keyed by role (`q_weight`, `k_bias`, ...)."""
+    def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool,
+                               rows: Mapping[str, int] | None = None) -> dict[str, str]:
+        """Names of one layer's attention tensors, keyed by role (`q_weight`, `k_bias`, ...).  `rows`: each role's
+        row count, which a family with fused matrices needs to name its roles' rows."""
         names = {}
         for role, template in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj), ("o", self.o_proj)):
             prefix = template.format(i=layer)
             names[f"{role}_weight"] = f"{prefix}.weight"
             if (o_bias if role == "o" else qkv_bias):
                 names[f"{role}_bias"] = f"{prefix}.bias"
-        return names
+        return self._fuse(names, layer, rows)
 
-    def mlp_weight_names(self, layer: int, mlp_bias: bool) -> dict[str, str]:
+    def mlp_weight_names(self, layer: int, mlp_bias: bool, rows: Mapping[str, int] | None = None) -> dict[str, str]:
         names = {}
         for role, template in (("gate", self.gate_proj), ("up", self.up_proj), ("down", self.down_proj)):
             prefix = template.format(i=layer)
             names[f"{role}_weight"] = f"{prefix}.weight"
             if mlp_bias:
                 names[f"{role}_bias"] = f"{prefix}.bias"
+        return self._fuse(names, layer, rows)
+
+    def _fuse(self, names: dict[str, str], layer: int, rows: Mapping[str, int] | None) -> dict[str, str]:
+        """`names` with each fused role named as its rows of the stored matrix."""
+        from ..io.reader import row_view_name
+
+        for matrix in self.fused:
+            if not any(role in names for role in matrix.roles):
+                continue
+            if rows is None:
+                raise ValueError(f"{self.family} stores {', '.join(matrix.roles)} in one matrix: naming them needs "
+                                 "their row counts")
+            start = 0
+            for role in matrix.roles:
+                names[role] = row_view_name(matrix.template.format(i=layer), start, start + rows[role])
+                start += rows[role]
         return names
 
     def norm_weight_names(self, layer: int) -> dict[str, str]:
@@ -99,7 +130,19 @@ QWEN2 = ArchitectureSpec(
     may_slide=True,
 )
 
-SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2)
+# Phi-3 and Phi-4 (Phi3ForCausalLM): Llama's computation with q/k/v in one matrix and gate/up in another.  Its
+# long-context variants (RoPE "longrope") and Phi-4-mini's partial rotary factor are refused by the RoPE check.
+PHI3 = ArchitectureSpec(
+    family="phi3",
+    hf_architectures=("Phi3ForCausalLM",),
+    model_types=("phi3",),
+    config_class="transformers.Phi3Config",
+    may_slide=True,
+    fused=(FusedMatrix("model.layers.{i}.self_attn.qkv_proj.weight", ("q_weight", "k_weight", "v_weight")),
+           FusedMatrix("model.layers.{i}.mlp.gate_up_proj.weight", ("gate_weight", "up_weight"))),
+)
+
+SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3)
 
 
 def supported_architecture_names() -> list[str]:
@@ -132,7 +175,7 @@ def architecture_for_config(architectures: str | list[str] | None, model_type: s
     raise UnsupportedArchitectureError(
         f"unsupported architecture {(names[0] if names else None) or model_type!r}; "
         f"mla-convert supports: {', '.join(supported_architecture_names())} "
-        "(SmolLM/SmolLM2 and TinyLlama are LlamaForCausalLM)"
+        "(SmolLM/SmolLM2 and TinyLlama are LlamaForCausalLM; Phi-3 and Phi-4 are Phi3ForCausalLM)"
     )
 
 

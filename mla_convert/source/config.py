@@ -56,7 +56,7 @@ def _is_number(value: Any) -> bool:
 
 
 class SourceAttentionShape:
-    """What a Llama / Mistral / Qwen2 attention is and caches, from its head counts: shared by the source's own config
+    """What a Llama / Mistral / Qwen2 / Phi-3 attention is and caches, from its head counts: shared by the source's own config
     and the shape an export's conversion report records (`num_heads`, `num_kv_heads`, `head_dim` are the user's)."""
 
     num_heads: int
@@ -175,11 +175,18 @@ class SourceConfig(SourceAttentionShape):
         return 0 if self.bos_token_id is None else self.bos_token_id
 
     # ------------------------------------------------------------------ weight names
+    @property
+    def role_rows(self) -> dict[str, int]:
+        """Rows of each projection a family may store fused: (H*h, G*h, G*h) for q/k/v, the MLP width for gate/up."""
+        return {"q_weight": self.num_heads * self.head_dim, "k_weight": self.num_kv_heads * self.head_dim,
+                "v_weight": self.num_kv_heads * self.head_dim, "gate_weight": self.intermediate_size,
+                "up_weight": self.intermediate_size}
+
     def attention_weight_names(self, layer: int) -> dict[str, str]:
-        return self.architecture.attention_weight_names(layer, self.qkv_bias, self.o_bias)
+        return self.architecture.attention_weight_names(layer, self.qkv_bias, self.o_bias, self.role_rows)
 
     def mlp_weight_names(self, layer: int) -> dict[str, str]:
-        return self.architecture.mlp_weight_names(layer, self.mlp_bias)
+        return self.architecture.mlp_weight_names(layer, self.mlp_bias, self.role_rows)
 
     def norm_weight_names(self, layer: int) -> dict[str, str]:
         return self.architecture.norm_weight_names(layer)
@@ -251,7 +258,7 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
 
     if not is_export_config(raw):
         return None, [f"config.json: model_type {raw.get('model_type')!r} is not an MLA export's ({EXPORT_MODEL_TYPE!r}); "
-                      "a Llama / Mistral / Qwen2 source is inspected as one (SourceConfig, inspect_shapes)"]
+                      "a Llama / Mistral / Qwen2 / Phi-3 source is inspected as one (SourceConfig, inspect_shapes)"]
     defaults = DeepseekV3Config()
     read = _Reader(raw)
 
@@ -370,7 +377,7 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
     if model_type == EXPORT_MODEL_TYPE:  # an export given as a source: say so, its architecture is not "unsupported"
         rank, rope = raw.get("kv_lora_rank"), raw.get("qk_rope_head_dim")
         return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert and "
-                      "sweep take the Llama / Mistral / Qwen2 model it was converted from (`mla-convert inspect` reports "
+                      "sweep take the Llama / Mistral / Qwen2 / Phi-3 model it was converted from (`mla-convert inspect` reports "
                       "what an export caches)"]
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
@@ -403,7 +410,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     hidden_act = read.text("hidden_act", "silu")
     if hidden_act not in SUPPORTED_ACTIVATIONS:
         # (transformers' DeepseekV3MLP would take another ACT2FN name; the export, its oracle tests and every engine
-        # run are silu, the activation of the Llama, Mistral and Qwen2 checkpoints this converts)
+        # run are silu, the activation of the Llama, Mistral, Qwen2 and Phi-3 checkpoints this converts)
         read.problems.append(f"config.json: hidden_act {hidden_act!r} is not supported (mla-convert converts silu MLPs, "
                              "the activation of DeepSeek-V3 and of every export tested in the serving engines)")
     for key, bad in arch.unsupported_config.items():
@@ -599,7 +606,7 @@ def _unsupported_rope(params: dict, head_dim: int) -> list[str]:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         return [f"partial_rotary_factor {params.get('partial_rotary_factor')!r} is not supported: only part of each head "
                 "rotates, and mla-convert's split of the keys into a rotated and a latent part assumes the whole head "
-                "does (factor 1, what Llama, Mistral and Qwen2 checkpoints use)"]
+                "does (factor 1, what Llama, Mistral, Qwen2, Phi-3 and Phi-4 checkpoints use; Phi-4-mini rotates 0.75)"]
     missing = [key for key in ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
     if missing:
         return [f"rope_parameters of type {rope_type!r} lack {', '.join(repr(k) for k in missing)}"]

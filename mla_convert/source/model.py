@@ -2,7 +2,7 @@
 
 Calibration, self-sampling and the converted-layer checks need the source model's activations, but
 must not hold the model in memory: a layer's weights are read from the checkpoint when the layer runs
-and dropped after.  The math mirrors transformers' Llama/Mistral/Qwen2 decoder layers exactly
+and dropped after.  The math mirrors transformers' Llama/Mistral/Qwen2/Phi-3 decoder layers exactly
 (`tests/test_source_model.py` checks it against them); it is written out here because importing the
 transformers modeling stack alone costs ~170 MB of resident memory, a third of SmolLM2's weights.
 """
@@ -258,7 +258,7 @@ class StreamedSourceModel:
     def _streamed(self, name: str) -> StreamedRows | None:
         """`name` left in its shard when it is a safetensors matrix that spans more than one widened block and no device
         budget keeps it (pickled checkpoints are loaded whole per shard, so re-reading them per block would not pay)."""
-        info = self.reader.tensor_infos()[name]
+        info = self.reader.info(name)
         if (not self.resident_bytes and self.reader.format == "safetensors" and len(info.shape) == 2
                 and widened_rows(info, self.dtype) < info.shape[0]):
             return StreamedRows(self.reader, name, info.shape)
@@ -288,7 +288,7 @@ class StreamedSourceModel:
         return lambda start, stop: self.reader.get_rows(name, start, stop)
 
     def _fits(self, name: str) -> bool:
-        return self._resident_used + self.reader.tensor_infos()[name].nbytes <= self.resident_bytes
+        return self._resident_used + self.reader.info(name).nbytes <= self.resident_bytes
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         name = self.arch.final_norm
