@@ -256,7 +256,7 @@ def _export_flag_problems(model: str, context) -> list[str]:
     flags = list(typed_flags(context, EXPORT_INSPECT_PARAMETERS).values())
     if not flags:
         return []
-    return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model (Llama, Mistral, Qwen2, Phi-3); "
+    return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3); "
             f"{model} is an MLA export, whose config.json fixes its shape (on an export inspect takes --context, --batch, "
             "--dtype and --revision)"]
 
@@ -321,7 +321,7 @@ def _print_export(model: str, found) -> None:
 @user_errors
 @cli_options(options=ConvertOptions)
 def convert(
-    source: str = typer.Argument(..., help="Source model folder or Hugging Face hub id (Llama, Mistral, Qwen2, Phi-3, SmolLM)."),
+    source: str = typer.Argument(..., help="Source model folder or Hugging Face hub id (Llama, Mistral, Qwen2, Phi-3, SmolLM, SmolLM3)."),
     output: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite)."),
     options: ConvertOptions = None,
     push_to_hub: Optional[str] = typer.Option(None, help="After converting, push to this hub repo (namespace/name)."),

@@ -19,6 +19,7 @@ from mla_convert.source.architectures import (
     MISTRAL,
     PHI3,
     QWEN2,
+    SMOLLM3,
     SUPPORTED_ARCHITECTURES,
     architecture_for_config,
     supported_architecture_names,
@@ -77,6 +78,8 @@ CASES = {
     "qwen2-tied": ("qwen2", True, {}),
     "phi3": ("phi3", False, {}),
     "phi3-tied": ("phi3", True, {}),
+    "smollm3": ("smollm3", False, {}),
+    "smollm3-attention-bias-tied": ("smollm3", True, {"config_kwargs": {"attention_bias": True}}),
 }
 
 
@@ -102,6 +105,7 @@ def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
         ("mistral", False, False, False),
         ("qwen2", True, False, False),
         ("phi3", False, False, False),
+        ("smollm3-attention-bias-tied", True, True, False),
     ],
 )
 def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):
@@ -154,7 +158,7 @@ def test_fused_roles_are_the_rows_transformers_splits_off(tmp_path):
 @pytest.mark.parametrize(
     "architecture, spec",
     [("LlamaForCausalLM", LLAMA), ("MistralForCausalLM", MISTRAL), ("Qwen2ForCausalLM", QWEN2),
-     ("Phi3ForCausalLM", PHI3)],
+     ("Phi3ForCausalLM", PHI3), ("SmolLM3ForCausalLM", SMOLLM3)],
 )
 def test_each_supported_family_maps(architecture, spec):
     assert architecture_for_config(architecture, "whatever") is spec

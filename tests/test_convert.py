@@ -49,20 +49,29 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 # ----------------------------------------------------------------------------- exactness oracle
 @pytest.mark.parametrize(
     "family, bias, head_dim",
-    [("llama", False, 16), ("llama", True, 16), ("qwen2", True, 16), ("mistral", False, 16), ("llama", True, 32)],
+    [("llama", False, 16), ("llama", True, 16), ("qwen2", True, 16), ("mistral", False, 16), ("llama", True, 32),
+     ("phi3", False, 16), ("smollm3", False, 16), ("smollm3", True, 16)],
 )
 def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, head_dim):
     """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model.
 
     head_dim 32: 128 query rows from a 64-wide input, so the query bias lies outside W_q's column space; it used to
-    lose ~75 % of the bias without a word (q_lora_rank = hidden), and now rides on one more latent channel."""
+    lose ~75 % of the bias without a word (q_lora_rank = hidden), and now rides on one more latent channel.
+    smollm3: its second layer attends without RoPE; the export's RoPE rows there are zero and the latent holds the
+    whole key."""
     kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=head_dim, hidden_size=64, num_layers=2,
                   weight_scale=3.0)
-    if family == "llama":
+    if family in ("llama", "smollm3"):
         kwargs["attention_bias"] = bias
     source = save_tiny_model(tmp_path / "src", **kwargs)
     out = tmp_path / "mla"
     result = convert(source, out, fast_options(kv_lora_rank=2 * head_dim, rope_dim=head_dim))
+    if family == "smollm3":  # layer 1 is NoPE: nothing rotates there
+        tensors = load_file(out / "model.safetensors")
+        assert not tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"][2 * head_dim:].any()
+        assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][2 * head_dim:].any()
+        # the converter's own measurement compares each layer with the source's attention, unrotated in layer 1
+        assert all(layer["attention_output_relative_error"] < 1e-5 for layer in result.report["layers"])
     if bias:
         assert result.report["options"]["q_lora_rank"] == (64 if head_dim == 16 else 65)
     ids = torch.randint(0, 128, (2, 48))
@@ -103,6 +112,7 @@ def test_mha_full_rank_conversion_keeps_everything(tmp_path):
         dict(family="qwen2", num_kv_heads=2),
         dict(family="mistral", num_kv_heads=1),
         dict(family="phi3", num_kv_heads=2),
+        dict(family="smollm3", num_kv_heads=2),
     ],
 )
 def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwargs):
@@ -125,7 +135,7 @@ def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwarg
     assert measured.bytes_per_token == (12 + 8) * config["num_hidden_layers"] * 2  # bf16 latent + RoPE key
 
 
-@pytest.mark.parametrize("num_kv_heads, rank, shard", [(2, 12, "5GB"), (1, 16, "20KB")])
+@pytest.mark.parametrize("num_kv_heads, rank, shard", [(2, 12, "5GB"), (1, 32, "20KB")])
 def test_a_fused_phi3_converts_to_the_export_of_the_same_weights_stored_llama_style(tmp_path, num_kv_heads, rank, shard):
     """Phi-3 computes Llama's function with q/k/v in one matrix and gate/up in another.  The oracle: the Llama holding
     the same weights split (transformers gives both the same logits) converts to the same export, byte for byte, at
@@ -139,7 +149,7 @@ def test_a_fused_phi3_converts_to_the_export_of_the_same_weights_stored_llama_st
         torch.testing.assert_close(phi3(ids).logits, llama(ids).logits, rtol=1e-5, atol=1e-5)  # (fused products round their own way)
     phi3.save_pretrained(tmp_path / "phi3", max_shard_size=shard)
     llama.save_pretrained(tmp_path / "llama")
-    options = fast_options(kv_lora_rank=rank, rope_dim=16 if rank == 16 else 8)
+    options = fast_options(kv_lora_rank=rank, rope_dim=16 if rank == 32 else 8)
     exports = {name: convert(tmp_path / name, tmp_path / f"{name}-mla", options) for name in ("phi3", "llama")}
     phi3_tensors, llama_tensors = (load_file(tmp_path / f"{name}-mla" / "model.safetensors") for name in ("phi3", "llama"))
     assert sorted(phi3_tensors) == sorted(llama_tensors)
@@ -147,7 +157,7 @@ def test_a_fused_phi3_converts_to_the_export_of_the_same_weights_stored_llama_st
     assert (json.loads((tmp_path / "phi3-mla" / "config.json").read_text())
             == json.loads((tmp_path / "llama-mla" / "config.json").read_text()))
     assert exports["phi3"].report["source"]["architecture"] == "Phi3ForCausalLM"
-    if rank == 16:  # MQA, full rank, every frequency: exact
+    if rank == 32:  # MQA, full rank, every frequency: exact
         assert all(layer["kept_energy"] > 1 - 1e-9 for layer in exports["phi3"].report["layers"])
         torch.testing.assert_close(logits_of(tmp_path / "phi3-mla", ids), logits_of(tmp_path / "phi3", ids),
                                    rtol=1e-4, atol=1e-4)

@@ -106,7 +106,7 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
-                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 model it was converted "
+                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 model it was converted "
                                       "from "
                                       "(`mla-convert inspect` reports what an export caches)"]
 
@@ -159,6 +159,36 @@ def test_phi4_reads_as_a_gqa_source_whose_fused_matrices_are_named_by_rows():
 def test_phi_variants_whose_rope_deepseek_cannot_express_are_refused(changes, reason):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_dict({**PHI4, **changes})
+    assert any(reason in problem for problem in refused.value.problems), refused.value.problems
+
+
+# HuggingFaceTB/SmolLM3-3B's dimensions: every fourth layer attends without RoPE
+SMOLLM3 = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048,
+           "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+           "vocab_size": 128256, "rope_theta": 5000000.0, "rope_scaling": None, "no_rope_layer_interval": 4,
+           "no_rope_layers": [1, 1, 1, 0] * 9, "use_sliding_window": False, "sliding_window": None,
+           "tie_word_embeddings": True, "rms_norm_eps": 1e-06, "torch_dtype": "bfloat16"}
+
+
+def test_smollm3_names_its_nope_layers_as_its_config_class_resolves_them():
+    source = SourceConfig.from_dict(SMOLLM3)
+    assert (source.architecture.family, source.head_dim, source.num_kv_heads) == ("smollm3", 128, 4)
+    assert source.nope_layers == list(range(3, 36, 4)) and source.rotates(0) and not source.rotates(3)
+    # without the list, SmolLM3Config derives it from the interval, as transformers does when it loads the model
+    derived = SourceConfig.from_dict({**{k: v for k, v in SMOLLM3.items() if k != "no_rope_layers"},
+                                      "no_rope_layer_interval": 3})
+    assert derived.nope_layers == list(range(2, 36, 3))
+    assert SourceConfig.from_dict({**SMOLLM3, "no_rope_layers": [1] * 36}).rotary_layers is None  # all rotate: a Llama
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"no_rope_layers": [1, 0]}, "no_rope_layers must list 0 or 1 for each of the 36 layers"),
+    ({"no_rope_layers": [2] * 36}, "no_rope_layers must list 0 or 1 for each of the 36 layers"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window=True is not supported"),
+])
+def test_smollm3_configs_the_export_cannot_follow_are_refused(changes, reason):
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_dict({**SMOLLM3, **changes})
     assert any(reason in problem for problem in refused.value.problems), refused.value.problems
 
 

@@ -40,6 +40,7 @@ def streamed_logits(folder, ids):
         dict(family="qwen2", num_heads=4, num_kv_heads=2),
         dict(family="phi3", num_heads=4, num_kv_heads=2),  # q/k/v and gate/up read as rows of fused matrices
         dict(family="phi3", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+        dict(family="smollm3", num_heads=4, num_kv_heads=2, num_layers=4),  # layers 1 and 3 without RoPE
     ],
 )
 def test_streamed_forward_matches_transformers_on_tiny_models(tmp_path, kwargs):
@@ -193,3 +194,20 @@ def test_the_calibration_description_counts_the_windows_it_used(stories260k, tmp
         ids, description = calibration_ids(model, stories260k, CalibrationOptions(num_samples=3, seq_len=8, temperature=0))
         assert torch.equal(ids[0], ids[1]) and torch.equal(ids[0], ids[2])
         assert description == "3 x 8 tokens sampled greedily from the source model (one sequence, 3 times)"
+
+
+@pytest.mark.parametrize("family", ["llama", "smollm3"])  # smollm3: its NoPE layers must not rotate in the cache either
+def test_sampling_with_a_nucleus_of_one_token_is_transformers_greedy_decoding(tmp_path, family):
+    """The calibration sampler decodes token by token from its own KV cache; with top-p so small that only the most
+    likely token is left, it must produce what transformers' greedy generate produces."""
+    from mla_convert.convert.calibration import sample_from_model
+
+    folder = save_tiny_model(tmp_path / "m", family=family, num_heads=4, num_kv_heads=2, num_layers=4, weight_scale=4.0)
+    shape = SourceConfig.from_folder(folder)
+    with CheckpointReader(folder) as reader:
+        sampled = sample_from_model(StreamedSourceModel(reader, shape), num=3, length=16, seed=0, top_p=1e-9,
+                                    start_id=5)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    greedy = model.generate(torch.full((3, 1), 5), max_new_tokens=15, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    assert torch.equal(sampled, greedy)

@@ -19,6 +19,8 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 FAMILIES = {
@@ -26,6 +28,7 @@ FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),  # q/k/v stored in one matrix, gate/up in another
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),  # some layers without RoPE (here every second)
 }
 
 
@@ -62,8 +65,10 @@ def tiny_config(
         eos_token_id=2,
         pad_token_id=0,
     )
-    if family == "llama":
+    if family in ("llama", "smollm3"):
         kwargs["attention_bias"] = attention_bias
+    if family == "smollm3":
+        kwargs["no_rope_layer_interval"] = 2  # layers 1, 3, ... attend without RoPE
     if family in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
     config = config_cls(**kwargs)

@@ -21,12 +21,12 @@ from ..io.writer import STATS_SCRATCH_PREFIX, ScratchFolder, write_failure_errno
 from ..options import CalibrationOptions
 from ..source.model import (
     StreamedSourceModel,
-    apply_rotary,
     attention_from_qkv,
     attention_statistics,
     mlp,
     project_qkv,
     rms_norm,
+    rotate_qk,
 )
 from .rope import RopeStats, rope_stats_from_moments
 
@@ -123,7 +123,7 @@ def sample_from_model(
                 layer = model.load_layer(index)
                 x = rms_norm(hidden, layer.weights["input_norm"], shape.rms_norm_eps)
                 q, k, v = project_qkv(x, layer, shape)
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                q, k = rotate_qk(q, k, cos, sin, shape, index)
                 cache_k[index][:, :, t : t + 1] = k.to(torch.bfloat16)
                 cache_v[index][:, :, t : t + 1] = v.to(torch.bfloat16)
                 keys = cache_k[index][:, :, : t + 1].to(model.dtype)
@@ -246,7 +246,7 @@ def layer_input_stats(
         if len(samples) < options.error_samples:
             samples.extend(x[: options.error_samples - len(samples)])
         q, k, v = project_qkv(x, layer, shape)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, shape, layer.index)
         distance, mass = attention_statistics(q, k, shape.head_dim**-0.5, shape.num_heads // shape.num_kv_heads)
         profile += distance
         profiled += q.shape[0] * q.shape[2]

@@ -18,7 +18,7 @@ import torch
 from ..errors import ConversionError, NonFiniteError
 from ..options import ConvertOptions, error_windows_kept
 from ..source.config import SourceConfig
-from ..source.model import StreamedSourceModel, apply_rotary, attention_from_qkv, mlp, project_qkv, rms_norm, rope_inv_freq
+from ..source.model import StreamedSourceModel, attention_from_qkv, mlp, project_qkv, rms_norm, rope_inv_freq, rotate_qk
 from ..source.shapes import MLAShape
 from . import target as T
 from .calibration import LayerInputStats
@@ -166,7 +166,7 @@ def check_statistics(stats: LayerInputStats, index: int, step: str) -> None:
 def source_attention_output(layer, x: torch.Tensor, model: StreamedSourceModel) -> torch.Tensor:
     cos, sin = model.cos_sin(x.shape[1])
     q, k, v = project_qkv(x, layer, model.shape)
-    return attention_from_qkv(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, model.shape)
+    return attention_from_qkv(*rotate_qk(q, k, cos, sin, model.shape, layer.index), v, layer, model.shape)
 
 
 def float32_popped(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -233,8 +233,8 @@ def choose_rope_grid(
     keep = max(1, measured)
     progress.phase("ranking RoPE grids", len(grids))
     for number, grid in enumerate(grids):
-        plans = [plan_layer(stats, grid, model.inv_freq, source.num_kv_heads, max_fold=grid.step, frame=frame)
-                 for stats in rope_stats]
+        plans = [plan_layer(stats, grid, model.inv_freq, source.num_kv_heads, max_fold=grid.step, frame=frame,
+                            rotates=source.rotates(index)) for index, stats in enumerate(rope_stats)]
         scored.append((sum(p.estimated_error for p in plans), grid, plans))
         scored.sort(key=lambda item: item[0])
         # every grid's plans for every layer add up (8x on SmolLM2: +360 MiB); only finalists need theirs

@@ -263,7 +263,7 @@ class Converter:
                     stats = layer_input_stats(model, layer, hidden, cos, sin, calib, move_hidden=False)
                     check_statistics(stats, index, "sequential re-calibration")
                     plan = plan_layer(rope_stats_for_layer(layer, stats, source), grid, model.inv_freq,
-                                      source.num_kv_heads, max_fold=grid.step, frame=frame)
+                                      source.num_kv_heads, max_fold=grid.step, frame=frame, rotates=source.rotates(index))
                 else:
                     stats = LayerInputStats.from_tensors(store.load(index, model.device))
                 step = "refinement" if refine.steps > 0 else "factorization"

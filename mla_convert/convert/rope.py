@@ -215,18 +215,26 @@ def plan_layer(
     num_kv_heads: int,
     max_fold: float = 1.0,
     frame: torch.Tensor | None = None,
+    rotates: bool = True,
 ) -> SlotPlan:
     """Assign components to slots and choose each slot's mixing direction for one layer.
 
     A component joins its nearest slot (within `max_fold` index units of the grid's `frame`, by default the source's
     own frequencies) when rotating it at the slot's frequency costs less expected logit error than leaving it
     unrotated.  Each slot then keeps the top principal direction of its members' keys, weighted by that saving.
+    A layer that does not rotate (`rotates` False: a NoPE layer) keeps every slot empty: its whole key stays NoPE,
+    which is what it was, at no error, and its RoPE rows are zero.
     """
     num_heads, half = stats.query_energy.shape
     group = num_heads // num_kv_heads
     omega = source_inv_freq.detach().double().cpu()
     frame = source_inv_freq if frame is None else frame
     slot_freq = grid_inv_freq(grid, frame)
+    if not rotates:
+        empty = torch.zeros(0, dtype=torch.complex128)
+        return SlotPlan(grid=grid, slot_inv_freq=slot_freq.float(), members=[[] for _ in range(grid.num_slots)],
+                        read=[empty] * grid.num_slots, write=[empty] * grid.num_slots,
+                        nope_scale=torch.ones(num_heads, half))
     positions = grid.positions()
     # nearest slot for each source frequency, in index units of the frame
     distance = (frame_positions(source_inv_freq, frame)[:, None] - positions[None, :]).abs()  # (h/2, slots)

@@ -61,6 +61,9 @@ class ArchitectureSpec:
     may_slide: bool = False
     # Matrices stored fused; their roles' names are row views, which need each role's row count (`rows`).
     fused: tuple[FusedMatrix, ...] = ()
+    # The config-class attribute listing, per layer, whether it rotates its queries and keys (1) or attends without
+    # positions (0, "NoPE"); None: every layer rotates.  Read from the config class, defaults included.
+    rotary_layers_key: str | None = None
 
     def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool,
                                rows: Mapping[str, int] | None = None) -> dict[str, str]:
@@ -142,7 +145,22 @@ PHI3 = ArchitectureSpec(
            FusedMatrix("model.layers.{i}.mlp.gate_up_proj.weight", ("gate_weight", "up_weight"))),
 )
 
-SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3)
+# SmolLM3: Llama's layers, every fourth without RoPE (`no_rope_layers`).  The export gives those layers zero RoPE
+# rows, so their shared RoPE key adds nothing and the whole key is in the latent.  Its optional sliding window
+# (only in NoPE layers, only with use_sliding_window) is refused: no released SmolLM3 uses it.
+SMOLLM3 = ArchitectureSpec(
+    family="smollm3",
+    hf_architectures=("SmolLM3ForCausalLM",),
+    model_types=("smollm3",),
+    config_class="transformers.SmolLM3Config",
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
+    mlp_bias="mlp_bias",
+    unsupported_config={"use_sliding_window": True},
+    rotary_layers_key="no_rope_layers",
+)
+
+SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3)
 
 
 def supported_architecture_names() -> list[str]:

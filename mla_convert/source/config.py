@@ -56,7 +56,7 @@ def _is_number(value: Any) -> bool:
 
 
 class SourceAttentionShape:
-    """What a Llama / Mistral / Qwen2 / Phi-3 attention is and caches, from its head counts: shared by the source's own config
+    """What a Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 attention is and caches, from its head counts: shared by the source's own config
     and the shape an export's conversion report records (`num_heads`, `num_kv_heads`, `head_dim` are the user's)."""
 
     num_heads: int
@@ -112,6 +112,17 @@ class SourceConfig(SourceAttentionShape):
     # False: config.json states no dtype, and `torch_dtype` is a float32 placeholder until the weights' headers are
     # read (`convert.pipeline.with_the_weights_dtype`): transformers 5 then loads the weights' own dtype
     dtype_stated: bool = True
+    # per layer, whether it rotates queries and keys; None: every layer does (SmolLM3 leaves every fourth unrotated)
+    rotary_layers: tuple[bool, ...] | None = None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE to its queries and keys (a NoPE layer attends without positions)."""
+        return self.rotary_layers is None or self.rotary_layers[layer]
+
+    @property
+    def nope_layers(self) -> list[int]:
+        """The layers that attend without RoPE."""
+        return [layer for layer in range(self.num_layers) if not self.rotates(layer)]
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -258,7 +269,7 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
 
     if not is_export_config(raw):
         return None, [f"config.json: model_type {raw.get('model_type')!r} is not an MLA export's ({EXPORT_MODEL_TYPE!r}); "
-                      "a Llama / Mistral / Qwen2 / Phi-3 source is inspected as one (SourceConfig, inspect_shapes)"]
+                      "a Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 source is inspected as one (SourceConfig, inspect_shapes)"]
     defaults = DeepseekV3Config()
     read = _Reader(raw)
 
@@ -377,7 +388,7 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
     if model_type == EXPORT_MODEL_TYPE:  # an export given as a source: say so, its architecture is not "unsupported"
         rank, rope = raw.get("kv_lora_rank"), raw.get("qk_rope_head_dim")
         return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert and "
-                      "sweep take the Llama / Mistral / Qwen2 / Phi-3 model it was converted from (`mla-convert inspect` reports "
+                      "sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 model it was converted from (`mla-convert inspect` reports "
                       "what an export caches)"]
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
@@ -431,9 +442,13 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     vocab = sizes["vocab_size"]
     token_ids = _token_ids(raw, vocab, read.problems)
     license_ = raw.get("license") if isinstance(raw.get("license"), str) else None
-    rope_parameters = None
+    rope_parameters = rotary_layers = None
+    if arch.rotary_layers_key is not None and raw.get(arch.rotary_layers_key) is not None:
+        _check_layer_flags(raw[arch.rotary_layers_key], arch.rotary_layers_key, sizes["num_hidden_layers"], read.problems)
     if head_dim is not None and head_dim % 2 == 0 and not read.problems:
         rope_parameters = _rope_parameters(raw, arch, heads, head_dim, read.problems)
+    if rope_parameters is not None:
+        rotary_layers = _rotary_layers(raw, arch, heads, head_dim, sizes["num_hidden_layers"], read.problems)
     if read.problems or rope_parameters is None:
         return None, problems + read.problems
     return SourceConfig(
@@ -463,7 +478,30 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
         license=license_,
         sliding_window=window,
         sliding_layers=sliding_layers,
+        rotary_layers=rotary_layers,
     ), []
+
+
+def _rotary_layers(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int, num_layers: int,
+                   problems: list[str]) -> tuple[bool, ...] | None:
+    """Per layer, whether it rotates (None: all do), as the family's config class states it, its defaults included
+    (SmolLM3: `no_rope_layers`, else a NoPE layer every `no_rope_layer_interval` layers)."""
+    if arch.rotary_layers_key is None:
+        return None
+    flags = getattr(_family_config(raw, arch, heads, head_dim), arch.rotary_layers_key, None)
+    if not _check_layer_flags(flags, arch.rotary_layers_key, num_layers, problems):
+        return None
+    rotary = tuple(bool(flag) for flag in flags)
+    return None if all(rotary) else rotary
+
+
+def _check_layer_flags(flags: Any, key: str, num_layers: int | None, problems: list[str]) -> bool:
+    """Whether `flags` is one 0/1 flag per layer (else a problem says what it is)."""
+    if (isinstance(flags, (list, tuple)) and (num_layers is None or len(flags) == num_layers)
+            and all(isinstance(flag, int) and flag in (0, 1) for flag in flags)):  # (JSON true/false too)
+        return True
+    problems.append(f"config.json: {key} must list 0 or 1 for each of the {num_layers} layers (found {flags!r})")
+    return False
 
 
 def _family_config(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int):

@@ -2,7 +2,7 @@
 
 Calibration, self-sampling and the converted-layer checks need the source model's activations, but
 must not hold the model in memory: a layer's weights are read from the checkpoint when the layer runs
-and dropped after.  The math mirrors transformers' Llama/Mistral/Qwen2/Phi-3 decoder layers exactly
+and dropped after.  The math mirrors transformers' Llama/Mistral/Qwen2/Phi-3/SmolLM3 decoder layers exactly
 (`tests/test_source_model.py` checks it against them); it is written out here because importing the
 transformers modeling stack alone costs ~170 MB of resident memory, a third of SmolLM2's weights.
 """
@@ -77,6 +77,14 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: SourceConfig,
+              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as layer `layer` of the source attends with them: rotated, unless it is a NoPE layer."""
+    if not shape.rotates(layer):
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -315,7 +323,7 @@ class StreamedSourceModel:
         """One decoder layer on full sequences (b, T, hidden); returns (output, normalised attention input)."""
         x = rms_norm(hidden, layer.weights["input_norm"], self.shape.rms_norm_eps)
         q, k, v = project_qkv(x, layer, self.shape)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, self.shape, layer.index)
         hidden = hidden + attention_from_qkv(q, k, v, layer, self.shape)
         hidden = hidden + mlp(rms_norm(hidden, layer.weights["post_attn_norm"], self.shape.rms_norm_eps), layer)
         return hidden, x
@@ -363,6 +371,7 @@ __all__ = [
     "SourceLayer",
     "rms_norm",
     "apply_rotary",
+    "rotate_qk",
     "rotary_cos_sin",
     "rope_inv_freq",
     "attention_distance_profile",
