@@ -9,7 +9,7 @@ and which config values DeepseekV3 cannot reproduce.  Adding a family means addi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import UnsupportedArchitectureError
@@ -148,14 +148,12 @@ PHI3 = ArchitectureSpec(
 # SmolLM3: Llama's layers, every fourth without RoPE (`no_rope_layers`).  The export gives those layers zero RoPE
 # rows, so their shared RoPE key adds nothing and the whole key is in the latent.  Its optional sliding window
 # (only in NoPE layers, only with use_sliding_window) is refused: no released SmolLM3 uses it.
-SMOLLM3 = ArchitectureSpec(
+SMOLLM3 = replace(
+    LLAMA,  # names and bias rules
     family="smollm3",
     hf_architectures=("SmolLM3ForCausalLM",),
     model_types=("smollm3",),
     config_class="transformers.SmolLM3Config",
-    qkv_bias="attention_bias",
-    o_bias="attention_bias",
-    mlp_bias="mlp_bias",
     unsupported_config={"use_sliding_window": True},
     rotary_layers_key="no_rope_layers",
 )
