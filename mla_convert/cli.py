@@ -252,11 +252,13 @@ EXPORT_INSPECT_PARAMETERS = ("model", "context", "batch", "dtype", "revision")
 def _export_flag_problems(model: str, context) -> list[str]:
     """inspect's flags that cannot act on an MLA export (its shape is fixed; nothing is converted), one line naming them."""
     from .options import typed_flags
+    from .source.architectures import supported_family_names
 
     flags = list(typed_flags(context, EXPORT_INSPECT_PARAMETERS).values())
     if not flags:
         return []
-    return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3); "
+    return [f"{', '.join(flags)}: {'acts' if len(flags) == 1 else 'act'} only on a source model "
+            f"({', '.join(supported_family_names())}); "
             f"{model} is an MLA export, whose config.json fixes its shape (on an export inspect takes --context, --batch, "
             "--dtype and --revision)"]
 

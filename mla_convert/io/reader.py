@@ -389,13 +389,13 @@ class CheckpointReader:
     def _read(self, handle, file: str, name: str) -> torch.Tensor:
         view = None if name in self.weight_map else split_row_view(name)
         try:
-            if view is not None:  # rows of a fused matrix, checked against its shape (headers) before reading
-                rows = self.info(name).shape[0]
-                stored, start, _ = view
+            if view is not None:  # rows of a fused matrix
+                self.info(name)  # (raises unless the rows lie inside the stored matrix: headers only)
+                stored, start, stop = view
                 if self.format == "safetensors":
                     with signals_deferred():
-                        return handle.get_slice(stored)[start:start + rows]
-                return handle[stored][start:start + rows].clone()
+                        return handle.get_slice(stored)[start:stop]
+                return handle[stored][start:stop].clone()
             if self.format == "safetensors":
                 with signals_deferred():
                     return handle.get_tensor(name)

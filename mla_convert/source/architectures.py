@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import UnsupportedArchitectureError
+from ..io.reader import row_view_name
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ArchitectureSpec:
     """How one decoder-only family stores its weights and describes its attention."""
 
     family: str
+    display_name: str  # how messages name the family ("Phi-3")
     hf_architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     # transformers' config class: it standardizes RoPE the way loading the model would
@@ -88,8 +90,6 @@ class ArchitectureSpec:
 
     def _fuse(self, names: dict[str, str], layer: int, rows: Mapping[str, int] | None) -> dict[str, str]:
         """`names` with each fused role named as its rows of the stored matrix."""
-        from ..io.reader import row_view_name
-
         for matrix in self.fused:
             if not any(role in names for role in matrix.roles):
                 continue
@@ -108,6 +108,7 @@ class ArchitectureSpec:
 
 LLAMA = ArchitectureSpec(
     family="llama",
+    display_name="Llama",
     hf_architectures=("LlamaForCausalLM",),
     model_types=("llama",),
     config_class="transformers.LlamaConfig",
@@ -118,6 +119,7 @@ LLAMA = ArchitectureSpec(
 
 MISTRAL = ArchitectureSpec(
     family="mistral",
+    display_name="Mistral",
     hf_architectures=("MistralForCausalLM",),
     model_types=("mistral",),
     config_class="transformers.MistralConfig",
@@ -126,6 +128,7 @@ MISTRAL = ArchitectureSpec(
 
 QWEN2 = ArchitectureSpec(
     family="qwen2",
+    display_name="Qwen2",
     hf_architectures=("Qwen2ForCausalLM",),
     model_types=("qwen2",),
     config_class="transformers.Qwen2Config",
@@ -137,6 +140,7 @@ QWEN2 = ArchitectureSpec(
 # long-context variants (RoPE "longrope") and Phi-4-mini's partial rotary factor are refused by the RoPE check.
 PHI3 = ArchitectureSpec(
     family="phi3",
+    display_name="Phi-3",
     hf_architectures=("Phi3ForCausalLM",),
     model_types=("phi3",),
     config_class="transformers.Phi3Config",
@@ -151,6 +155,7 @@ PHI3 = ArchitectureSpec(
 SMOLLM3 = replace(
     LLAMA,  # names and bias rules
     family="smollm3",
+    display_name="SmolLM3",
     hf_architectures=("SmolLM3ForCausalLM",),
     model_types=("smollm3",),
     config_class="transformers.SmolLM3Config",
@@ -159,6 +164,11 @@ SMOLLM3 = replace(
 )
 
 SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3)
+
+
+def supported_family_names() -> list[str]:
+    """The supported families as messages name them: Llama, Mistral, ..."""
+    return [spec.display_name for spec in SUPPORTED_ARCHITECTURES]
 
 
 def supported_architecture_names() -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, MLAConvertError, PreflightError
-from .architectures import ArchitectureSpec, architecture_for_config
+from .architectures import ArchitectureSpec, architecture_for_config, supported_family_names
 
 REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 # Ceilings far above any released model; beyond them a config is garbage, and checks that walk every
@@ -56,7 +56,7 @@ def _is_number(value: Any) -> bool:
 
 
 class SourceAttentionShape:
-    """What a Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 attention is and caches, from its head counts: shared by the source's own config
+    """What a supported source family's attention is and caches, from its head counts: shared by the source's own config
     and the shape an export's conversion report records (`num_heads`, `num_kv_heads`, `head_dim` are the user's)."""
 
     num_heads: int
@@ -269,7 +269,7 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
 
     if not is_export_config(raw):
         return None, [f"config.json: model_type {raw.get('model_type')!r} is not an MLA export's ({EXPORT_MODEL_TYPE!r}); "
-                      "a Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 source is inspected as one (SourceConfig, inspect_shapes)"]
+                      f"a {' / '.join(supported_family_names())} source is inspected as one (SourceConfig, inspect_shapes)"]
     defaults = DeepseekV3Config()
     read = _Reader(raw)
 
@@ -388,7 +388,7 @@ def _architecture(raw: Mapping[str, Any]) -> tuple[ArchitectureSpec | None, list
     if model_type == EXPORT_MODEL_TYPE:  # an export given as a source: say so, its architecture is not "unsupported"
         rank, rope = raw.get("kv_lora_rank"), raw.get("qk_rope_head_dim")
         return None, [f"config.json: already an MLA model (DeepseekV3, kv_lora_rank {rank} + rope {rope}); convert and "
-                      "sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 model it was converted from (`mla-convert inspect` reports "
+                      f"sweep take the {' / '.join(supported_family_names())} model it was converted from (`mla-convert inspect` reports "
                       "what an export caches)"]
     if not architectures and not model_type:
         return None, ["config.json: names no architecture (no 'architectures' or 'model_type'); is this a model's config?"]
