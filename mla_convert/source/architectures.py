@@ -151,7 +151,7 @@ PHI3 = ArchitectureSpec(
 
 # SmolLM3: Llama's layers, every fourth without RoPE (`no_rope_layers`).  The export gives those layers zero RoPE
 # rows, so their shared RoPE key adds nothing and the whole key is in the latent.  Its optional sliding window
-# (only in NoPE layers, only with use_sliding_window) is refused: no released SmolLM3 uses it.
+# (only in NoPE layers, only with use_sliding_window) is refused: SmolLM3Config defaults it off.
 SMOLLM3 = replace(
     LLAMA,  # names and bias rules
     family="smollm3",
