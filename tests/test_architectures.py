@@ -80,6 +80,8 @@ CASES = {
     "phi3-tied": ("phi3", True, {}),
     "smollm3": ("smollm3", False, {}),
     "smollm3-attention-bias-tied": ("smollm3", True, {"config_kwargs": {"attention_bias": True}}),
+    "granite": ("granite", False, {}),
+    "granite-attention-bias-tied": ("granite", True, {"config_kwargs": {"attention_bias": True}}),
 }
 
 
@@ -106,6 +108,7 @@ def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
         ("qwen2", True, False, False),
         ("phi3", False, False, False),
         ("smollm3-attention-bias-tied", True, True, False),
+        ("granite-attention-bias-tied", True, True, False),
     ],
 )
 def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 @pytest.mark.parametrize(
     "family, bias, head_dim",
     [("llama", False, 16), ("llama", True, 16), ("qwen2", True, 16), ("mistral", False, 16), ("llama", True, 32),
-     ("phi3", False, 16), ("smollm3", False, 16), ("smollm3", True, 16)],
+     ("phi3", False, 16), ("smollm3", False, 16), ("smollm3", True, 16), ("granite", False, 16), ("granite", True, 16)],
 )
 def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, head_dim):
     """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model.
@@ -58,10 +58,10 @@ def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, 
     head_dim 32: 128 query rows from a 64-wide input, so the query bias lies outside W_q's column space; it used to
     lose ~75 % of the bias without a word (q_lora_rank = hidden), and now rides on one more latent channel.
     smollm3: its second layer attends without RoPE; the export's RoPE rows there are zero and the latent holds the
-    whole key."""
+    whole key.  granite: its four multipliers are folded into the weights (tiny_models.GRANITE_MULTIPLIERS)."""
     kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=head_dim, hidden_size=64, num_layers=2,
                   weight_scale=3.0)
-    if family in ("llama", "smollm3"):
+    if family in ("llama", "smollm3", "granite"):
         kwargs["attention_bias"] = bias
     source = save_tiny_model(tmp_path / "src", **kwargs)
     out = tmp_path / "mla"
@@ -79,6 +79,30 @@ def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, 
     torch.testing.assert_close(converted, expected, rtol=1e-4, atol=1e-4)
     if bias:  # the query bias rides through q_a_proj exactly (W_q is square and invertible here)
         assert all(layer["query_bias_residual"] < 1e-6 for layer in result.report["layers"])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_granite_multipliers_fold_into_the_weights_they_scale(tmp_path, tie):
+    """Granite = Llama x four scalars; stock DeepseekV3 has none, so the export holds them in its weights: embeddings
+    x e, final norm x 1 / (L e) tied or 1 / L untied (the head reads the scaled table when tied), and (checked through
+    the logits, the oracle) query rows x a sqrt(head_dim), o_proj / down_proj x r.  MQA at full rank: exact."""
+    from tiny_models import GRANITE_MULTIPLIERS as M
+
+    source = save_tiny_model(tmp_path / "src", family="granite", num_heads=4, num_kv_heads=1, head_dim=16,
+                             hidden_size=64, weight_scale=3.0, tie_word_embeddings=tie)
+    out = tmp_path / "mla"
+    result = convert(source, out, fast_options(kv_lora_rank=32, rope_dim=16))
+    assert result.report["source"]["folded_multipliers"] == M
+    stored, exported = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    torch.testing.assert_close(exported["model.embed_tokens.weight"],
+                               stored["model.embed_tokens.weight"] * M["embedding_multiplier"])
+    head = M["logits_scaling"] * (M["embedding_multiplier"] if tie else 1.0)
+    torch.testing.assert_close(exported["model.norm.weight"], stored["model.norm.weight"] / head)
+    torch.testing.assert_close(exported["model.layers.1.mlp.down_proj.weight"],
+                               stored["model.layers.1.mlp.down_proj.weight"] * M["residual_multiplier"])
+    assert ("lm_head.weight" in exported) == (not tie)
+    ids = torch.randint(0, 128, (2, 48))
+    torch.testing.assert_close(logits_of(out, ids), logits_of(source, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_gqa_at_full_rank_loses_only_the_rope_truncation(tmp_path):
@@ -113,6 +137,7 @@ def test_mha_full_rank_conversion_keeps_everything(tmp_path):
         dict(family="mistral", num_kv_heads=1),
         dict(family="phi3", num_kv_heads=2),
         dict(family="smollm3", num_kv_heads=2),
+        dict(family="granite", num_kv_heads=2, tie_word_embeddings=True),
     ],
 )
 def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwargs):
@@ -195,6 +220,41 @@ def test_stories260k_stored_as_phi3_converts_to_the_same_export_with_default_opt
     options = ConvertOptions(kv_lora_rank=16, rope_dim=8)
     exports = [convert(folder, tmp_path / f"mla-{index}", options) for index, folder in enumerate((source, stories260k))]
     assert exports[0].report["source"]["architecture"] == "Phi3ForCausalLM"
+    ours, reference = (load_file(result.output / "model.safetensors") for result in exports)
+    assert sorted(ours) == sorted(reference)
+    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+
+
+@pytest.mark.real_model
+def test_stories260k_stored_as_granite_converts_to_the_same_export_with_default_options(stories260k, tmp_path):
+    """Real trained weights through the whole default pipeline: stories260K stored as a Granite whose four multipliers
+    (powers of two, so dividing them out and folding them back in is exact) undo each other's weight changes computes
+    stories260K's logits in transformers, and converts to stories260K's own export, tensor for tensor."""
+    import math
+    import shutil
+
+    from transformers import GraniteConfig
+
+    llama = load_file(stories260k / "model.safetensors")
+    config = json.loads((stories260k / "config.json").read_text())
+    assert config["tie_word_embeddings"]  # (the head reads the embeddings: the final norm carries 1 / (L e))
+    multipliers = dict(embedding_multiplier=4.0, residual_multiplier=0.5, logits_scaling=2.0,
+                       attention_multiplier=0.5 / math.sqrt(config["head_dim"]))  # query rows x 0.5
+    divisors = {"embed_tokens": 4.0, "q_proj": 0.5, "o_proj": 0.5, "down_proj": 0.5, "model.norm": 1 / 8.0}
+    granite = {name: next((tensor / d for part, d in divisors.items() if part in name), tensor) for name, tensor in llama.items()}
+    source = tmp_path / "stories260k-granite"
+    shutil.copytree(stories260k, source, ignore=shutil.ignore_patterns("*.bin", "model.safetensors", "config.json"))
+    save_file(granite, source / "model.safetensors", metadata={"format": "pt"})
+    granite_config = GraniteConfig(**{key: value for key, value in config.items()
+                                      if key not in ("architectures", "model_type", "pretraining_tp", "head_dim")},
+                                   **multipliers)
+    granite_config.architectures = ["GraniteForCausalLM"]
+    granite_config.save_pretrained(source)
+    ids = torch.randint(0, 512, (1, 48))
+    torch.testing.assert_close(logits_of(source, ids), logits_of(stories260k, ids), rtol=1e-5, atol=1e-5)
+    options = ConvertOptions(kv_lora_rank=16, rope_dim=8)
+    exports = [convert(folder, tmp_path / f"mla-{index}", options) for index, folder in enumerate((source, stories260k))]
+    assert exports[0].report["source"]["folded_multipliers"] == multipliers
     ours, reference = (load_file(result.output / "model.safetensors") for result in exports)
     assert sorted(ours) == sorted(reference)
     assert all(torch.equal(ours[name], reference[name]) for name in ours)

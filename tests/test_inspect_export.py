@@ -341,7 +341,7 @@ def test_a_hub_export_is_read_with_its_report_from_the_hub_cache(exports, tmp_pa
         refused = run(*args)
         assert refused.returncode == 2 and refused.stdout == ""
         assert refused.stderr.splitlines() == [
-            f"error: {flags}: {'acts' if ',' not in flags else 'act'} only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3); "
+            f"error: {flags}: {'acts' if ',' not in flags else 'act'} only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3, Granite); "
             "someone/tiny-mla is an MLA export, whose config.json fixes its shape (on an export inspect takes "
             "--context, --batch, --dtype and --revision)"], refused.stderr
 
@@ -424,7 +424,7 @@ def test_flags_that_cannot_act_on_an_export_are_refused_naming_the_flag(exports,
     result = invoke(exports["plain"], *args)
     assert result.exit_code == 2 and result.stdout == "", result.output
     assert result.stderr.splitlines() == [
-        f"error: {flag}: acts only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3); {exports['plain']} is an MLA export, whose "
+        f"error: {flag}: acts only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3, Granite); {exports['plain']} is an MLA export, whose "
         "config.json fixes its shape (on an export inspect takes --context, --batch, --dtype and --revision)"]
 
 

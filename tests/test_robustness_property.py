@@ -54,19 +54,22 @@ class PhaseRecorder(Progress):
         self.phases.append(name)
 
 
+BIASED_FAMILIES = ("llama", "smollm3", "granite")  # attention_bias: q/k/v and o biases
+
+
 @st.composite
 def conversions(draw):
-    family = draw(st.sampled_from(["llama", "qwen2", "phi3", "smollm3"]))
+    family = draw(st.sampled_from(["llama", "qwen2", "phi3", "smollm3", "granite"]))
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
     head_dim = draw(st.integers(2, 16))  # odd ones included: pre-flight must refuse them
     hidden = draw(st.sampled_from([16, 32, 48, 64]))
-    bias = family == "qwen2" or (family in ("llama", "smollm3") and draw(st.booleans()))  # phi3: never
+    bias = family == "qwen2" or (family in BIASED_FAMILIES and draw(st.booleans()))  # phi3: never
     max_rank = min(2 * kv_heads * head_dim, hidden + int(bias))
     return dict(
         model=dict(family=family, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden,
                    num_layers=draw(st.integers(1, 2)), intermediate_size=draw(st.sampled_from([16, 40, 64])),
-                   attention_bias=bias if family in ("llama", "smollm3") else False, tie_word_embeddings=draw(st.booleans()),
+                   attention_bias=bias if family in BIASED_FAMILIES else False, tie_word_embeddings=draw(st.booleans()),
                    vocab_size=VOCAB),
         kv_lora_rank=draw(st.one_of(st.none(), st.integers(-1, max_rank + 3))),
         rope_dim=draw(st.one_of(st.none(), st.integers(-1, head_dim + 3))),
@@ -103,7 +106,7 @@ def write_checkpoint(folder: Path, family: str, num_heads: int, num_kv_heads: in
             if q_bias:
                 tensors[p + f"self_attn.{name}_proj.bias"] = normal(count, std=0.02)
         tensors[p + "self_attn.o_proj.weight"] = normal(hidden_size, num_heads * head_dim, std=(num_heads * head_dim) ** -0.5)
-        if family in ("llama", "smollm3") and attention_bias:
+        if family in BIASED_FAMILIES and attention_bias:
             tensors[p + "self_attn.o_proj.bias"] = normal(hidden_size, std=0.02)
         tensors[p + "mlp.gate_proj.weight"] = normal(intermediate_size, hidden_size)
         tensors[p + "mlp.up_proj.weight"] = normal(intermediate_size, hidden_size)

@@ -106,7 +106,7 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
-                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 model it was converted "
+                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 / Granite model it was converted "
                                       "from "
                                       "(`mla-convert inspect` reports what an export caches)"]
 
@@ -189,6 +189,48 @@ def test_smollm3_names_its_nope_layers_as_its_config_class_resolves_them():
 def test_smollm3_configs_the_export_cannot_follow_are_refused(changes, reason):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_dict({**SMOLLM3, **changes})
+    assert any(reason in problem for problem in refused.value.problems), refused.value.problems
+
+
+# a 2B Granite's sizes and multipliers as public Granite configs state them (GraniteForCausalLM, tied head)
+GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "vocab_size": 49155, "rope_theta": 5000000.0, "max_position_embeddings": 131072, "attention_bias": False,
+           "mlp_bias": False, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+           "attention_multiplier": 0.015625, "logits_scaling": 8.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-05,
+           "torch_dtype": "bfloat16"}
+
+
+def test_granite_reads_its_four_multipliers_and_folds_each_into_the_weights_it_scales():
+    from mla_convert.source.multipliers import folded_weight_scales
+
+    source = SourceConfig.from_dict(GRANITE)
+    assert (source.architecture.family, source.head_dim, source.num_kv_heads) == ("granite", 64, 8)
+    assert source.multipliers == {"embedding": 12.0, "residual": 0.22, "attention": 0.015625, "logits_divisor": 8.0}
+    scales = folded_weight_scales(source)
+    assert scales["model.embed_tokens.weight"] == 12.0
+    assert scales["model.norm.weight"] == pytest.approx(1 / (8.0 * 12.0))  # tied: the head reads the scaled table
+    assert scales["model.layers.39.self_attn.q_proj.weight"] == pytest.approx(0.015625 * 8)  # x sqrt(head_dim)
+    assert scales["model.layers.0.self_attn.o_proj.weight"] == scales["model.layers.0.mlp.down_proj.weight"] == 0.22
+    assert len(scales) == 2 + 3 * 40  # nothing else: k, v, gate, up and the layer norms stay as stored
+    untied = SourceConfig.from_dict({**GRANITE, "tie_word_embeddings": False})
+    assert folded_weight_scales(untied)["model.norm.weight"] == pytest.approx(1 / 8.0)
+    # a key left out is GraniteConfig's default (1.0), and a factor of 1 folds nothing
+    plain = SourceConfig.from_dict({k: v for k, v in GRANITE.items() if k != "residual_multiplier"})
+    assert plain.multipliers["residual"] == 1.0
+    assert not any("o_proj" in name or "down_proj" in name for name in folded_weight_scales(plain))
+    assert SourceConfig.from_dict(SMOLLM2).multipliers is None and folded_weight_scales(SourceConfig.from_dict(SMOLLM2)) == {}
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"logits_scaling": 0}, "logits_scaling must be a number > 0 (found 0)"),
+    ({"embedding_multiplier": -12.0}, "embedding_multiplier must be a number > 0 (found -12.0)"),
+    ({"attention_multiplier": None}, "attention_multiplier must be a number > 0 (found None)"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+])
+def test_granite_multipliers_that_cannot_be_folded_are_refused(changes, reason):
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_dict({**GRANITE, **changes})
     assert any(reason in problem for problem in refused.value.problems), refused.value.problems
 
 

@@ -14,6 +14,7 @@ from mla_convert.errors import CheckpointError
 from mla_convert.io.reader import CheckpointReader
 from mla_convert.source.config import SourceConfig
 from mla_convert.source.model import SourceLayer, StreamedRows, StreamedSourceModel, rope_inv_freq
+from mla_convert.source.multipliers import folded_weight_scales
 
 
 def forward(model, ids):
@@ -25,8 +26,10 @@ def forward(model, ids):
 
 
 def streamed_logits(folder, ids):
+    """The source's logits as the converter computes them: Granite's multipliers folded into the reads."""
     shape = SourceConfig.from_folder(folder)
     with CheckpointReader(folder) as reader:
+        reader.fold_scales(folded_weight_scales(shape))
         return forward(StreamedSourceModel(reader, shape), ids)
 
 
@@ -41,6 +44,7 @@ def streamed_logits(folder, ids):
         dict(family="phi3", num_heads=4, num_kv_heads=2),  # q/k/v and gate/up read as rows of fused matrices
         dict(family="phi3", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
         dict(family="smollm3", num_heads=4, num_kv_heads=2, num_layers=4),  # layers 1 and 3 without RoPE
+        dict(family="granite", num_heads=4, num_kv_heads=2, tie_word_embeddings=True),  # read with its multipliers folded
     ],
 )
 def test_streamed_forward_matches_transformers_on_tiny_models(tmp_path, kwargs):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -29,7 +31,11 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),  # q/k/v stored in one matrix, gate/up in another
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),  # some layers without RoPE (here every second)
+    "granite": (GraniteConfig, GraniteForCausalLM),  # Llama with four activation multipliers (GRANITE_MULTIPLIERS)
 }
+
+# Granite's scalars, none of them 1, so each fold shows (public 2B Granite configs: 12, 0.22, 0.015625, 8)
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.0625, logits_scaling=4.0)
 
 
 def tiny_config(
@@ -65,8 +71,10 @@ def tiny_config(
         eos_token_id=2,
         pad_token_id=0,
     )
-    if family in ("llama", "smollm3"):
+    if family in ("llama", "smollm3", "granite"):
         kwargs["attention_bias"] = attention_bias
+    if family == "granite":
+        kwargs.update(GRANITE_MULTIPLIERS)
     if family == "smollm3":
         kwargs["no_rope_layer_interval"] = 2  # layers 1, 3, ... attend without RoPE
     if family in ("mistral", "phi3"):

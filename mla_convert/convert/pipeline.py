@@ -35,6 +35,7 @@ from ..io.writer import CheckpointWriter, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, optional_argument, path_argument
 from ..source.config import SourceConfig, read_config_json
 from ..source.model import StreamedRows, StreamedSourceModel
+from ..source.multipliers import folded_weight_scales
 from ..source.shapes import MLAShape
 from ..units import dtype_name
 from . import serving as S
@@ -137,6 +138,7 @@ class Converter:
         self.setting_problems = [*setting_problems, *revision]
         self.config = with_the_weights_dtype(untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress),
                                              self.reader, self.progress.message, self.options.dtype)
+        self.reader.fold_scales(folded_weight_scales(self.config))  # Granite's multipliers (source/multipliers.py)
         self.device = _device(self.options.device)
         self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
                                          resident_bytes=resident_weight_budget(self.device))

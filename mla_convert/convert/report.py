@@ -130,6 +130,9 @@ def build_report(facts: ConversionFacts) -> dict:
             "rms_norm_eps": source.rms_norm_eps,
             "sliding_window": source.sliding_window,
             "sliding_layers": source.sliding_layers,  # of num_layers (None: no window)
+            # Granite's activation scalars, by config key: folded into the export's weights (source/multipliers.py)
+            "folded_multipliers": ({getattr(source.architecture.multipliers, field): value
+                                    for field, value in source.multipliers.items()} if source.multipliers else None),
             # a source that is not the hub checkpoint itself (the demo's dequantized Q4_1 SmolLM2): the card says so
             "provenance": read_provenance(facts.source_folder),
         },

@@ -18,7 +18,7 @@ import pickle
 import re
 import struct
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,6 +186,8 @@ class CheckpointReader:
         # tensor name -> the other files holding a copy of it (filled by `tensor_infos`): an ambiguous checkpoint
         self.stray_copies: dict[str, list[str]] = {}
         self.files_opened = 0
+        # stored tensor name -> factor every read of it is multiplied by (`fold_scales`)
+        self.scales: dict[str, float] = {}
         self._validated_headers: set[tuple[str, int, int]] = set()  # how many times a shard was opened; lets tests check read planning
 
     # ----------------------------------------------------------------- discovery
@@ -375,10 +377,24 @@ class CheckpointReader:
         try:
             if self.format == "safetensors":
                 with signals_deferred():
-                    return handle.get_slice(name)[start:stop]
-            return handle[name][start:stop].clone()
+                    rows = handle.get_slice(name)[start:stop]
+            else:
+                rows = handle[name][start:stop].clone()
         except Exception as error:
             raise CheckpointError(f"{self.folder / file}: cannot read rows of {name!r} ({error})") from error
+        return self._scaled(name, rows)
+
+    def fold_scales(self, scales: Mapping[str, float]) -> None:
+        """Multiply every later read of these stored tensors (whole, rows, row views) by their factor.
+
+        How a family that multiplies activations by config scalars (Granite) is read as the Llama it equals
+        (`source.multipliers`); the product is taken in fp32 and rounded once to the stored dtype.  A name the
+        checkpoint lacks changes nothing here: pre-flight reports the missing tensor."""
+        self.scales = dict(scales)
+
+    def _scaled(self, stored: str, tensor: torch.Tensor) -> torch.Tensor:
+        factor = self.scales.get(stored)
+        return tensor if factor is None else (tensor.float() * factor).to(tensor.dtype)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, shard by shard in `files` order."""
@@ -394,12 +410,14 @@ class CheckpointReader:
                 stored, start, stop = view
                 if self.format == "safetensors":
                     with signals_deferred():
-                        return handle.get_slice(stored)[start:stop]
-                return handle[stored][start:stop].clone()
+                        return self._scaled(stored, handle.get_slice(stored)[start:stop])
+                return self._scaled(stored, handle[stored][start:stop].clone())
             if self.format == "safetensors":
                 with signals_deferred():
-                    return handle.get_tensor(name)
-            return handle[name].clone()
+                    tensor = handle.get_tensor(name)
+            else:
+                tensor = handle[name].clone()
+            return self._scaled(name, tensor)
         except CheckpointError:
             raise
         except Exception as error:  # safetensors raises its own error types; name the file for the user

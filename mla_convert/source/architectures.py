@@ -28,6 +28,19 @@ class FusedMatrix:
 
 
 @dataclass(frozen=True)
+class FoldedMultipliers:
+    """Config keys of the scalars a family multiplies its activations by (Granite), each folded into weights.
+
+    DeepseekV3 has no such scalars, but each one scales a linear function, so the export holds weights that compute
+    the same numbers (`source.multipliers.folded_weight_scales`): the source is read as the Llama it equals."""
+
+    embedding: str  # the embeddings are multiplied by it
+    residual: str  # each attention and MLP output is multiplied by it before the residual add
+    attention: str  # the softmax scale, in place of head_dim ** -0.5
+    logits_divisor: str  # the logits are divided by it
+
+
+@dataclass(frozen=True)
 class ArchitectureSpec:
     """How one decoder-only family stores its weights and describes its attention."""
 
@@ -66,6 +79,8 @@ class ArchitectureSpec:
     # The config-class attribute listing, per layer, whether it rotates its queries and keys (1) or attends without
     # positions (0, "NoPE"); None: every layer rotates.  Read from the config class, defaults included.
     rotary_layers_key: str | None = None
+    # Scalars the family multiplies activations by, read from its config class (defaults included); None: none.
+    multipliers: FoldedMultipliers | None = None
 
     def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool,
                                rows: Mapping[str, int] | None = None) -> dict[str, str]:
@@ -163,7 +178,20 @@ SMOLLM3 = replace(
     rotary_layers_key="no_rope_layers",
 )
 
-SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3)
+# Granite (3.x): Llama's layers with four config scalars: embeddings x embedding_multiplier, each block's output x
+# residual_multiplier, softmax scale attention_multiplier, logits / logits_scaling.  All four are folded into weights.
+GRANITE = replace(
+    LLAMA,  # names and bias rules
+    family="granite",
+    display_name="Granite",
+    hf_architectures=("GraniteForCausalLM",),
+    model_types=("granite",),
+    config_class="transformers.GraniteConfig",
+    multipliers=FoldedMultipliers(embedding="embedding_multiplier", residual="residual_multiplier",
+                                  attention="attention_multiplier", logits_divisor="logits_scaling"),
+)
+
+SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3, GRANITE)
 
 
 def supported_family_names() -> list[str]:

@@ -114,6 +114,9 @@ class SourceConfig(SourceAttentionShape):
     dtype_stated: bool = True
     # per layer, whether it rotates queries and keys; None: every layer does (SmolLM3 leaves every fourth unrotated)
     rotary_layers: tuple[bool, ...] | None = None
+    # the scalars the family multiplies activations by (`ArchitectureSpec.multipliers`), by field name ("embedding",
+    # "residual", "attention", "logits_divisor"), as its config class resolves them; None: the family has none
+    multipliers: dict[str, float] | None = None
 
     def rotates(self, layer: int) -> bool:
         """Whether layer `layer` applies RoPE to its queries and keys (a NoPE layer attends without positions)."""
@@ -442,13 +445,15 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     vocab = sizes["vocab_size"]
     token_ids = _token_ids(raw, vocab, read.problems)
     license_ = raw.get("license") if isinstance(raw.get("license"), str) else None
-    rope_parameters = rotary_layers = None
+    rope_parameters = rotary_layers = multipliers = None
+    read.problems += _multiplier_problems(raw, arch)
     if arch.rotary_layers_key is not None and raw.get(arch.rotary_layers_key) is not None:
         _check_layer_flags(raw[arch.rotary_layers_key], arch.rotary_layers_key, sizes["num_hidden_layers"], read.problems)
     if head_dim is not None and head_dim % 2 == 0 and not read.problems:
         rope_parameters = _rope_parameters(raw, arch, heads, head_dim, read.problems)
     if rope_parameters is not None:
         rotary_layers = _rotary_layers(raw, arch, heads, head_dim, sizes["num_hidden_layers"], read.problems)
+        multipliers = _multipliers(raw, arch, heads, head_dim)
     if read.problems or rope_parameters is None:
         return None, problems + read.problems
     return SourceConfig(
@@ -479,6 +484,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
         sliding_window=window,
         sliding_layers=sliding_layers,
         rotary_layers=rotary_layers,
+        multipliers=multipliers,
     ), []
 
 
@@ -493,6 +499,22 @@ def _rotary_layers(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, h
         return None
     rotary = tuple(bool(flag) for flag in flags)
     return None if all(rotary) else rotary
+
+
+def _multiplier_problems(raw: Mapping[str, Any], arch: ArchitectureSpec) -> list[str]:
+    """Each activation multiplier the config states must be a finite number > 0: the folds divide by the embedding
+    multiplier and the logits divisor (checked before the config class sees them, which would blame its RoPE)."""
+    keys = vars(arch.multipliers).values() if arch.multipliers is not None else ()
+    return [f"config.json: {key} must be a number > 0 (found {raw[key]!r})" for key in keys
+            if key in raw and not (_is_number(raw[key]) and raw[key] > 0)]
+
+
+def _multipliers(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int) -> dict[str, float] | None:
+    """The family's activation multipliers as its config class resolves them (a key left out is its default)."""
+    if arch.multipliers is None:
+        return None
+    config = _family_config(raw, arch, heads, head_dim)
+    return {field_name: float(getattr(config, key)) for field_name, key in vars(arch.multipliers).items()}
 
 
 def _check_layer_flags(flags: Any, key: str, num_layers: int | None, problems: list[str]) -> bool:
