@@ -82,6 +82,10 @@ CASES = {
     "smollm3-attention-bias-tied": ("smollm3", True, {"config_kwargs": {"attention_bias": True}}),
     "granite": ("granite", False, {}),
     "granite-attention-bias-tied": ("granite", True, {"config_kwargs": {"attention_bias": True}}),
+    "ernie4_5-tied": ("ernie4_5", True, {}),
+    "ernie4_5-use-bias": ("ernie4_5", False, {"config_kwargs": {"attention_bias": True}}),  # (use_bias)
+    "helium": ("helium", False, {}),
+    "helium-attention-bias": ("helium", False, {"config_kwargs": {"attention_bias": True}}),
 }
 
 
@@ -109,6 +113,8 @@ def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
         ("phi3", False, False, False),
         ("smollm3-attention-bias-tied", True, True, False),
         ("granite-attention-bias-tied", True, True, False),
+        ("ernie4_5-use-bias", True, True, True),
+        ("helium-attention-bias", True, False, False),
     ],
 )
 def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):

@@ -262,20 +262,23 @@ def test_missing_tensor_name_is_a_checkpoint_error(sharded_llama):
         CheckpointReader(folder).get_many(["model.norm.weight", "model.layers.9.self_attn.q_proj.weight"])
 
 
-def test_folded_scales_multiply_every_read_of_a_tensor_whole_by_rows_and_by_row_view(sharded_llama, tmp_path):
-    """How Granite's multipliers reach every consumer (source/multipliers.py): the reader scales the stored tensor
-    however it is read; other tensors, and a name the checkpoint lacks, are untouched."""
-    from mla_convert.io.reader import row_view_name
+def test_folds_change_every_read_of_a_tensor_whole_by_rows_and_by_row_view(sharded_llama, tmp_path):
+    """How Granite's multipliers and adjacent-pair RoPE reach every consumer (source/folds.py): the reader reorders
+    and scales the stored tensor however it is read; other tensors, and a name the checkpoint lacks, are untouched."""
+    from mla_convert.io.reader import Fold, row_view_name
 
     folder, _ = sharded_llama
     q, k, embed = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"
     stored = {name: load_file(folder / CheckpointReader(folder).weight_map[name])[name] for name in (q, k, embed)}
+    order = torch.randperm(stored[q].shape[0])
     reader = CheckpointReader(folder)
-    reader.fold_scales({q: 0.5, embed: 3.0, "model.layers.99.mlp.down_proj.weight": 2.0})
-    torch.testing.assert_close(reader.get(q), stored[q] * 0.5, rtol=0, atol=0)
-    torch.testing.assert_close(reader.get_rows(embed, 5, 9), stored[embed][5:9] * 3.0, rtol=0, atol=0)
-    torch.testing.assert_close(reader.get(row_view_name(q, 16, 32)), stored[q][16:32] * 0.5, rtol=0, atol=0)
-    torch.testing.assert_close(reader.get_rows(row_view_name(q, 16, 32), 2, 4), stored[q][18:20] * 0.5, rtol=0, atol=0)
+    reader.fold({q: Fold(scale=0.5, row_order=order), embed: Fold(scale=3.0), "model.layers.99.mlp.down_proj.weight": Fold(2.0)})
+    folded_q = stored[q][order] * 0.5
+    assert torch.equal(reader.get(q), folded_q)
+    assert torch.equal(reader.get_rows(q, 3, 7), folded_q[3:7])
+    assert torch.equal(reader.get(row_view_name(q, 16, 32)), folded_q[16:32])
+    assert torch.equal(reader.get_rows(row_view_name(q, 16, 32), 2, 4), folded_q[18:20])
+    assert torch.equal(reader.get_rows(embed, 5, 9), stored[embed][5:9] * 3.0)
     assert torch.equal(reader.get(k), stored[k])
     assert dict(reader.iter_tensors())[embed].equal(stored[embed] * 3.0)
 
@@ -284,7 +287,7 @@ def test_folded_scales_multiply_every_read_of_a_tensor_whole_by_rows_and_by_row_
     tiny_model(vocab_size=VOCAB, num_heads=4, num_kv_heads=2).to(torch.bfloat16).save_pretrained(half)
     reader = CheckpointReader(half)
     raw = reader.get(q)
-    reader.fold_scales({q: 0.22})
+    reader.fold({q: Fold(scale=0.22)})
     assert reader.get(q).dtype == torch.bfloat16
     assert torch.equal(reader.get(q), (raw.float() * 0.22).to(torch.bfloat16))
 

@@ -7,6 +7,7 @@ import gc
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 @pytest.mark.parametrize(
     "family, bias, head_dim",
     [("llama", False, 16), ("llama", True, 16), ("qwen2", True, 16), ("mistral", False, 16), ("llama", True, 32),
-     ("phi3", False, 16), ("smollm3", False, 16), ("smollm3", True, 16), ("granite", False, 16), ("granite", True, 16)],
+     ("phi3", False, 16), ("smollm3", False, 16), ("smollm3", True, 16), ("granite", False, 16), ("granite", True, 16),
+     ("ernie4_5", False, 16), ("helium", False, 16), ("helium", True, 16)],
 )
 def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, head_dim):
     """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model.
@@ -58,10 +60,11 @@ def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, 
     head_dim 32: 128 query rows from a 64-wide input, so the query bias lies outside W_q's column space; it used to
     lose ~75 % of the bias without a word (q_lora_rank = hidden), and now rides on one more latent channel.
     smollm3: its second layer attends without RoPE; the export's RoPE rows there are zero and the latent holds the
-    whole key.  granite: its four multipliers are folded into the weights (tiny_models.GRANITE_MULTIPLIERS)."""
+    whole key.  granite: its four multipliers are folded into the weights (tiny_models.GRANITE_MULTIPLIERS).
+    ernie4_5, helium: RoPE over adjacent pairs, read with q/k rows reordered into halves."""
     kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=head_dim, hidden_size=64, num_layers=2,
                   weight_scale=3.0)
-    if family in ("llama", "smollm3", "granite"):
+    if family in ("llama", "smollm3", "granite", "helium"):
         kwargs["attention_bias"] = bias
     source = save_tiny_model(tmp_path / "src", **kwargs)
     out = tmp_path / "mla"
@@ -138,6 +141,8 @@ def test_mha_full_rank_conversion_keeps_everything(tmp_path):
         dict(family="phi3", num_kv_heads=2),
         dict(family="smollm3", num_kv_heads=2),
         dict(family="granite", num_kv_heads=2, tie_word_embeddings=True),
+        dict(family="ernie4_5", num_kv_heads=2, tie_word_embeddings=True),
+        dict(family="helium", num_kv_heads=4, attention_bias=True),
     ],
 )
 def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwargs):
@@ -188,13 +193,34 @@ def test_a_fused_phi3_converts_to_the_export_of_the_same_weights_stored_llama_st
                                    rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.real_model
-def test_stories260k_stored_as_phi3_converts_to_the_same_export_with_default_options(stories260k, tmp_path):
-    """Real trained weights through the whole default pipeline (calibration text sampled from the source, RoPE grid
-    search, K/V balance, refinement): stories260K with its q/k/v and gate/up fused as Phi3ForCausalLM stores them
-    converts to the export of stories260K itself, tensor for tensor."""
+def stories260k_stored_as(stories260k: Path, folder: Path, tensors: dict, config) -> Path:
+    """stories260K's tokenizer and files beside `tensors` and `config` (another family's layout of the same model)."""
     import shutil
 
+    shutil.copytree(stories260k, folder, ignore=shutil.ignore_patterns("*.bin", "model.safetensors", "config.json"))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    return folder
+
+
+def assert_converts_like_stories260k(source: Path, stories260k: Path, tmp_path: Path, tolerance: float) -> dict:
+    """`source` (stories260K in another family's layout) computes stories260K's logits in transformers (to
+    `tolerance`) and converts with default options - calibration text sampled from the source, RoPE grid search, K/V
+    balance, refinement - to stories260K's own export, tensor for tensor.  Returns the source's report."""
+    ids = torch.randint(0, 512, (1, 48))
+    torch.testing.assert_close(logits_of(source, ids), logits_of(stories260k, ids), rtol=tolerance, atol=tolerance)
+    options = ConvertOptions(kv_lora_rank=16, rope_dim=8)
+    exports = [convert(folder, tmp_path / f"mla-{index}", options) for index, folder in enumerate((source, stories260k))]
+    ours, reference = (load_file(result.output / "model.safetensors") for result in exports)
+    assert sorted(ours) == sorted(reference)
+    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+    return exports[0].report
+
+
+@pytest.mark.real_model
+def test_stories260k_stored_as_phi3_converts_to_the_same_export_with_default_options(stories260k, tmp_path):
+    """Real trained weights through the whole default pipeline: stories260K with its q/k/v and gate/up fused as
+    Phi3ForCausalLM stores them converts to the export of stories260K itself, tensor for tensor."""
     from transformers import Phi3Config
 
     llama = load_file(stories260k / "model.safetensors")
@@ -207,32 +233,19 @@ def test_stories260k_stored_as_phi3_converts_to_the_same_export_with_default_opt
                 phi3[name.replace(parts[0], fused)] = torch.cat([llama[name.replace(parts[0], part)] for part in parts])
         if not any(f".{part}." in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
             phi3[name] = tensor
-    source = tmp_path / "stories260k-phi3"
-    shutil.copytree(stories260k, source, ignore=shutil.ignore_patterns("*.bin", "model.safetensors", "config.json"))
-    save_file(phi3, source / "model.safetensors", metadata={"format": "pt"})
     phi3_config = Phi3Config(**{key: value for key, value in config.items()
                                 if key not in ("architectures", "model_type", "attention_bias", "mlp_bias", "pretraining_tp")})
     phi3_config.architectures = ["Phi3ForCausalLM"]
-    phi3_config.save_pretrained(source)
-    ids = torch.randint(0, 512, (1, 48))
+    source = stories260k_stored_as(stories260k, tmp_path / "stories260k-phi3", phi3, phi3_config)
     # one model, two layouts (a fused product rounds differently: float32 tolerance)
-    torch.testing.assert_close(logits_of(source, ids), logits_of(stories260k, ids), rtol=1e-4, atol=1e-4)
-    options = ConvertOptions(kv_lora_rank=16, rope_dim=8)
-    exports = [convert(folder, tmp_path / f"mla-{index}", options) for index, folder in enumerate((source, stories260k))]
-    assert exports[0].report["source"]["architecture"] == "Phi3ForCausalLM"
-    ours, reference = (load_file(result.output / "model.safetensors") for result in exports)
-    assert sorted(ours) == sorted(reference)
-    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+    report = assert_converts_like_stories260k(source, stories260k, tmp_path, tolerance=1e-4)
+    assert report["source"]["architecture"] == "Phi3ForCausalLM"
 
 
 @pytest.mark.real_model
 def test_stories260k_stored_as_granite_converts_to_the_same_export_with_default_options(stories260k, tmp_path):
-    """Real trained weights through the whole default pipeline: stories260K stored as a Granite whose four multipliers
-    (powers of two, so dividing them out and folding them back in is exact) undo each other's weight changes computes
-    stories260K's logits in transformers, and converts to stories260K's own export, tensor for tensor."""
-    import math
-    import shutil
-
+    """stories260K stored as a Granite whose four multipliers (powers of two, so dividing them out and folding them
+    back in is exact) undo each other's weight changes: the same logits, and stories260K's own export."""
     from transformers import GraniteConfig
 
     llama = load_file(stories260k / "model.safetensors")
@@ -242,22 +255,38 @@ def test_stories260k_stored_as_granite_converts_to_the_same_export_with_default_
                        attention_multiplier=0.5 / math.sqrt(config["head_dim"]))  # query rows x 0.5
     divisors = {"embed_tokens": 4.0, "q_proj": 0.5, "o_proj": 0.5, "down_proj": 0.5, "model.norm": 1 / 8.0}
     granite = {name: next((tensor / d for part, d in divisors.items() if part in name), tensor) for name, tensor in llama.items()}
-    source = tmp_path / "stories260k-granite"
-    shutil.copytree(stories260k, source, ignore=shutil.ignore_patterns("*.bin", "model.safetensors", "config.json"))
-    save_file(granite, source / "model.safetensors", metadata={"format": "pt"})
     granite_config = GraniteConfig(**{key: value for key, value in config.items()
                                       if key not in ("architectures", "model_type", "pretraining_tp", "head_dim")},
                                    **multipliers)
     granite_config.architectures = ["GraniteForCausalLM"]
-    granite_config.save_pretrained(source)
-    ids = torch.randint(0, 512, (1, 48))
-    torch.testing.assert_close(logits_of(source, ids), logits_of(stories260k, ids), rtol=1e-5, atol=1e-5)
-    options = ConvertOptions(kv_lora_rank=16, rope_dim=8)
-    exports = [convert(folder, tmp_path / f"mla-{index}", options) for index, folder in enumerate((source, stories260k))]
-    assert exports[0].report["source"]["folded_multipliers"] == multipliers
-    ours, reference = (load_file(result.output / "model.safetensors") for result in exports)
-    assert sorted(ours) == sorted(reference)
-    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+    source = stories260k_stored_as(stories260k, tmp_path / "stories260k-granite", granite, granite_config)
+    report = assert_converts_like_stories260k(source, stories260k, tmp_path, tolerance=1e-5)
+    assert report["source"]["folded_multipliers"] == multipliers
+
+
+@pytest.mark.real_model
+def test_stories260k_stored_with_adjacent_pair_rope_converts_to_the_same_export_with_default_options(stories260k, tmp_path):
+    """stories260K stored as a Helium (RoPE over adjacent pairs; its q/k rows within each head put back into that
+    order, the layout llama2.c trained it in): the same logits, and stories260K's own export."""
+    from transformers import HeliumConfig
+
+    from mla_convert.source.folds import rotate_half_row_order
+
+    llama = load_file(stories260k / "model.safetensors")
+    config = json.loads((stories260k / "config.json").read_text())
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    helium = {}
+    for name, tensor in llama.items():
+        projection = next((p for p in heads if f".{p}." in name), None)
+        # stored row r of the interleaved layout is the rotate-half row that the reader's reorder puts it at
+        order = None if projection is None else rotate_half_row_order(heads[projection], config["head_dim"])
+        helium[name] = tensor if order is None else tensor[torch.argsort(order)]
+    helium_config = HeliumConfig(**{key: value for key, value in config.items()
+                                    if key not in ("architectures", "model_type", "pretraining_tp")})
+    helium_config.architectures = ["HeliumForCausalLM"]
+    source = stories260k_stored_as(stories260k, tmp_path / "stories260k-helium", helium, helium_config)
+    report = assert_converts_like_stories260k(source, stories260k, tmp_path, tolerance=1e-5)
+    assert report["source"]["rope_pairs"] == "adjacent"
 
 
 def test_a_phi3_fused_matrix_of_the_wrong_size_is_named_as_stored_before_anything_runs(tmp_path):

@@ -25,9 +25,11 @@ from mla_convert import cli
 from mla_convert.convert import ConvertOptions, convert
 from mla_convert.errors import PreflightError
 from mla_convert.options import CalibrationOptions
+from mla_convert.source.architectures import supported_family_names
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = CalibrationOptions(num_samples=4, seq_len=16, error_samples=2)
+FAMILIES = ", ".join(supported_family_names())  # as refusals name the source families
 # the source: 3 layers, 8 query heads, 4 kv heads of head_dim 8, so 2 * 4 * 8 = 64 cached values per token and layer
 LAYERS, KV_HEADS, HEAD_DIM = 3, 4, 8
 SOURCE_VALUES = 2 * KV_HEADS * HEAD_DIM
@@ -341,7 +343,7 @@ def test_a_hub_export_is_read_with_its_report_from_the_hub_cache(exports, tmp_pa
         refused = run(*args)
         assert refused.returncode == 2 and refused.stdout == ""
         assert refused.stderr.splitlines() == [
-            f"error: {flags}: {'acts' if ',' not in flags else 'act'} only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3, Granite); "
+            f"error: {flags}: {'acts' if ',' not in flags else 'act'} only on a source model ({FAMILIES}); "
             "someone/tiny-mla is an MLA export, whose config.json fixes its shape (on an export inspect takes "
             "--context, --batch, --dtype and --revision)"], refused.stderr
 
@@ -424,7 +426,7 @@ def test_flags_that_cannot_act_on_an_export_are_refused_naming_the_flag(exports,
     result = invoke(exports["plain"], *args)
     assert result.exit_code == 2 and result.stdout == "", result.output
     assert result.stderr.splitlines() == [
-        f"error: {flag}: acts only on a source model (Llama, Mistral, Qwen2, Phi-3, SmolLM3, Granite); {exports['plain']} is an MLA export, whose "
+        f"error: {flag}: acts only on a source model ({FAMILIES}); {exports['plain']} is an MLA export, whose "
         "config.json fixes its shape (on an export inspect takes --context, --batch, --dtype and --revision)"]
 
 

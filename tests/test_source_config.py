@@ -106,8 +106,8 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
-                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 / Granite model it was converted "
-                                      "from "
+                                      "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 / Granite / ERNIE 4.5 / "
+                                      "Helium model it was converted from "
                                       "(`mla-convert inspect` reports what an export caches)"]
 
 
@@ -202,7 +202,7 @@ GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hi
 
 
 def test_granite_reads_its_four_multipliers_and_folds_each_into_the_weights_it_scales():
-    from mla_convert.source.multipliers import folded_weight_scales
+    from mla_convert.source.folds import folded_weight_scales
 
     source = SourceConfig.from_dict(GRANITE)
     assert (source.architecture.family, source.head_dim, source.num_kv_heads) == ("granite", 64, 8)
@@ -232,6 +232,33 @@ def test_granite_multipliers_that_cannot_be_folded_are_refused(changes, reason):
     with pytest.raises(PreflightError) as refused:
         SourceConfig.from_dict({**GRANITE, **changes})
     assert any(reason in problem for problem in refused.value.problems), refused.value.problems
+
+
+@pytest.mark.parametrize("family, config_class", [("ernie4_5", "Ernie4_5Config"), ("helium", "HeliumConfig")])
+def test_adjacent_pair_rope_families_read_their_q_k_rows_reordered_into_halves(family, config_class):
+    """Per head the even rows, then the odd ones: pair (2i, 2i + 1) lands on (i, i + d/2), Llama's layout."""
+    import transformers
+
+    from mla_convert.source.folds import rotate_half_row_order, source_folds
+
+    raw = getattr(transformers, config_class)().to_dict()  # the class's defaults: a 1B-3B-sized config
+    source = SourceConfig.from_dict(raw)
+    assert source.architecture.family == family and source.architecture.interleaved_rope
+    assert rotate_half_row_order(2, 4).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    folds = source_folds(source)
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert folds[q].row_order.tolist() == rotate_half_row_order(source.num_heads, source.head_dim).tolist()
+    assert len(folds[k].row_order) == source.num_kv_heads * source.head_dim and folds[k].scale == 1.0
+    assert len(folds) == 2 * source.num_layers  # q and k of each layer; v, o and the MLP are read as stored
+    assert source_folds(SourceConfig.from_dict(SMOLLM2)) == {}
+
+
+def test_ernie_use_bias_is_refused_by_its_own_key_for_its_mlp_biases():
+    import transformers
+
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_dict({**transformers.Ernie4_5Config().to_dict(), "use_bias": True})
+    assert refused.value.problems == ["config.json: use_bias=true is not supported (DeepseekV3's MLP has no biases)"]
 
 
 def test_a_pad_token_id_of_minus_one_is_no_pad_token(tmp_path):

@@ -13,8 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from mla_convert.errors import CheckpointError
 from mla_convert.io.reader import CheckpointReader
 from mla_convert.source.config import SourceConfig
+from mla_convert.source.folds import source_folds
 from mla_convert.source.model import SourceLayer, StreamedRows, StreamedSourceModel, rope_inv_freq
-from mla_convert.source.multipliers import folded_weight_scales
 
 
 def forward(model, ids):
@@ -26,10 +26,10 @@ def forward(model, ids):
 
 
 def streamed_logits(folder, ids):
-    """The source's logits as the converter computes them: Granite's multipliers folded into the reads."""
+    """The source's logits as the converter computes them: read as the Llama it equals (source/folds.py)."""
     shape = SourceConfig.from_folder(folder)
     with CheckpointReader(folder) as reader:
-        reader.fold_scales(folded_weight_scales(shape))
+        reader.fold(source_folds(shape))
         return forward(StreamedSourceModel(reader, shape), ids)
 
 
@@ -45,6 +45,8 @@ def streamed_logits(folder, ids):
         dict(family="phi3", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
         dict(family="smollm3", num_heads=4, num_kv_heads=2, num_layers=4),  # layers 1 and 3 without RoPE
         dict(family="granite", num_heads=4, num_kv_heads=2, tie_word_embeddings=True),  # read with its multipliers folded
+        dict(family="ernie4_5", num_heads=4, num_kv_heads=2),  # adjacent-pair RoPE: q/k rows read reordered
+        dict(family="helium", num_heads=4, num_kv_heads=1, attention_bias=True),  # and q/k biases with them
     ],
 )
 def test_streamed_forward_matches_transformers_on_tiny_models(tmp_path, kwargs):

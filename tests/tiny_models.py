@@ -11,8 +11,12 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Ernie4_5Config,
+    Ernie4_5ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    HeliumConfig,
+    HeliumForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -32,6 +36,8 @@ FAMILIES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),  # q/k/v stored in one matrix, gate/up in another
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),  # some layers without RoPE (here every second)
     "granite": (GraniteConfig, GraniteForCausalLM),  # Llama with four activation multipliers (GRANITE_MULTIPLIERS)
+    "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),  # RoPE over adjacent pairs; `use_bias` for every projection
+    "helium": (HeliumConfig, HeliumForCausalLM),  # RoPE over adjacent pairs; attention_bias on q/k/v only
 }
 
 # Granite's scalars, none of them 1, so each fold shows (public 2B Granite configs: 12, 0.22, 0.015625, 8)
@@ -71,8 +77,10 @@ def tiny_config(
         eos_token_id=2,
         pad_token_id=0,
     )
-    if family in ("llama", "smollm3", "granite"):
+    if family in ("llama", "smollm3", "granite", "helium"):
         kwargs["attention_bias"] = attention_bias
+    if family == "ernie4_5":
+        kwargs["use_bias"] = attention_bias  # (the MLP's too: a source pre-flight refuses)
     if family == "granite":
         kwargs.update(GRANITE_MULTIPLIERS)
     if family == "smollm3":

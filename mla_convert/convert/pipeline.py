@@ -34,8 +34,8 @@ from ..io.resolve import resolve_model_path, revision_problems
 from ..io.writer import CheckpointWriter, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, optional_argument, path_argument
 from ..source.config import SourceConfig, read_config_json
+from ..source.folds import source_folds
 from ..source.model import StreamedRows, StreamedSourceModel
-from ..source.multipliers import folded_weight_scales
 from ..source.shapes import MLAShape
 from ..units import dtype_name
 from . import serving as S
@@ -138,7 +138,7 @@ class Converter:
         self.setting_problems = [*setting_problems, *revision]
         self.config = with_the_weights_dtype(untie_if_the_checkpoint_does(SourceConfig.from_dict(raw), self.reader, self.progress),
                                              self.reader, self.progress.message, self.options.dtype)
-        self.reader.fold_scales(folded_weight_scales(self.config))  # Granite's multipliers (source/multipliers.py)
+        self.reader.fold(source_folds(self.config))  # read as the Llama it equals (source/folds.py)
         self.device = _device(self.options.device)
         self.model = StreamedSourceModel(self.reader, self.config, dtype=torch.float32, device=self.device,
                                          resident_bytes=resident_weight_budget(self.device))

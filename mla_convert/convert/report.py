@@ -133,6 +133,8 @@ def build_report(facts: ConversionFacts) -> dict:
             # Granite's activation scalars, by config key: folded into the export's weights (source/multipliers.py)
             "folded_multipliers": ({getattr(source.architecture.multipliers, field): value
                                     for field, value in source.multipliers.items()} if source.multipliers else None),
+            # which dimensions RoPE rotates together: adjacent pairs (ERNIE 4.5, Helium) are read reordered into halves
+            "rope_pairs": "adjacent" if source.architecture.interleaved_rope else "halves",
             # a source that is not the hub checkpoint itself (the demo's dequantized Q4_1 SmolLM2): the card says so
             "provenance": read_provenance(facts.source_folder),
         },

@@ -165,6 +165,15 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class Fold:
+    """How every read of one stored tensor is changed: rows reordered (row i is stored row `row_order[i]`), then
+    multiplied by `scale` (in fp32, rounded once to the stored dtype)."""
+
+    scale: float = 1.0
+    row_order: torch.Tensor | None = None
+
+
 class CheckpointReader:
     """Read tensors by name from a local Hugging Face model folder, one shard open at a time.
 
@@ -186,8 +195,8 @@ class CheckpointReader:
         # tensor name -> the other files holding a copy of it (filled by `tensor_infos`): an ambiguous checkpoint
         self.stray_copies: dict[str, list[str]] = {}
         self.files_opened = 0
-        # stored tensor name -> factor every read of it is multiplied by (`fold_scales`)
-        self.scales: dict[str, float] = {}
+        # stored tensor name -> how every read of it is changed (`fold`)
+        self.folds: dict[str, Fold] = {}
         self._validated_headers: set[tuple[str, int, int]] = set()  # how many times a shard was opened; lets tests check read planning
 
     # ----------------------------------------------------------------- discovery
@@ -375,26 +384,34 @@ class CheckpointReader:
         file = self.weight_map[name]
         handle = self._handle(file)
         try:
-            if self.format == "safetensors":
-                with signals_deferred():
-                    rows = handle.get_slice(name)[start:stop]
-            else:
-                rows = handle[name][start:stop].clone()
+            return self._rows(handle, name, start, stop)
         except Exception as error:
             raise CheckpointError(f"{self.folder / file}: cannot read rows of {name!r} ({error})") from error
-        return self._scaled(name, rows)
 
-    def fold_scales(self, scales: Mapping[str, float]) -> None:
-        """Multiply every later read of these stored tensors (whole, rows, row views) by their factor.
+    def fold(self, folds: Mapping[str, Fold]) -> None:
+        """Change every later read of these stored tensors (whole, rows, row views) as their `Fold` says.
 
-        How a family that multiplies activations by config scalars (Granite) is read as the Llama it equals
-        (`source.multipliers`); the product is taken in fp32 and rounded once to the stored dtype.  A name the
-        checkpoint lacks changes nothing here: pre-flight reports the missing tensor."""
-        self.scales = dict(scales)
+        How a family that differs from Llama only by linear changes (Granite's multipliers, adjacent-pair RoPE) is
+        read as the Llama it equals (`source.folds`).  A name the checkpoint lacks changes nothing here: pre-flight
+        reports the missing tensor."""
+        self.folds = dict(folds)
 
-    def _scaled(self, stored: str, tensor: torch.Tensor) -> torch.Tensor:
-        factor = self.scales.get(stored)
-        return tensor if factor is None else (tensor.float() * factor).to(tensor.dtype)
+    def _rows(self, handle, stored: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows start:stop of a stored tensor (None: all of it), folded.  A reordered tensor is read whole: its rows
+        start:stop come from anywhere in it (only query and key projections are reordered)."""
+        fold = self.folds.get(stored)
+        if fold is not None and fold.row_order is not None:
+            rows = self._raw(handle, stored)[fold.row_order][start:stop]
+        else:
+            rows = self._raw(handle, stored, start, stop)
+        return rows if fold is None or fold.scale == 1.0 else (rows.float() * fold.scale).to(rows.dtype)
+
+    def _raw(self, handle, stored: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        if self.format == "safetensors":
+            with signals_deferred():
+                return handle.get_tensor(stored) if start is None else handle.get_slice(stored)[start:stop]
+        tensor = handle[stored]
+        return (tensor if start is None else tensor[start:stop]).clone()
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, shard by shard in `files` order."""
@@ -408,16 +425,8 @@ class CheckpointReader:
             if view is not None:  # rows of a fused matrix
                 self.info(name)  # (raises unless the rows lie inside the stored matrix: headers only)
                 stored, start, stop = view
-                if self.format == "safetensors":
-                    with signals_deferred():
-                        return self._scaled(stored, handle.get_slice(stored)[start:stop])
-                return self._scaled(stored, handle[stored][start:stop].clone())
-            if self.format == "safetensors":
-                with signals_deferred():
-                    tensor = handle.get_tensor(name)
-            else:
-                tensor = handle[name].clone()
-            return self._scaled(name, tensor)
+                return self._rows(handle, stored, start, stop)
+            return self._rows(handle, name)
         except CheckpointError:
             raise
         except Exception as error:  # safetensors raises its own error types; name the file for the user

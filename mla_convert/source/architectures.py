@@ -81,6 +81,9 @@ class ArchitectureSpec:
     rotary_layers_key: str | None = None
     # Scalars the family multiplies activations by, read from its config class (defaults included); None: none.
     multipliers: FoldedMultipliers | None = None
+    # Whether RoPE rotates adjacent dimensions (2i, 2i + 1) of a head together, where Llama rotates (i, i + d/2);
+    # such q/k rows are read reordered into Llama's layout (`source.folds`).
+    interleaved_rope: bool = False
 
     def attention_weight_names(self, layer: int, qkv_bias: bool, o_bias: bool,
                                rows: Mapping[str, int] | None = None) -> dict[str, str]:
@@ -191,7 +194,34 @@ GRANITE = replace(
                                   attention="attention_multiplier", logits_divisor="logits_scaling"),
 )
 
-SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3, GRANITE)
+# ERNIE 4.5 (dense): Llama's layers with RoPE over adjacent pairs and one `use_bias` for every projection (an MLP
+# bias, which DeepseekV3 has no slot for, is refused).
+ERNIE4_5 = replace(
+    LLAMA,
+    family="ernie4_5",
+    display_name="ERNIE 4.5",
+    hf_architectures=("Ernie4_5ForCausalLM",),
+    model_types=("ernie4_5",),
+    config_class="transformers.Ernie4_5Config",
+    qkv_bias="use_bias",
+    o_bias="use_bias",
+    mlp_bias="use_bias",
+    interleaved_rope=True,
+)
+
+# Helium: Llama's layers with RoPE over adjacent pairs; attention_bias adds q/k/v biases only (o_proj has none).
+HELIUM = replace(
+    LLAMA,
+    family="helium",
+    display_name="Helium",
+    hf_architectures=("HeliumForCausalLM",),
+    model_types=("helium",),
+    config_class="transformers.HeliumConfig",
+    o_bias=False,
+    interleaved_rope=True,
+)
+
+SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3, GRANITE, ERNIE4_5, HELIUM)
 
 
 def supported_family_names() -> list[str]:

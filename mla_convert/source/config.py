@@ -433,8 +433,9 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     qkv_bias = arch.qkv_bias if isinstance(arch.qkv_bias, bool) else read.flag(arch.qkv_bias)
     o_bias = arch.o_bias if isinstance(arch.o_bias, bool) else read.flag(arch.o_bias)
     mlp_bias = arch.mlp_bias if isinstance(arch.mlp_bias, bool) else read.flag(arch.mlp_bias)
-    if mlp_bias:
-        read.problems.append("config.json: mlp_bias=true is not supported (DeepseekV3's MLP has no biases)")
+    if mlp_bias:  # (the key that decides it: mlp_bias, ERNIE 4.5's use_bias)
+        key = arch.mlp_bias if isinstance(arch.mlp_bias, str) else "mlp_bias"
+        read.problems.append(f"config.json: {key}=true is not supported (DeepseekV3's MLP has no biases)")
     tied = read.flag("tie_word_embeddings")
     eps = read.number("rms_norm_eps", 1e-6)
     initializer_range = read.number("initializer_range", 0.02)
