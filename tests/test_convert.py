@@ -96,6 +96,7 @@ def test_granite_multipliers_fold_into_the_weights_they_scale(tmp_path, tie):
     out = tmp_path / "mla"
     result = convert(source, out, fast_options(kv_lora_rank=32, rope_dim=16))
     assert result.report["source"]["folded_multipliers"] == M
+    assert "**Multipliers folded into the weights.**" in (out / "README.md").read_text()  # the card says so
     stored, exported = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
     torch.testing.assert_close(exported["model.embed_tokens.weight"],
                                stored["model.embed_tokens.weight"] * M["embedding_multiplier"])

@@ -532,6 +532,21 @@ def test_the_card_names_a_changed_norm_epsilon():
     assert "Norm epsilon" not in same and "Norm epsilon" not in str(build_model_card(report))
 
 
+def test_the_card_names_what_was_folded_into_the_weights():
+    """Granite's multipliers and adjacent-pair RoPE are read as the Llama they equal (source/folds.py): exact, but the
+    export's weights are not the source's, and the card says why."""
+    report = stories260k_report()
+    granite = str(build_model_card({**report, "source": {**report["source"], "rope_pairs": "halves", "folded_multipliers": {
+        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0}}}))
+    assert ("config values (`attention_multiplier` 0.015625, `embedding_multiplier` 12, `logits_scaling` 8, "
+            "`residual_multiplier` 0.22)") in granite
+    assert "RoPE layout" not in granite
+    adjacent = str(build_model_card({**report, "source": {**report["source"], "rope_pairs": "adjacent"}}))
+    assert "rotates adjacent dimension pairs of each head" in adjacent and "Multipliers folded" not in adjacent
+    plain = str(build_model_card(report))
+    assert "Multipliers folded" not in plain and "RoPE layout" not in plain
+
+
 def test_the_card_claims_a_tokenizer_only_when_one_was_copied():
     """A source folder without tokenizer files gave an export without them, and a card saying the tokenizer was
     taken from the source."""

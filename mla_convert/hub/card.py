@@ -849,6 +849,19 @@ def _section_caveats(report: Mapping[str, Any], numbers: Mapping[str, Any]) -> l
             f"declares `max_position_embeddings` = {window} (the source: "
             f"{_text(_get(report, 'source', 'max_position_embeddings', default='more'))})."
         )
+    folded = _get(report, "source", "folded_multipliers")
+    if isinstance(folded, Mapping) and folded:
+        values = ", ".join(f"`{key}` {_text(value)}" for key, value in folded.items())
+        lines.append(
+            f"- **Multipliers folded into the weights.** The source model scales its activations by config values "
+            f"({values}); DeepSeek-V3 has no such settings, so this export holds each in the weights it multiplies "
+            "(embeddings, query rows, `o_proj` and `down_proj`, final norm): the same function, not an approximation."
+        )
+    if _get(report, "source", "rope_pairs") == "adjacent":
+        lines.append(
+            "- **RoPE layout.** The source model rotates adjacent dimension pairs of each head; DeepSeek-V3 rotates "
+            "halves, so the conversion read the query and key rows reordered to match, which changes no attention score."
+        )
     if _get(report, "source", "qkv_bias") and isinstance(_get(serving, "bias"), Mapping):
         lines.append(
             "- **Attention biases.** The source model has biases on its query/key/value projections; the serving "
