@@ -324,7 +324,7 @@ def _print_export(model: str, found) -> None:
 @cli_options(options=ConvertOptions)
 def convert(
     source: str = typer.Argument(..., help="Source model folder or Hugging Face hub id (Llama, Mistral, Qwen2, Phi-3, "
-                                           "SmolLM, SmolLM3, Granite, ERNIE 4.5, Helium)."),
+                                           "SmolLM, SmolLM3, Granite, ERNIE 4.5, Helium, Ministral, Seed-OSS)."),
     output: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite)."),
     options: ConvertOptions = None,
     push_to_hub: Optional[str] = typer.Option(None, help="After converting, push to this hub repo (namespace/name)."),

@@ -86,6 +86,9 @@ CASES = {
     "ernie4_5-use-bias": ("ernie4_5", False, {"config_kwargs": {"attention_bias": True}}),  # (use_bias)
     "helium": ("helium", False, {}),
     "helium-attention-bias": ("helium", False, {"config_kwargs": {"attention_bias": True}}),
+    "ministral": ("ministral", False, {}),
+    "seed_oss-qkv-bias": ("seed_oss", False, {"config_kwargs": {"attention_bias": True}, "attention_out_bias": False}),
+    "seed_oss-out-bias-tied": ("seed_oss", True, {"attention_out_bias": True}),
 }
 
 
@@ -115,6 +118,9 @@ def test_templates_match_the_names_save_pretrained_writes(tmp_path, case):
         ("granite-attention-bias-tied", True, True, False),
         ("ernie4_5-use-bias", True, True, True),
         ("helium-attention-bias", True, False, False),
+        ("ministral", False, False, False),
+        ("seed_oss-qkv-bias", True, False, False),
+        ("seed_oss-out-bias-tied", False, True, False),
     ],
 )
 def test_bias_rules_follow_the_config(tmp_path, case, qkv_bias, o_bias, mlp_bias):
@@ -212,7 +218,8 @@ def test_unsupported_architecture_lists_the_supported_ones(config):
 
 
 @pytest.mark.parametrize("model_type, named", [("mistral", "LlamaForCausalLM"), ("llama", "MistralForCausalLM"),
-                                               ("qwen2", "LlamaForCausalLM"), ("phi3", "LlamaForCausalLM")])
+                                               ("qwen2", "LlamaForCausalLM"), ("phi3", "LlamaForCausalLM"),
+                                               ("ministral", "MistralForCausalLM")])
 def test_model_type_decides_the_family_as_transformers_builds_it(tmp_path, model_type, named):
     """`model_type: mistral` with a 16-token window under `architectures: [LlamaForCausalLM]` converted as a Llama
     without a window (the export diverged past 16 tokens); the reverse claimed a 4096-token window that transformers'

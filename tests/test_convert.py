@@ -52,7 +52,8 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
     "family, bias, head_dim",
     [("llama", False, 16), ("llama", True, 16), ("qwen2", True, 16), ("mistral", False, 16), ("llama", True, 32),
      ("phi3", False, 16), ("smollm3", False, 16), ("smollm3", True, 16), ("granite", False, 16), ("granite", True, 16),
-     ("ernie4_5", False, 16), ("helium", False, 16), ("helium", True, 16)],
+     ("ernie4_5", False, 16), ("helium", False, 16), ("helium", True, 16), ("ministral", False, 16),
+     ("seed_oss", False, 16), ("seed_oss", True, 16)],
 )
 def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, head_dim):
     """MQA (1 kv head), full latent rank, rope_dim = head_dim: the MLA model IS the source model.
@@ -64,7 +65,7 @@ def test_mqa_at_full_rank_with_every_frequency_is_exact(tmp_path, family, bias, 
     ernie4_5, helium: RoPE over adjacent pairs, read with q/k rows reordered into halves."""
     kwargs = dict(family=family, num_heads=4, num_kv_heads=1, head_dim=head_dim, hidden_size=64, num_layers=2,
                   weight_scale=3.0)
-    if family in ("llama", "smollm3", "granite", "helium"):
+    if family in ("llama", "smollm3", "granite", "helium", "seed_oss"):
         kwargs["attention_bias"] = bias
     source = save_tiny_model(tmp_path / "src", **kwargs)
     out = tmp_path / "mla"
@@ -144,6 +145,8 @@ def test_mha_full_rank_conversion_keeps_everything(tmp_path):
         dict(family="granite", num_kv_heads=2, tie_word_embeddings=True),
         dict(family="ernie4_5", num_kv_heads=2, tie_word_embeddings=True),
         dict(family="helium", num_kv_heads=4, attention_bias=True),
+        dict(family="ministral", num_kv_heads=2),
+        dict(family="seed_oss", num_kv_heads=2, attention_bias=True),
     ],
 )
 def test_exports_load_in_stock_transformers_and_cache_the_latent(tmp_path, kwargs):
@@ -804,6 +807,10 @@ def test_qwen2_window_settings_that_slide_no_layer_change_nothing(tmp_path):
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None), 16),
     ("qwen2", dict(use_sliding_window=True, sliding_window=100, max_window_layers=None, layer_types=None), None),  # default 28
     ("mistral", dict(sliding_window=None, max_position_embeddings=8192), 4096),  # a missing key: MistralConfig's 4096
+    # Ministral: layer_types choose the sliding layers; without them every layer slides when a window is set
+    ("ministral", dict(sliding_window=16, layer_types=["full_attention", "sliding_attention"]), 16),
+    ("ministral", dict(sliding_window=16, layer_types=["full_attention"] * 2), None),
+    ("ministral", dict(sliding_window=16, layer_types=None), 16),
 ])
 def test_which_layers_slide_is_what_transformers_builds(family, changes, window):
     """The converter read the sliding keys itself and disagreed with transformers on layer_types, on a missing

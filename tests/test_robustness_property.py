@@ -54,12 +54,12 @@ class PhaseRecorder(Progress):
         self.phases.append(name)
 
 
-BIASED_FAMILIES = ("llama", "smollm3", "granite")  # attention_bias: q/k/v and o biases
+BIASED_FAMILIES = ("llama", "smollm3", "granite", "seed_oss")  # attention_bias: q/k/v and o biases (tiny_config)
 
 
 @st.composite
 def conversions(draw):
-    family = draw(st.sampled_from(["llama", "qwen2", "phi3", "smollm3", "granite", "ernie4_5", "helium"]))
+    family = draw(st.sampled_from(["llama", "qwen2", "phi3", "smollm3", "granite", "ernie4_5", "helium", "ministral", "seed_oss"]))
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
     head_dim = draw(st.integers(2, 16))  # odd ones included: pre-flight must refuse them

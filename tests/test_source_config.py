@@ -107,7 +107,7 @@ def test_an_mla_export_given_as_a_source_is_named_as_one(tmp_path):
         SourceConfig.from_folder(tmp_path)
     assert refused.value.problems == ["config.json: already an MLA model (DeepseekV3, kv_lora_rank 144 + rope 48); "
                                       "convert and sweep take the Llama / Mistral / Qwen2 / Phi-3 / SmolLM3 / Granite / ERNIE 4.5 / "
-                                      "Helium model it was converted from "
+                                      "Helium / Ministral / Seed-OSS model it was converted from "
                                       "(`mla-convert inspect` reports what an export caches)"]
 
 

@@ -47,6 +47,8 @@ def streamed_logits(folder, ids):
         dict(family="granite", num_heads=4, num_kv_heads=2, tie_word_embeddings=True),  # read with its multipliers folded
         dict(family="ernie4_5", num_heads=4, num_kv_heads=2),  # adjacent-pair RoPE: q/k rows read reordered
         dict(family="helium", num_heads=4, num_kv_heads=1, attention_bias=True),  # and q/k biases with them
+        dict(family="ministral", num_heads=4, num_kv_heads=2),
+        dict(family="seed_oss", num_heads=4, num_kv_heads=2, attention_bias=True),  # q/k/v and o biases
     ],
 )
 def test_streamed_forward_matches_transformers_on_tiny_models(tmp_path, kwargs):

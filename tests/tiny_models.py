@@ -19,12 +19,16 @@ from transformers import (
     HeliumForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    SeedOssConfig,
+    SeedOssForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -38,6 +42,8 @@ FAMILIES = {
     "granite": (GraniteConfig, GraniteForCausalLM),  # Llama with four activation multipliers (GRANITE_MULTIPLIERS)
     "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),  # RoPE over adjacent pairs; `use_bias` for every projection
     "helium": (HeliumConfig, HeliumForCausalLM),  # RoPE over adjacent pairs; attention_bias on q/k/v only
+    "ministral": (MinistralConfig, MinistralForCausalLM),  # Mistral whose layer_types choose the sliding layers
+    "seed_oss": (SeedOssConfig, SeedOssForCausalLM),  # attention_bias on q/k/v, attention_out_bias on o_proj
 }
 
 # Granite's scalars, none of them 1, so each fold shows (public 2B Granite configs: 12, 0.22, 0.015625, 8)
@@ -77,8 +83,10 @@ def tiny_config(
         eos_token_id=2,
         pad_token_id=0,
     )
-    if family in ("llama", "smollm3", "granite", "helium"):
+    if family in ("llama", "smollm3", "granite", "helium", "seed_oss"):
         kwargs["attention_bias"] = attention_bias
+    if family == "seed_oss":
+        kwargs["attention_out_bias"] = attention_bias
     if family == "ernie4_5":
         kwargs["use_bias"] = attention_bias  # (the MLP's too: a source pre-flight refuses)
     if family == "granite":
@@ -87,6 +95,8 @@ def tiny_config(
         kwargs["no_rope_layer_interval"] = 2  # layers 1, 3, ... attend without RoPE
     if family in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
+    if family == "ministral":  # (transformers 5.25 cannot run a Ministral without a window: one past every position)
+        kwargs["sliding_window"] = 2 * max_position_embeddings
     config = config_cls(**kwargs)
     config.architectures = [FAMILIES[family][1].__name__]
     return config

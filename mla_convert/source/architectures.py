@@ -221,7 +221,29 @@ HELIUM = replace(
     interleaved_rope=True,
 )
 
-SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3, GRANITE, ERNIE4_5, HELIUM)
+# Ministral: Mistral's layers, with `layer_types` choosing which of them slide (read from MinistralConfig).
+MINISTRAL = replace(
+    MISTRAL,
+    family="ministral",
+    display_name="Ministral",
+    hf_architectures=("MinistralForCausalLM",),
+    model_types=("ministral",),
+    config_class="transformers.MinistralConfig",
+)
+
+# Seed-OSS: Llama's layers; attention_bias adds q/k/v biases, attention_out_bias o_proj's.
+SEED_OSS = replace(
+    LLAMA,
+    family="seed_oss",
+    display_name="Seed-OSS",
+    hf_architectures=("SeedOssForCausalLM",),
+    model_types=("seed_oss",),
+    config_class="transformers.SeedOssConfig",
+    o_bias="attention_out_bias",
+)
+
+SUPPORTED_ARCHITECTURES: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, PHI3, SMOLLM3, GRANITE, ERNIE4_5, HELIUM,
+                                                         MINISTRAL, SEED_OSS)
 
 
 def supported_family_names() -> list[str]:
