@@ -228,6 +228,41 @@ def test_a_windowed_sources_cache_is_counted_over_its_window(tmp_path):
         in result.stdout
 
 
+@pytest.mark.parametrize("family, note", [
+    ("granite", "note: the source scales its activations by embedding_multiplier 3, residual_multiplier 0.5, "
+                "attention_multiplier 0.0625, logits_scaling 4; DeepseekV3 has no such settings, so the export folds each "
+                "into the weights it multiplies (the same function)"),
+    ("helium", "note: the source rotates adjacent dimension pairs of each head; the conversion reads its query and key "
+               "rows reordered into DeepseekV3's halves (no attention score changes)"),
+    ("smollm3", "note: 2 of the 4 layers attend without RoPE; the export gives them zero RoPE rows, so the latent holds "
+                "their whole key"),
+])
+def test_inspect_and_convert_say_what_the_export_does_about_what_deepseek_lacks(tmp_path, family, note):
+    """Granite's multipliers, adjacent-pair RoPE and NoPE layers are converted without a word on the console; the
+    report and card recorded them only after the run."""
+    from mla_convert.convert.decisions import Progress
+
+    class Notes(Progress):
+        def __init__(self):
+            self.seen = []
+
+        def message(self, text):
+            self.seen.append(text)
+
+    source = save_tiny_model(tmp_path / "src", family=family, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64,
+                             num_layers=4)
+    inspected = invoke(source)
+    assert inspected.exit_code == 0, inspected.output
+    assert note in " ".join(inspected.stdout.split())
+    notes = Notes()
+    convert(source, tmp_path / "mla", ConvertOptions(kv_lora_rank=16, rope_dim=8, calibration=CALIBRATION, effort="fast"),
+            progress=notes)
+    assert note in notes.seen
+    plain = save_tiny_model(tmp_path / "llama", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, num_layers=4)
+    assert not [line for line in invoke(plain).stdout.splitlines() if line.startswith("note:") and (
+        "DeepseekV3 has no" in line or "RoPE" in line or "adjacent" in line)]
+
+
 def test_a_source_sliding_some_layers_is_counted_so_in_the_export_inspection(tmp_path):
     """A Qwen2 whose layer 0 attends to every token and layer 1 slides over 16: the export's inspection counted both
     layers of the source at 16 tokens; convert's note, the report and the card said the source slides, as if all did."""

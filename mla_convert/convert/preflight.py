@@ -30,6 +30,7 @@ from ..io.reader import CheckpointReader, split_row_view
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
 from ..source.config import SourceConfig, sliding_phrase
+from ..source.folds import family_notes
 from ..source.shapes import MLAShape, pick_target_shape, shape_choice_note, shape_problems
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from . import target as T
@@ -505,6 +506,8 @@ def run_preflight(source: SourceConfig, reader: CheckpointReader, output: Path, 
         message(f"note: the source slides its attention {slides}; DeepseekV3 attends to every "
                 f"position, so the export declares max_position_embeddings {source.sliding_window} (the source: "
                 f"{source.max_position_embeddings}), the context where the two agree")
+    for note in family_notes(source):
+        message(f"note: {note}")
     if not T.target_of(options.target).serving and options.kv_lora_rank is None and options.rope_dim is None:
         # (a serving target's note is in its report and summary); the transformers target said nothing when a ratio
         # rounded to another (25x of 64 values is 3 values, 21.33x)

@@ -77,3 +77,21 @@ def _stored_roles(source: SourceConfig, layer: int, roles: tuple[str, ...]) -> d
         if split_row_view(name) is not None:  # a fused matrix would need its rows folded apart
             raise ValueError(f"{source.architecture.family}: cannot fold {name}, rows of a fused matrix")
     return found
+
+
+def family_notes(source: SourceConfig) -> list[str]:
+    """What the export does about what DeepseekV3 lacks (said by convert's pre-flight and by inspect on a source):
+    the folds above, and layers that attend without RoPE."""
+    notes = []
+    if source.multipliers:
+        keys = source.architecture.multipliers
+        values = ", ".join(f"{getattr(keys, field)} {value:g}" for field, value in source.multipliers.items())
+        notes.append(f"the source scales its activations by {values}; DeepseekV3 has no such settings, so the export "
+                     "folds each into the weights it multiplies (the same function)")
+    if source.architecture.interleaved_rope:
+        notes.append("the source rotates adjacent dimension pairs of each head; the conversion reads its query and key "
+                     "rows reordered into DeepseekV3's halves (no attention score changes)")
+    if source.nope_layers:
+        notes.append(f"{len(source.nope_layers)} of the {source.num_layers} layers attend without RoPE; the export gives "
+                     "them zero RoPE rows, so the latent holds their whole key")
+    return notes

@@ -12,6 +12,7 @@ import torch
 from ..errors import PreflightError
 from ..units import human_bytes
 from .config import ExportConfig, SourceAttentionShape, SourceConfig, sliding_phrase
+from .folds import family_notes
 from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
@@ -30,10 +31,11 @@ class InspectReport:
         return self.source_cost.values_per_token_layer / self.mla_cost.values_per_token_layer
 
     def notes(self) -> list[str]:
-        """What the table's "cache for N tokens" row needs said: a window that caps the source's cache, and positions
-        the export does not declare (it attends to every position, so a windowed source's export declares the window)."""
-        notes = []
+        """What the conversion changes about the source's attention (`folds.family_notes`), and what the table's "cache
+        for N tokens" row needs said: a window that caps the source's cache, and positions the export does not declare
+        (it attends to every position, so a windowed source's export declares the window)."""
         s = self.source
+        notes = family_notes(s)
         if s.sliding_window and self.context > s.sliding_window:
             notes.append(f"{window_note(s.sliding_window, s.sliding_layers, s.num_layers)}; the export attends to every "
                          f"position and declares max_position_embeddings {s.export_max_positions}, the context where "
