@@ -705,6 +705,14 @@ def test_pickle_refused_unless_allowed(tmp_path, tiny_state):
     for name, tensor in tiny_state.items():
         assert torch.equal(reader.get(name), tensor), name
     assert reader.tensor_infos()["model.layers.0.self_attn.q_proj.bias"].shape == (64,)
+    # folds apply to pickled weights as to safetensors (a Granite or Helium stored as .bin)
+    from mla_convert.io.reader import Fold
+
+    q, bias = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias"
+    order = torch.randperm(64)
+    reader.fold({q: Fold(scale=2.0, row_order=order), bias: Fold(row_order=order)})
+    assert torch.equal(reader.get(q), tiny_state[q][order] * 2.0)
+    assert torch.equal(reader.get_rows(bias, 8, 12), tiny_state[bias][order][8:12])
 
 
 def test_legacy_pickle_format_is_read(tmp_path, tiny_state):
