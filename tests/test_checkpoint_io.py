@@ -705,9 +705,13 @@ def test_pickle_refused_unless_allowed(tmp_path, tiny_state):
     for name, tensor in tiny_state.items():
         assert torch.equal(reader.get(name), tensor), name
     assert reader.tensor_infos()["model.layers.0.self_attn.q_proj.bias"].shape == (64,)
-    # folds apply to pickled weights as to safetensors (a Granite or Helium stored as .bin)
+
+
+def test_folds_apply_to_pickled_weights_as_to_safetensors(tmp_path, tiny_state):
+    """A Granite or Helium stored as .bin is read as the Llama it equals, like one stored as safetensors."""
     from mla_convert.io.reader import Fold
 
+    reader = CheckpointReader(pickle_folder(tmp_path / "model", tiny_state), allow_pickle=True)
     q, bias = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias"
     order = torch.randperm(64)
     reader.fold({q: Fold(scale=2.0, row_order=order), bias: Fold(row_order=order)})
