@@ -130,7 +130,7 @@ def build_report(facts: ConversionFacts) -> dict:
             "rms_norm_eps": source.rms_norm_eps,
             "sliding_window": source.sliding_window,
             "sliding_layers": source.sliding_layers,  # of num_layers (None: no window)
-            # Granite's activation scalars, by config key: folded into the export's weights (source/multipliers.py)
+            # Granite's activation scalars, by config key: folded into the export's weights (source/folds.py)
             "folded_multipliers": ({getattr(source.architecture.multipliers, field): value
                                     for field, value in source.multipliers.items()} if source.multipliers else None),
             # which dimensions RoPE rotates together: adjacent pairs (ERNIE 4.5, Helium) are read reordered into halves

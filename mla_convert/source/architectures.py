@@ -32,7 +32,7 @@ class FoldedMultipliers:
     """Config keys of the scalars a family multiplies its activations by (Granite), each folded into weights.
 
     DeepseekV3 has no such scalars, but each one scales a linear function, so the export holds weights that compute
-    the same numbers (`source.multipliers.folded_weight_scales`): the source is read as the Llama it equals."""
+    the same numbers (`source.folds.folded_weight_scales`): the source is read as the Llama it equals."""
 
     embedding: str  # the embeddings are multiplied by it
     residual: str  # each attention and MLP output is multiplied by it before the residual add
