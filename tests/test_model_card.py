@@ -469,7 +469,7 @@ GOOD = "library_name: transformers\npipeline_tag: text-generation\ntags:\n- mla\
         (_with_metadata(GOOD.replace("transformers", "timm")), "library_name must be 'transformers'"),
         (_with_metadata(GOOD.replace("text-generation", "fill-mask")), "pipeline_tag"),
         (_with_metadata(GOOD.replace("- mla", "- other")), "tags must include 'mla'"),
-        (_with_metadata(GOOD + "base_model: /home/me/llama\nbase_model_relation: quantized"), "base_model must be Hub model ids"),
+        (_with_metadata(GOOD + "base_model: ../models/llama\nbase_model_relation: quantized"), "base_model must be Hub model ids"),
         (_with_metadata(GOOD + "base_model: org/model\nbase_model_relation: converted"), "not one the Hub accepts"),
         (_with_metadata(GOOD + "base_model_relation: finetune"), "base_model_relation is set but base_model is not"),
         (_with_metadata(GOOD + "license: Apache 2.0"), "license must be a Hub license id"),

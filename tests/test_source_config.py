@@ -21,6 +21,13 @@ SMOLLM2 = {
 }
 
 
+def refusal_of(config: dict) -> list[str]:
+    """The problems `from_dict` refuses `config` with (it must refuse it)."""
+    with pytest.raises(PreflightError) as refused:
+        SourceConfig.from_dict(config)
+    return refused.value.problems
+
+
 def problems_of(**changes) -> list[str]:
     return SourceConfig.problems({**SMOLLM2, **changes})
 
@@ -157,9 +164,8 @@ def test_phi4_reads_as_a_gqa_source_whose_fused_matrices_are_named_by_rows():
      "RoPE type 'longrope' (as transformers resolves this config) is not supported"),
 ])
 def test_phi_variants_whose_rope_deepseek_cannot_express_are_refused(changes, reason):
-    with pytest.raises(PreflightError) as refused:
-        SourceConfig.from_dict({**PHI4, **changes})
-    assert any(reason in problem for problem in refused.value.problems), refused.value.problems
+    problems = refusal_of({**PHI4, **changes})
+    assert any(reason in problem for problem in problems), problems
 
 
 # HuggingFaceTB/SmolLM3-3B's dimensions: every fourth layer attends without RoPE
@@ -187,9 +193,8 @@ def test_smollm3_names_its_nope_layers_as_its_config_class_resolves_them():
     ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window=True is not supported"),
 ])
 def test_smollm3_configs_the_export_cannot_follow_are_refused(changes, reason):
-    with pytest.raises(PreflightError) as refused:
-        SourceConfig.from_dict({**SMOLLM3, **changes})
-    assert any(reason in problem for problem in refused.value.problems), refused.value.problems
+    problems = refusal_of({**SMOLLM3, **changes})
+    assert any(reason in problem for problem in problems), problems
 
 
 # a 2B Granite's sizes and multipliers as public Granite configs state them (GraniteForCausalLM, tied head)
@@ -229,9 +234,8 @@ def test_granite_reads_its_four_multipliers_and_folds_each_into_the_weights_it_s
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
 ])
 def test_granite_multipliers_that_cannot_be_folded_are_refused(changes, reason):
-    with pytest.raises(PreflightError) as refused:
-        SourceConfig.from_dict({**GRANITE, **changes})
-    assert any(reason in problem for problem in refused.value.problems), refused.value.problems
+    problems = refusal_of({**GRANITE, **changes})
+    assert any(reason in problem for problem in problems), problems
 
 
 @pytest.mark.parametrize("family, config_class", [("ernie4_5", "Ernie4_5Config"), ("helium", "HeliumConfig")])

@@ -131,8 +131,7 @@ def build_report(facts: ConversionFacts) -> dict:
             "sliding_window": source.sliding_window,
             "sliding_layers": source.sliding_layers,  # of num_layers (None: no window)
             # Granite's activation scalars, by config key: folded into the export's weights (source/folds.py)
-            "folded_multipliers": ({getattr(source.architecture.multipliers, field): value
-                                    for field, value in source.multipliers.items()} if source.multipliers else None),
+            "folded_multipliers": source.multipliers_by_config_key or None,
             # which dimensions RoPE rotates together: adjacent pairs (ERNIE 4.5, Helium) are read reordered into halves
             "rope_pairs": "adjacent" if source.architecture.interleaved_rope else "halves",
             # a source that is not the hub checkpoint itself (the demo's dequantized Q4_1 SmolLM2): the card says so

@@ -123,6 +123,12 @@ class SourceConfig(SourceAttentionShape):
         return self.rotary_layers is None or self.rotary_layers[layer]
 
     @property
+    def multipliers_by_config_key(self) -> dict[str, float]:
+        """The activation multipliers named as config.json names them (`embedding_multiplier`: 12.0, ...)."""
+        keys = self.architecture.multipliers
+        return {getattr(keys, field): value for field, value in (self.multipliers or {}).items()}
+
+    @property
     def nope_layers(self) -> list[int]:
         """The layers that attend without RoPE."""
         return [layer for layer in range(self.num_layers) if not self.rotates(layer)]
@@ -453,8 +459,10 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     if head_dim is not None and head_dim % 2 == 0 and not read.problems:
         rope_parameters = _rope_parameters(raw, arch, heads, head_dim, read.problems)
     if rope_parameters is not None:
-        rotary_layers = _rotary_layers(raw, arch, heads, head_dim, sizes["num_hidden_layers"], read.problems)
-        multipliers = _multipliers(raw, arch, heads, head_dim)
+        if arch.rotary_layers_key is not None or arch.multipliers is not None:
+            family = _family_config(raw, arch, heads, head_dim)  # (built once; the RoPE check built it without error)
+            rotary_layers = _rotary_layers(family, arch, sizes["num_hidden_layers"], read.problems)
+            multipliers = _multipliers(family, arch)
     if read.problems or rope_parameters is None:
         return None, problems + read.problems
     return SourceConfig(
@@ -489,13 +497,12 @@ def _parse(raw: Mapping[str, Any]) -> tuple[SourceConfig | None, list[str]]:
     ), []
 
 
-def _rotary_layers(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int, num_layers: int,
-                   problems: list[str]) -> tuple[bool, ...] | None:
-    """Per layer, whether it rotates (None: all do), as the family's config class states it, its defaults included
-    (SmolLM3: `no_rope_layers`, else a NoPE layer every `no_rope_layer_interval` layers)."""
+def _rotary_layers(family, arch: ArchitectureSpec, num_layers: int, problems: list[str]) -> tuple[bool, ...] | None:
+    """Per layer, whether it rotates (None: all do), as the family's config class (`family`, built) states it, its
+    defaults included (SmolLM3: `no_rope_layers`, else a NoPE layer every `no_rope_layer_interval` layers)."""
     if arch.rotary_layers_key is None:
         return None
-    flags = getattr(_family_config(raw, arch, heads, head_dim), arch.rotary_layers_key, None)
+    flags = getattr(family, arch.rotary_layers_key, None)
     if not _check_layer_flags(flags, arch.rotary_layers_key, num_layers, problems):
         return None
     rotary = tuple(bool(flag) for flag in flags)
@@ -510,12 +517,12 @@ def _multiplier_problems(raw: Mapping[str, Any], arch: ArchitectureSpec) -> list
             if key in raw and not (_is_number(raw[key]) and raw[key] > 0)]
 
 
-def _multipliers(raw: Mapping[str, Any], arch: ArchitectureSpec, heads: int, head_dim: int) -> dict[str, float] | None:
-    """The family's activation multipliers as its config class resolves them (a key left out is its default)."""
+def _multipliers(family, arch: ArchitectureSpec) -> dict[str, float] | None:
+    """The family's activation multipliers as its config class (`family`, built) resolves them (a key left out is
+    its default)."""
     if arch.multipliers is None:
         return None
-    config = _family_config(raw, arch, heads, head_dim)
-    return {field_name: float(getattr(config, key)) for field_name, key in vars(arch.multipliers).items()}
+    return {field_name: float(getattr(family, key)) for field_name, key in vars(arch.multipliers).items()}
 
 
 def _check_layer_flags(flags: Any, key: str, num_layers: int | None, problems: list[str]) -> bool:

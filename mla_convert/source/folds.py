@@ -84,8 +84,7 @@ def family_notes(source: SourceConfig) -> list[str]:
     the folds above, and layers that attend without RoPE."""
     notes = []
     if source.multipliers:
-        keys = source.architecture.multipliers
-        values = ", ".join(f"{getattr(keys, field)} {value:g}" for field, value in source.multipliers.items())
+        values = ", ".join(f"{key} {value:g}" for key, value in source.multipliers_by_config_key.items())
         notes.append(f"the source scales its activations by {values}; DeepseekV3 has no such settings, so the export "
                      "folds each into the weights it multiplies (the same function)")
     if source.architecture.interleaved_rope:
