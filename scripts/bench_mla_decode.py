@@ -17,13 +17,13 @@ What is measured, per (latent shape R+D, heads, batch, context), all in one run:
     fp32 masked softmax), with the speed-up over each.
   * max |kernel - reference| of the output, so a fast but wrong kernel cannot go unnoticed.
   * autotuning: per shape, every candidate tile (`mla_decode_triton.configs`) is timed once at batch 64,
-    context 4096 (`mla_decode_triton.autotune`); the winner is used for every case of the shape, and the
+    context 4096 (`mla_decode_triton.autotune`, replayed from a CUDA graph); the winner is used for every case of the shape, and the
     timings are kept in the JSON (`--write-tuned-table` turns them into the shipped table).  The table is
     keyed by page size, and `mla-convert generate` decodes with pages of RUNTIME_PAGE_SIZE (16), not
     the 64 timed here, so after the cases every shape is tuned once more at the runtime's page size
     (`--also-tune-page-size`; last, because a run cut short by the time budget should lose it first).
   * a split-count sweep: per shape at batch 16 and 64, context 4096, the tuned tile timed at several
-    split counts beside the launcher's own choice (`launcher.splits_for_gpu`, sized in whole waves from
+    split counts (replayed from a CUDA graph) beside the launcher's own choice (`launcher.splits_for_gpu`, sized in whole waves from
     the compiled kernel's programs per multiprocessor), which shows whether its cost model picks well.
 
 All sequences of a case have the full context (uniform lengths) so the dense baseline needs no masks.
@@ -74,6 +74,14 @@ ERROR_LIMIT = {"bf16": 5e-2, "fp16": 1e-2}
 MEMORY_BOUND = dict(min_batch=16, min_context=4096)  # the regime of the >= 70 % of copy target
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'512+64x128' -> (512, 64, 128): latent rank, RoPE width, query heads."""
+    match = re.fullmatch(r"(\d+)\+(\d+)x(\d+)", text.strip())
+    if not match or min(int(value) for value in match.groups()) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a shape R+DxH of positive numbers (e.g. 512+64x128)")
+    return tuple(int(value) for value in match.groups())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON (after every case)")
@@ -91,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the cases, tune every shape again with pages of N, so that the tuned table "
                              f"also covers that page size (default {RUNTIME_PAGE_SIZE}: the runtime's); "
                              "0, or N equal to --page-size: no second pass")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", metavar="R+DxH",
+                        help="latent shapes as rank+rope x heads, e.g. 512+64x64 (default: "
+                             + " ".join(f"{r}+{d}x{h}" for r, d, h in LATENT_SHAPES) + ")")
     parser.add_argument("--batches", type=int, nargs="+", help=f"default {BATCHES}")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"default {CONTEXTS}")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the (slow) reference")
@@ -156,25 +167,21 @@ def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
     return measured(fn, on_cuda, rep_ms)
 
 
+def gpu_time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
+    from mla_decode_triton.autotune import gpu_time_ms as measured
+
+    return measured(fn, on_cuda, rep_ms)
+
+
 def graph_time_ms(torch, fn, rep_ms: int) -> float:
-    """Time of `fn` replayed from a CUDA graph (do_bench on the replay, L2 still flushed between runs).
+    """Time of `fn` replayed from a CUDA graph (L2 still flushed between runs): the GPU's own time.
 
     Eager timings of small cases measure Python launch work (argument checks, config lookup, two launches)
-    while the GPU idles; a serving runtime replays decode steps as graphs (ours does), so the graph time
-    is the GPU's own time for the step.  Warmed up on a side stream first, as capture requires.
+    while the GPU idles; a serving runtime replays decode steps as graphs (ours does).
     """
-    import triton.testing
+    from mla_decode_triton.autotune import graph_time_ms as replayed
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return float(triton.testing.do_bench(graph.replay, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
+    return replayed(fn, rep_ms)
 
 
 def copy_ms(torch, size: int, device, on_cuda: bool, rep_ms: int, graph: bool = False) -> float:
@@ -211,7 +218,10 @@ def sweep_splits(torch, mla, rank, rope_dim, heads, batch, context, args, dtype,
     times = {}
     for count in sorted({*splits, chosen.num_splits}):
         config = dataclasses.replace(chosen, num_splits=count)
-        times[str(count)] = time_ms(lambda config=config: mla.mla_decode(*inputs, config=config), on_cuda, args.rep_ms)
+        # replayed from a graph: eagerly, the host's launch work (100-370 µs on the H200 of 2026-12-04)
+        # hid the differences between counts
+        times[str(count)] = gpu_time_ms(lambda config=config: mla.mla_decode(*inputs, config=config), on_cuda,
+                                        args.rep_ms)
     return dict(shape=f"{rank}+{rope_dim} x{heads}", batch=batch, context=context, tile=chosen.tile.label(),
                 programs_per_sm=mla.launcher.resident_programs(kv_cache.device, shape, dtype, chosen.tile)
                 if on_cuda else None, chosen=chosen.num_splits, times_ms=times)
@@ -312,8 +322,10 @@ def _percent_of_copy(r: dict, graph: bool) -> float | None:
 def memory_bound_summary(results: dict) -> str:
     """Worst and median % of copy per shape over the memory-bound cases (batch >= 16, context >= 4K)."""
     lines = ["| R+D | heads | cases | min % of copy | median % of copy | median speed-up vs torch dense "
-             "| graph: min % of copy | graph: median % of copy | graph: median speed-up |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| graph: min % of copy | graph: median % of copy | graph: min % of large copy "
+             "| graph: median % of large copy | graph: median speed-up |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    large_gbps = results["meta"]["large_copy_gbps"]
     shapes = sorted({(r["rank"], r["rope_dim"], r["heads"]) for r in results["cases"] if "error" not in r},
                     key=lambda s: (-s[0], s[2]))
     for rank, rope_dim, heads in shapes:
@@ -325,11 +337,15 @@ def memory_bound_summary(results: dict) -> str:
         percent = [_percent_of_copy(r, graph=False) for r in rows]
         speedup = [r["dense_ms"] / r["kernel_ms"] for r in rows]
         graphed = [r for r in rows if "kernel_graph_ms" in r]
-        graph_cells = "- | - | -"
+        graph_cells = "- | - | - | - | -"
         if graphed:
             graph_percent = [_percent_of_copy(r, graph=True) for r in graphed]
+            # against the 2 GiB copy's bandwidth: captured copies of 1-2 GB ran up to 1.5x slower than
+            # eager ones on the H200 (2026-12-04), which lifts "% of copy" past 100 % there
+            large_percent = [100 * r["bytes"] / (r["kernel_graph_ms"] * 1e-3) / 1e9 / large_gbps for r in graphed]
             graph_speedup = [r["dense_graph_ms"] / r["kernel_graph_ms"] for r in graphed]
             graph_cells = (f"{min(graph_percent):.0f}% | {statistics.median(graph_percent):.0f}% "
+                           f"| {min(large_percent):.0f}% | {statistics.median(large_percent):.0f}% "
                            f"| {statistics.median(graph_speedup):.1f}x")
         lines.append(f"| {rank}+{rope_dim} | {heads} | {len(rows)} | {min(percent):.0f}% "
                      f"| {statistics.median(percent):.0f}% | {statistics.median(speedup):.1f}x | {graph_cells} |")
@@ -390,16 +406,21 @@ def render(results: dict) -> str:
         "heads at 512+64 the products, not the bytes, bound the time.  Tile: rows per program (H), R split "
         "(r), tokens per tile (N), warps (w), stages (st); s = splits.  **graph** columns: the same kernel, "
         "copy and torch dense replayed from a CUDA graph (as the runtime decodes), so host launch work is out "
-        "of the time; the eager columns include it.\n\n"
+        "of the time; the eager columns include it; **% of large copy** compares the graph time's bandwidth with "
+        "the large copy's above (captured copies of 1-2 GB can run slower than that, which lifts % of copy).\n\n"
         "Memory-bound regime (batch >= 16, context >= 4K), target >= 70 % of copy:\n\n"
         + memory_bound_summary(results) + "\nAll cases:\n\n" + format_table(results)
     )
+    # runs before 2026-12-04 timed tuning and sweeps eagerly (host launch work included); the JSON says which
+    timer = ("replayed from a CUDA graph" if meta.get("tuning_timer") == "graph"
+             else "eager launches, host launch work included")
     if results.get("tuning"):
-        body += "\nAutotuning (`mla_decode_triton.autotune`, every candidate tile timed once per shape):\n\n"
+        body += ("\nAutotuning (`mla_decode_triton.autotune`, every candidate tile timed once per shape, "
+                 f"{timer}):\n\n")
         body += tuning_table(results)
     if results.get("split_sweep"):
         body += ("\nSplit counts (`launcher.splits_for_gpu`: whole waves from the compiled kernel's programs per "
-                 "multiprocessor) against the fastest count measured, same tile:\n\n")
+                 f"multiprocessor) against the fastest count measured, same tile, {timer}:\n\n")
         body += split_sweep_table(results)
     if results.get("skipped"):
         body += f"\nSkipped (time budget): {', '.join(results['skipped'])}.\n"
@@ -463,11 +484,12 @@ def measure(args, argv) -> dict:
                   triton=triton.__version__, dtype=args.dtype, page_size=args.page_size, command=command,
                   large_copy_bytes=large,
                   large_copy_gbps=2 * large / (copy_ms(torch, large, device, on_cuda, args.rep_ms) * 1e-3) / 1e9,
-                  tensor_peak_tflops=_peak_tflops(device_name) if on_cuda else None),
+                  tensor_peak_tflops=_peak_tflops(device_name) if on_cuda else None,
+                  tuning_timer="graph" if on_cuda else "wall clock"),
         tuning=[], split_sweep=[], cases=[], skipped=[],
     )
     print(f"# {device_name}: large-copy bandwidth {results['meta']['large_copy_gbps']:.0f} GB/s", file=sys.stderr)
-    shapes = [(r, d, h if not args.dry_run else min(h, 3)) for r, d, h in LATENT_SHAPES]
+    shapes = [(r, d, h if not args.dry_run else min(h, 3)) for r, d, h in (args.shapes or LATENT_SHAPES)]
 
     def out_of_time() -> bool:
         return args.time_budget is not None and time.perf_counter() - started > args.time_budget

@@ -79,6 +79,35 @@ def test_split_sweep_compares_the_launchers_count_with_the_fastest(bench):
     assert "| 64+32 x9 | 16 | 4096 | failed: OutOfMemoryError: ... |" in body
 
 
+def test_tuning_and_split_tables_say_how_they_were_timed(bench):
+    """Eagerly timed tuning (runs before 2026-12-04) ranked the host's launch work; the tables say which timer."""
+    old_run = synthetic_run()
+    body = bench.render(old_run)
+    assert body.count("eager launches, host launch work included") == 2 and "replayed from a CUDA graph):" not in body
+    old_run["meta"]["tuning_timer"] = "graph"
+    body = bench.render(old_run)
+    assert "every candidate tile timed once per shape, replayed from a CUDA graph):" in body
+    assert "same tile, replayed from a CUDA graph:" in body and "eager launches" not in body
+
+
+def test_memory_bound_summary_compares_graph_times_with_the_large_copy(bench):
+    run = synthetic_run()
+    memory_bound = run["cases"][0]  # batch 16, context 4096
+    memory_bound.update(kernel_graph_ms=0.018, copy_graph_ms=0.045, dense_graph_ms=0.072)
+    body = bench.render(run)
+    # bytes / 18 us against 8000 GB/s; against the captured copy of the same bytes: 45 / (2 x 18)
+    large = 100 * memory_bound["bytes"] / 18e-6 / 1e9 / 8000
+    assert f"| 512+64 | 16 | 1 | 75% | 75% | 4.0x | 125% | 125% | {large:.0f}% | {large:.0f}% | 4.0x |" in body
+
+
+def test_shapes_option_parses_rank_rope_and_heads(bench):
+    assert bench.parse_args(["--shapes", "512+64x32", "64+32x9"]).shapes == [(512, 64, 32), (64, 32, 9)]
+    assert bench.parse_args([]).shapes is None  # the default shapes
+    for bad in ("512x64", "512+64", "0+64x16", "512+64x"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--shapes", bad])
+
+
 def test_write_section_replaces_only_its_own_section(bench, tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## MLA decode kernel (GPU)\n\nold\n\n## Later\n\nalso kept\n")

@@ -9,8 +9,12 @@ winner for the rest of the process (`configs.remember`); `scripts/bench_mla_deco
 winners as the shipped table `tuned_configs.json`.  Setting MLA_DECODE_AUTOTUNE=1 makes `mla_decode`
 tune each new shape key on its first CUDA call (never while a CUDA graph is being captured).
 
-The timer is `triton.testing.do_bench` (median, L2 flushed between runs) on CUDA; under the
-interpreter it is the median of a few wall-clock runs, which only exercises the machinery.
+The timer is `triton.testing.do_bench` (median, L2 flushed between runs) on the candidate's launch
+captured in a CUDA graph and replayed; under the interpreter it is the median of a few wall-clock runs,
+which only exercises the machinery.  Why replayed: on the H200 of 2026-12-04 one eager launch cost the
+host 100-370 µs (argument checks, config lookup, two launches, in Python) against 20-100 µs of GPU time
+at the tuning workload, so eager timings ranked the host's noise, not the tiles (the same tile timed
+146-374 µs in one split sweep); a decode step is replayed from a graph in the runtime too.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ def autotune_enabled(device: torch.device) -> bool:
 
 
 def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
-    """Median milliseconds of `fn`: triton's do_bench (L2 flushed) on CUDA, three wall-clock runs elsewhere."""
+    """Median milliseconds of `fn` called eagerly: do_bench (L2 flushed) on CUDA, three wall-clock runs elsewhere.
+
+    On CUDA this includes the host's launch work whenever that is longer than the GPU's (graph_time_ms
+    leaves it out).
+    """
     if on_cuda:
         import triton.testing
 
@@ -62,6 +70,32 @@ def time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+def graph_time_ms(fn, rep_ms: int) -> float:
+    """Median milliseconds of `fn` captured once in a CUDA graph and replayed (do_bench, L2 flushed).
+
+    Only the GPU's time for the work remains, as when a runtime replays its decode step.  `fn` must not
+    synchronise or allocate differently between calls; it is warmed up on a side stream first, as
+    capture requires (the first call may compile).
+    """
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return float(triton.testing.do_bench(graph.replay, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def gpu_time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
+    """The GPU's own time for `fn`: replayed from a graph on CUDA, wall-clock runs elsewhere."""
+    return graph_time_ms(fn, rep_ms) if on_cuda else time_ms(fn, on_cuda, rep_ms)
 
 
 def config_for_tile(shape: DecodeShape, tile: TileConfig, cache_dtype: torch.dtype, device: torch.device,
@@ -124,7 +158,7 @@ def autotune(
             error = (out.float() - reference_out.float()).abs().max().item()
             if not error <= AGREEMENT[kv_cache.dtype]:
                 raise MLADecodeInputError(f"tile {tile.label()} disagrees with the default tile by {error:.3g}")
-        result.times_ms[tile.label()] = time_ms(lambda config=config: run(config), on_cuda, rep_ms)
+        result.times_ms[tile.label()] = gpu_time_ms(lambda config=config: run(config), on_cuda, rep_ms)
         result.splits[tile.label()] = config.num_splits
         if result.best is None or result.times_ms[tile.label()] < result.times_ms[result.best.label()]:
             result.best = tile
