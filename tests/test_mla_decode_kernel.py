@@ -258,18 +258,19 @@ def _shape(batch, heads, rank, rope_dim, context, page_size=64, q_len=1):
 
 
 def test_choose_config_shares_tiles_across_heads():
-    """All rows of a sequence up to 64 in one row block; a 64 x 512 accumulator is split over two programs."""
+    """Rows of a sequence share a row block: all of them up to 16 (SmolLM2), up to 32 at R = 512 (whole R)."""
     cpu = torch.device("cpu")
     smollm = choose_config(_shape(1, 9, 144, 48, 64, page_size=4), torch.bfloat16, cpu)
     assert (smollm.block_h, smollm.r_split) == (16, 1)  # all 9 heads in one program: one read per split
     assert smollm.block_n == 64
-    for heads, block_h, r_split in [(1, 16, 1), (16, 16, 1), (32, 32, 1), (64, 64, 2), (128, 64, 2)]:
+    # 512+64: up to 32 rows with whole R per program, 64-token tiles (the H200's fastest, configs.py)
+    for heads, block_h in [(1, 16), (16, 16), (32, 32), (64, 32), (128, 32)]:
         config = choose_config(_shape(1, heads, 512, 64, 64, page_size=4), torch.bfloat16, cpu)
-        assert (config.block_h, config.r_split) == (block_h, r_split), heads
-        assert config.block_n == 32 and config.num_warps == 8
-    # speculative decoding: 4 tokens x 16 heads = 64 rows share one row block
+        assert (config.block_h, config.r_split) == (block_h, 1), heads
+        assert config.block_n == 64 and config.num_warps == 8 and config.num_stages == 3
+    # speculative decoding: 4 tokens x 16 heads = 64 rows, in two row blocks of 32
     multi = choose_config(_shape(1, 16, 512, 64, 64, page_size=4, q_len=4), torch.bfloat16, cpu)
-    assert (multi.block_h, multi.r_split) == (64, 2)
+    assert (multi.block_h, multi.r_split) == (32, 1)
     # an fp32 cache (CUDA-core products) stays at 16-row tiles, the only ones that compile spill-free
     assert choose_config(_shape(1, 128, 512, 64, 64), torch.float32, cpu).block_h == 16
     config = choose_config(_shape(1, 128, 512, 64, 16, page_size=4), torch.bfloat16, cpu)
@@ -280,10 +281,11 @@ def test_choose_config_shares_tiles_across_heads():
 
 
 def test_narrow_rows_also_get_128_token_tiles_after_the_default():
-    """Rows up to 192 padded columns get 128-token candidates (a tile within TILE_BYTES_PREFERRED), placed
-    after every other tile, so the default stays the measured 64-token one until a GPU times them; wider
-    rows (SmolLM2 2x at 144+48 pads to 320 columns, DeepSeek's 576) do not get them."""
-    from mla_decode_triton.configs import TILE_BYTES_PREFERRED, WIDE_BLOCK_N
+    """Rows up to 192 padded columns get 128-token candidates (a tile within WIDE_TILE_BYTES), placed
+    after every other tile, so the default stays the 64-token one (the H200's 6-12 % preference for 128
+    tokens at 64+32 lives in the shipped table); wider rows (SmolLM2 2x at 144+48 pads to 320 columns,
+    DeepSeek's 576) do not get them."""
+    from mla_decode_triton.configs import WIDE_BLOCK_N, WIDE_TILE_BYTES
 
     for rank, rope_dim, heads in [(64, 32, 9), (24, 8, 8), (4, 4, 8), (128, 64, 64)]:
         tiles = candidate_tiles(rank, rope_dim, heads, torch.bfloat16)
@@ -292,7 +294,7 @@ def test_narrow_rows_also_get_128_token_tiles_after_the_default():
         assert tiles[0].block_n == 64 and tiles[0].num_stages == 3
     for rank, rope_dim, heads in [(144, 48, 9), (512, 64, 16), (512, 64, 128)]:
         assert all(tile.block_n < WIDE_BLOCK_N for tile in candidate_tiles(rank, rope_dim, heads, torch.bfloat16))
-    assert WIDE_BLOCK_N * (128 + 64) * 2 == TILE_BYTES_PREFERRED  # the widest row that qualifies
+    assert WIDE_BLOCK_N * (128 + 64) * 2 == WIDE_TILE_BYTES  # the widest row that qualifies
 
 
 def _gpu_splits(shape, max_seq_len=None, mean_seq_len=None, dtype=torch.bfloat16, resident=2):

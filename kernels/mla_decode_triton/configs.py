@@ -12,15 +12,18 @@ The rules, from those compiles:
 * BLOCK_H: every query row of a sequence, rounded up to a power of two >= 16 (tl.dot's minimum), at
   most 64: one cache read serves all heads.  128 rows would need a 128 x R fp32 accumulator (256 KB at
   R = 512, the whole register file), so 128 heads use two row blocks.  64 rows use Hopper's wgmma
-  (HGMMA); 16 and 32 rows use mma.sync (HMMA).
+  (HGMMA); 16 and 32 rows use mma.sync (HMMA).  Where R is split (next rule), fewer rows per program
+  with whole R are the default, because they measured faster.
 * R_SPLIT: 2 when the accumulator BLOCK_H x BLOCK_R exceeds ACCUMULATOR_BUDGET fp32 elements, else 1.
   64 x 512 in one program (128 KB of fp32) is at the edge of the register file: split in two, it takes
   148-194 registers with 32-token tiles and never spills.  See kernel.py.  The split has a price: both
   programs of a pair compute the full scores, so at 512+64 the tensor-core work per token grows by
   (2 x 576 + 512) / (576 + 512) = 1.5x, which matters where many heads make decode compute-bound.  So
-  such shapes also get two kinds of whole-R tiles, without duplicated products, for the autotuner to
-  measure against it:
-  - ACCUMULATOR_BUDGET / BLOCK_R rows (32 at R = 512) with mma.sync: twice the row blocks;
+  such shapes also get two kinds of whole-R tiles, without duplicated products:
+  - ACCUMULATOR_BUDGET / BLOCK_R rows (32 at R = 512) with mma.sync: twice the row blocks.  This is
+    the default (first candidate) of every R-split shape: on the H200 (2026-12-04, Triton 3.6, timed
+    from CUDA graphs at batch 64, context 4K) H32 r1 N64 st3 beat the 64-row R-split tile by 1.38x at
+    64 heads and 1.39x at 128, and the 64-row whole-R tile below by 1.2x;
   - all 64 rows in one program with wgmma and 16-token tiles (WHOLE_ACCUMULATOR_BLOCK_N), up to
     WHOLE_ACCUMULATOR_LIMIT elements: since the kernel reads one page id per tile (2026-12-01) this
     compiles without spills, at 214 registers under Triton 3.6 and 249 under 3.9 (32-token tiles spill
@@ -37,24 +40,28 @@ The rules, from those compiles:
   2 stages stay among the candidates so that the autotuner measures what the overlap buys on the GPU
   at hand.
 * BLOCK_N in {64, 32}, kept when the buffered cache tiles plus the queries fit SHARED_BUDGET.  First
-  comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED, with 3 stages (two programs per
-  multiprocessor, each double-buffered, then fit in shared memory; registers or shared memory allow
-  only one for the 32- and 64-row tiles at R >= 256: column "programs / SM" of the compile check in
-  BENCHMARKS.md).
+  comes the largest BLOCK_N whose tile fits TILE_BYTES_PREFERRED, with 3 stages.  That budget is 72 KB,
+  one 64-token tile of 512+64 in bf16: on the H200 (2026-12-04) 64-token tiles beat 32-token ones at
+  512+64 for every head count timed (1.1x at 16 heads, 1.5x at 32, 1.6x at 64 and 128), although a
+  double-buffered 64-token tile leaves room for one program per multiprocessor, not two (column
+  "programs / SM" of the compile check in BENCHMARKS.md).  Until then the budget was 48 KB, which kept
+  512+64 at 32-token tiles.
 * Narrow rows (up to 192 padded columns, e.g. SmolLM2 4x at 64+32: 12 KB per 64-token tile) also get
-  WIDE_BLOCK_N = 128-token tiles, after the others, while such a tile fits TILE_BYTES_PREFERRED.  On
+  WIDE_BLOCK_N = 128-token tiles, after the others, while such a tile fits WIDE_TILE_BYTES.  On
   the H200 (2026-11-30) a 64-token 64+32 tile took about 3.2 us (BENCHMARKS.md), mostly waiting on
   memory, and 64 tokens beat 32 by 1.5x; a 128-token tile halves the loop iterations per split, each
-  with its own reductions and page-id read.  Not the default until a GPU has timed it (the autotuner
-  does).
+  with its own reductions and page-id read.  Timed on the H200 (2026-12-04): 64+32 x9 ran fastest
+  with 128-token tiles (30.7 µs against 35.1 for the default, batch 64, context 4K), which the shipped
+  table records; still not the default, because the margin is 6-12 % and rests on one shape.
 * fp32 caches (the exact path: products on CUDA cores, no tensor cores) broadcast a BLOCK_H x BLOCK_N x K
   product through registers and spill easily: 16 rows, BLOCK_N = 16, 4 warps, 2 stages is the one tile
   that compiles clean for every shape under both Triton versions; more rows use more row blocks.
 
 Which candidate is fastest depends on the GPU and is measured (`autotune.py`); the winners are stored
-per (R, D, rows, page size, dtype) in `tuned_configs.json`, shipped with the package.  Without an entry
-the first candidate is used: the largest double-buffered tile of which two programs fit the shared memory
-of a multiprocessor.
+per (R, D, rows, page size, dtype) in `tuned_configs.json`, shipped with the package (measured on an
+H200 on 2026-12-04 for the benchmark's shapes, at pages of 64 and of the runtime's 16).  Without an entry
+the first candidate is used: the whole-R, double-buffered tile with the largest BLOCK_N within
+TILE_BYTES_PREFERRED.
 """
 
 from __future__ import annotations
@@ -72,7 +79,8 @@ WHOLE_ACCUMULATOR_BLOCK_N = 16
 WARPS_8_AT = 8192  # accumulator elements per program from which 8 warps are used
 MAX_BLOCK_H = 64
 SHARED_BUDGET = 200 * 1024  # bytes: Hopper allows 227 KB per block; leave room for the compiler's scratch
-TILE_BYTES_PREFERRED = 48 * 1024  # one stage's cache tile, for the default (first) candidate
+TILE_BYTES_PREFERRED = 72 * 1024  # one stage's cache tile, for the default (first) candidate (module doc)
+WIDE_TILE_BYTES = 48 * 1024  # the largest 128-token tile offered to narrow rows
 BLOCK_N_CHOICES = (64, 32)
 WIDE_BLOCK_N = 128  # an extra candidate for narrow rows (see module doc)
 STAGE_CHOICES = (3, 4, 2)  # 3 = the default (double-buffered), 2 = single-buffered, kept for comparison
@@ -136,10 +144,11 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
     shapes = [(block_h, r_split, num_warps, BLOCK_N_CHOICES, STAGE_CHOICES)]
-    if WIDE_BLOCK_N * width * element_size <= TILE_BYTES_PREFERRED:  # narrow rows: fewer, larger tiles
+    if WIDE_BLOCK_N * width * element_size <= WIDE_TILE_BYTES:  # narrow rows: fewer, larger tiles
         shapes.append((block_h, r_split, num_warps, (WIDE_BLOCK_N,), STAGE_CHOICES))
     if r_split == 2:  # the alternatives: whole R, no duplicated score products (see module doc)
-        shapes.append((max(16, ACCUMULATOR_BUDGET // block_r), 1, 8, BLOCK_N_CHOICES, STAGE_CHOICES))
+        # fewer rows per program, whole R: measured fastest, so first (the default)
+        shapes.insert(0, (max(16, ACCUMULATOR_BUDGET // block_r), 1, 8, BLOCK_N_CHOICES, STAGE_CHOICES))
         if block_h == MAX_BLOCK_H and block_h * block_r <= WHOLE_ACCUMULATOR_LIMIT:
             # pipelined only: new tiles need no single-buffered comparison point (the others give it)
             shapes.append((block_h, 1, 8, (WHOLE_ACCUMULATOR_BLOCK_N,), (3, 4)))
