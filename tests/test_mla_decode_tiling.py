@@ -111,6 +111,29 @@ def test_empty_splits_are_neither_written_nor_read():
         assert torch.isnan(part_lse[seq, :, count:]).all()
 
 
+def test_merge_reads_up_to_the_most_splits_at_once():
+    """The merge loads all of a sequence's splits in one read; at 64 splits (MAX_SPLITS) its split block is
+    64 wide and its column block shrinks to keep the load at MERGE_TILE_ELEMENTS (4 rows: 32 columns,
+    where R = 32 needs one column block).  A 1024-token sequence fills every split, a 3-token one only its first;
+    the unwritten partials hold NaN, which must not reach the output."""
+    from mla_decode_triton.launcher import MAX_SPLITS, MERGE_TILE_ELEMENTS
+
+    inputs = make_decode_inputs(2, 4, 32, 16, [3, 1024], page_size=16, device=DEVICE, seed=64)
+    shape = check_decode_inputs(*inputs.args()[:5], None)
+    config = DecodeConfig(16, 16, num_splits=MAX_SPLITS, num_warps=4, num_stages=2, min_split_tokens=1)
+    launches, out, lse = plan_launches(*inputs.args(), shape, config, torch.float32)
+    merge = launches[1].constexprs
+    assert (merge["BLOCK_ROWS"], merge["BLOCK_S"], merge["BLOCK_C"]) == (4, 64, 32)
+    assert merge["BLOCK_ROWS"] * merge["BLOCK_S"] * merge["BLOCK_C"] == MERGE_TILE_ELEMENTS
+    part_out, part_lse = launches[0].args[5], launches[0].args[6]  # (2, 4, 64, 32), (2, 4, 64)
+    part_out.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    for launch in launches:
+        launch.run()
+    assert torch.isfinite(part_lse[1]).all() and torch.isnan(part_lse[0, :, 1:]).all()
+    assert_matches((out, lse), mla_decode_reference(*inputs.args()), torch.float32)
+
+
 def test_idle_slots_with_length_zero_give_zero_output():
     """A length-0 slot (a finished sequence left in a captured batch) yields out = 0, lse = -inf."""
     inputs = make_decode_inputs(3, 4, 32, 16, [0, 20, 0], page_size=8, device=DEVICE, seed=43)

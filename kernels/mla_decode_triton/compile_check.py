@@ -28,6 +28,7 @@ Run with the interpreter off (the kernels must be real JIT functions):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from mla_decode_triton.configs import TileConfig, candidate_tiles
 from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
 from mla_decode_triton.launcher import (
     INTERPRETED,
+    MAX_SPLITS,
     DecodeConfig,
     min_split_tokens_for,
     plan_launches,
@@ -276,6 +278,9 @@ def check_case(case: Case, tiles: list[TileConfig] | None = None, merge: bool = 
         launches = build_launches(case, config)
         wanted = launches if (merge and index == 0) else launches[:1]
         reports += [compile_launch(launch, case.label(), case.note) for launch in wanted]
+        if merge and index == 0:  # the merge also at the most splits: its widest split block (BLOCK_S)
+            widest = build_launches(case, dataclasses.replace(config, num_splits=MAX_SPLITS))[1]
+            reports.append(compile_launch(widest, case.label(), case.note))
     return reports
 
 

@@ -65,6 +65,8 @@ REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in blocks of thi
 CPU_MAX_SPLITS = 2
 MERGE_BLOCK_C = 128
 MERGE_BLOCK_ROWS = 16
+MERGE_MIN_BLOCK_S = 8
+MERGE_TILE_ELEMENTS = 8192  # fp32 partials one merge program loads at once (32 KB: 64 registers a thread at 4 warps)
 MAX_ROW_ALIGN = 16
 
 INTERPRETED = type(mla_decode_split_kernel).__name__ == "InterpretedFunction"
@@ -367,8 +369,10 @@ def plan_launches(
         )
     ]
     if splits > 1:
-        block_c = min(MERGE_BLOCK_C, pow2_at_least(rank))
         block_rows = min(MERGE_BLOCK_ROWS, pow2_at_least(rows, minimum=1))
+        block_s = pow2_at_least(splits, minimum=MERGE_MIN_BLOCK_S)  # 8, 16, 32 or 64: few compiled variants
+        # (rows, splits, columns) partials are read in one load: the column block shrinks as splits grow
+        block_c = min(MERGE_BLOCK_C, pow2_at_least(rank), max(1, MERGE_TILE_ELEMENTS // (block_rows * block_s)))
         launches.append(
             KernelLaunch(
                 kernel=mla_decode_merge_kernel,
@@ -382,6 +386,7 @@ def plan_launches(
                     SPLIT_BLOCK_N=config.block_n,
                     BLOCK_ROWS=block_rows,
                     BLOCK_C=block_c,
+                    BLOCK_S=block_s,
                 ),
                 num_warps=4,
                 num_stages=2,
