@@ -74,9 +74,13 @@ def test_split_sweep_compares_the_launchers_count_with_the_fastest(bench):
     body = bench.render(synthetic_run())
     row = next(line for line in body.splitlines() if line.startswith("| 512+64 x16 | 64 | 4096 | H16 r1 N32 w8 st3 "))
     cells = [cell.strip() for cell in row.split("|")][1:-1]
-    assert cells[4:10] == ["2", "4", "120.0", "4", "120.0", "1.00"]
-    assert cells[10] == "1: 400, 2: 220, 4: 120, 5: 150"
+    assert cells[4:12] == ["2", "4", "120.0", "-", "-", "4", "120.0", "1.00"]  # parts not timed in this run
+    assert cells[12] == "1: 400, 2: 220, 4: 120, 5: 150"
     assert "| 64+32 x9 | 16 | 4096 | failed: OutOfMemoryError: ... |" in body
+    run = synthetic_run()
+    run["split_sweep"][0]["parts_ms"] = {"split": 0.09, "merge": 0.011}
+    row = next(line for line in bench.render(run).splitlines() if line.startswith("| 512+64 x16 | 64 | 4096 "))
+    assert [cell.strip() for cell in row.split("|")][8:10] == ["90.0", "11.0"]
 
 
 def test_tuning_and_split_tables_say_how_they_were_timed(bench):
@@ -87,7 +91,7 @@ def test_tuning_and_split_tables_say_how_they_were_timed(bench):
     old_run["meta"]["tuning_timer"] = "graph"
     body = bench.render(old_run)
     assert "every candidate tile timed once per shape, replayed from a CUDA graph):" in body
-    assert "same tile, replayed from a CUDA graph:" in body and "eager launches" not in body
+    assert "same tile, replayed from a CUDA graph;" in body and "eager launches" not in body
 
 
 def test_memory_bound_summary_compares_graph_times_with_the_large_copy(bench):
@@ -146,6 +150,7 @@ def test_dry_run_measures_renders_and_writes_json(tmp_path):
     for entry in results["split_sweep"]:
         assert {"1", "2", "3", str(entry["chosen"])} == set(entry["times_ms"]), entry
         assert all(ms > 0 for ms in entry["times_ms"].values())
+        assert set(entry["parts_ms"]) == ({"split", "merge"} if entry["chosen"] > 1 else {"split"}), entry
     assert "Split counts (`launcher.splits_for_gpu`" in done.stdout
     assert {entry["shape"] for entry in results["tuning"]} == {"512+64 x3", "144+48 x3", "64+32 x3"}
     # every shape tuned at the run's pages (16 in a dry run) and then again at the second page size, last
