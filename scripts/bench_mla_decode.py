@@ -173,7 +173,7 @@ def gpu_time_ms(fn, on_cuda: bool, rep_ms: int) -> float:
     return measured(fn, on_cuda, rep_ms)
 
 
-def graph_time_ms(torch, fn, rep_ms: int) -> float:
+def graph_time_ms(fn, rep_ms: int) -> float:
     """Time of `fn` replayed from a CUDA graph (L2 still flushed between runs): the GPU's own time.
 
     Eager timings of small cases measure Python launch work (argument checks, config lookup, two launches)
@@ -190,7 +190,7 @@ def copy_ms(torch, size: int, device, on_cuda: bool, rep_ms: int, graph: bool = 
     source.random_(0, 255)
     target = torch.empty_like(source)
     if graph:
-        return graph_time_ms(torch, lambda: target.copy_(source), rep_ms)
+        return graph_time_ms(lambda: target.copy_(source), rep_ms)
     return time_ms(lambda: target.copy_(source), on_cuda, rep_ms)  # both freed on return
 
 
@@ -260,9 +260,9 @@ def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, dev
     row["dense_ms"] = time_ms(lambda: dense_decode(q_latent, q_rope, scale), on_cuda, args.rep_ms)
     if on_cuda:  # the same three, replayed from CUDA graphs (launch overhead out)
         try:
-            row["kernel_graph_ms"] = graph_time_ms(torch, lambda: mla.mla_decode(*inputs, config=config), args.rep_ms)
+            row["kernel_graph_ms"] = graph_time_ms(lambda: mla.mla_decode(*inputs, config=config), args.rep_ms)
             row["copy_graph_ms"] = copy_ms(torch, cache_bytes, device, on_cuda, args.rep_ms, graph=True)
-            row["dense_graph_ms"] = graph_time_ms(torch, lambda: dense_decode(q_latent, q_rope, scale), args.rep_ms)
+            row["dense_graph_ms"] = graph_time_ms(lambda: dense_decode(q_latent, q_rope, scale), args.rep_ms)
         except Exception as error:  # a capture that fails is reported, the eager numbers stay
             row["graph_error"] = f"{type(error).__name__}: {error}"[:200]
     row["reference_ms"] = None

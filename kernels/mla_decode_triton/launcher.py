@@ -5,7 +5,8 @@ Choices and why (none of this changes results beyond fp rounding; tests pin that
 * The tile (rows per program BLOCK_H, R split, tokens per tile BLOCK_N, warps, pipeline stages) comes
   from `configs.py`: the measured table when it has the shape, else the first of the shape's candidate
   tiles, every one of which `compile_check` proves spill-free on sm_90.  BLOCK_H covers every query row
-  of a sequence up to 64, so all heads share each cache tile.
+  of a sequence up to 64 (at R = 512 up to 32 by default, measured faster), so the heads of a row block
+  share each cache tile.
 * num_splits (flash-decoding): decode with a small batch has far fewer (sequence, row block) programs
   than multiprocessors, so each context is cut into chunks handled in parallel and merged afterwards.
   The count is chosen in whole waves: the GPU runs `multiprocessors x resident` programs at once
