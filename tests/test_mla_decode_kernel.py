@@ -283,19 +283,54 @@ def test_choose_config_shares_tiles_across_heads():
 def test_narrow_rows_also_get_128_token_tiles_after_the_default():
     """Rows up to 192 padded columns get 128-token candidates (a tile within WIDE_TILE_BYTES), placed
     after every other tile, so the default stays the 64-token one (the H200's 6-12 % preference for 128
-    tokens at 64+32 lives in the shipped table); wider rows (SmolLM2 2x at 144+48 pads to 320 columns,
-    DeepSeek's 576) do not get them."""
+    tokens at 64+32 lives in the shipped table); wider rows (DeepSeek's 576) do not get them.  SmolLM2
+    2x at 144+48 qualifies since its row is cut into 128 + 64 columns (it padded to 256 + 64 before)."""
     from mla_decode_triton.configs import WIDE_BLOCK_N, WIDE_TILE_BYTES
 
-    for rank, rope_dim, heads in [(64, 32, 9), (24, 8, 8), (4, 4, 8), (128, 64, 64)]:
+    for rank, rope_dim, heads in [(64, 32, 9), (24, 8, 8), (4, 4, 8), (128, 64, 64), (144, 48, 9)]:
         tiles = candidate_tiles(rank, rope_dim, heads, torch.bfloat16)
         wide = [index for index, tile in enumerate(tiles) if tile.block_n == WIDE_BLOCK_N]
         assert wide and wide == list(range(len(tiles) - len(wide), len(tiles))), (rank, rope_dim)
         assert tiles[0].block_n == 64 and tiles[0].num_stages == 3
-    for rank, rope_dim, heads in [(144, 48, 9), (512, 64, 16), (512, 64, 128)]:
+    for rank, rope_dim, heads in [(256, 64, 9), (512, 64, 16), (512, 64, 128)]:
         assert all(tile.block_n < WIDE_BLOCK_N for tile in candidate_tiles(rank, rope_dim, heads, torch.bfloat16))
     assert WIDE_BLOCK_N * (128 + 64) * 2 == WIDE_TILE_BYTES  # the widest row that qualifies
 
+
+
+def test_rows_are_cut_into_the_two_blocks_with_the_fewest_padded_columns():
+    """configs.row_blocks: a power-of-two latent stays whole (the tail is the rope key); otherwise the cut
+    main + tail is taken when it pads less, as at SmolLM2 2x (144+48 -> 128 + 64, no padding at all,
+    against 256 + 64); where cutting pads more (255+64 -> 128 + 256) or as much (48+24 -> 32 + 64 =
+    64 + 32) the latent stays whole; latents under 16 columns are padded to tl.dot's 16."""
+    from mla_decode_triton.configs import RowBlocks, candidate_tiles, row_blocks
+
+    expected = {
+        (512, 64): RowBlocks(512, 64), (64, 32): RowBlocks(64, 32), (144, 48): RowBlocks(128, 64),
+        (300, 64): RowBlocks(256, 128), (255, 64): RowBlocks(256, 64), (48, 24): RowBlocks(64, 32),
+        (4, 4): RowBlocks(16, 16), (20, 6): RowBlocks(16, 16), (100, 12): RowBlocks(64, 64),
+    }
+    for (rank, rope_dim), blocks in expected.items():
+        assert row_blocks(rank, rope_dim) == blocks, (rank, rope_dim)
+        assert blocks.width >= rank + rope_dim
+        assert blocks.tail_has_latent(rank) == (blocks.main < rank)
+    # A cut latent is never R-split (the kernel asserts it): 64 rows of 300+64 accumulate 384 columns,
+    # over ACCUMULATOR_BUDGET, so they get 32-row programs instead.
+    assert all(tile.r_split == 1 and tile.block_h == 32 for tile in candidate_tiles(300, 64, 64, torch.bfloat16))
+    assert any(tile.r_split == 2 for tile in candidate_tiles(512, 64, 64, torch.bfloat16))
+
+
+@needs_kernel_device
+def test_an_r_split_of_a_cut_latent_is_refused():
+    """R_SPLIT halves the main block between two programs; with latent columns in the tail neither half
+    would own them, so a config that asks for it is refused before any launch (kernel.py asserts the same)."""
+    from mla_decode_triton import DecodeConfig
+
+    inputs = make_decode_inputs(1, 16, 144, 48, [40], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=3)
+    config = DecodeConfig(block_h=16, r_split=2, block_n=32, num_warps=4, num_stages=3, num_splits=1,
+                          min_split_tokens=32)
+    with pytest.raises(MLADecodeInputError, match="r_split=2 needs a power-of-two latent width \\(R=144 is cut"):
+        mla_decode(*inputs.args(), config=config)
 
 def _gpu_splits(shape, max_seq_len=None, mean_seq_len=None, dtype=torch.bfloat16, resident=2):
     from mla_decode_triton.configs import choose_tile
@@ -460,3 +495,28 @@ def test_gpu_first_launch_records_programs_per_multiprocessor():
     assert config.num_splits == launcher.splits_for_gpu(
         shape, tile, element, launcher._multiprocessor_count(0), 1024, 1024, resident)
     assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize(
+    "heads, rank, rope_dim, lens, num_splits, dtype",
+    [
+        (9, 144, 48, [1, 70, 129], 3, torch.bfloat16),  # SmolLM2 2x: 128 + a tail of 16 latent, 48 rope columns
+        (9, 144, 48, [1, 70, 129], 3, torch.float32),  # the same on the exact fp32 path
+        (4, 300, 64, [5, 90], 2, torch.float32),  # a tail of 128 columns: 44 latent, 64 rope, 20 padding
+        (36, 160, 32, [33, 64], 1, torch.bfloat16),  # 36 heads in one 64-row program; one split writes the output
+    ],
+)
+def test_a_latent_cut_into_main_and_tail_blocks_matches_the_reference(heads, rank, rope_dim, lens, num_splits,
+                                                                      dtype):
+    """Where R is not a power of two the row is cut into a main block and a tail that holds the latent's
+    last columns before the rope key (configs.row_blocks): the tail then takes part in both products and
+    its latent columns are stored.  NaN past each length must still stay out."""
+    from mla_decode_triton.configs import row_blocks
+
+    assert row_blocks(rank, rope_dim).tail_has_latent(rank)  # the path under test
+    inputs = make_decode_inputs(len(lens), heads, rank, rope_dim, lens, page_size=16, dtype=dtype, device=DEVICE,
+                                seed=rank, poison=float("nan"))
+    out, lse = mla_decode(*inputs.args(), num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    assert_matches((out, lse), mla_decode_reference(*inputs.args()), dtype)

@@ -29,6 +29,11 @@ The rules, from those compiles:
     compiles without spills, at 214 registers under Triton 3.6 and 249 under 3.9 (32-token tiles spill
     16 B under 3.9; 16 warps spill 328 B); 128 heads then read each cache tile twice, not four times.
 * num_warps: 8 once the accumulator per program reaches 8K elements, else 4.
+* Row blocks (`row_blocks`, see kernel.py): a latent that is not a power of two is cut into a main
+  block and a tail shared with the rope key when that pads fewer columns (144+48: 128 + 64 instead of
+  256 + 64); such a latent is never R-split, so its programs take fewer rows when the accumulator
+  (main + tail columns) would pass ACCUMULATOR_BUDGET.  Every width below (tile bytes, shared memory)
+  is the two blocks' width.
 * num_stages: 3 by default, because that is the first count at which the cache read overlaps the
   products.  Read from the compiled loops (`compile_check`, columns "buffers" and "in flight"): with
   2 stages every tile is single-buffered for mma.sync and the loop waits for all its copies at the top
@@ -46,7 +51,8 @@ The rules, from those compiles:
   double-buffered 64-token tile leaves room for one program per multiprocessor, not two (column
   "programs / SM" of the compile check in BENCHMARKS.md).  Until then the budget was 48 KB, which kept
   512+64 at 32-token tiles.
-* Narrow rows (up to 192 padded columns, e.g. SmolLM2 4x at 64+32: 12 KB per 64-token tile) also get
+* Narrow rows (up to 192 padded columns, e.g. SmolLM2 4x at 64+32: 12 KB per 64-token tile, and 2x at
+  144+48 since its row is cut to 192 columns) also get
   WIDE_BLOCK_N = 128-token tiles, after the others, while such a tile fits WIDE_TILE_BYTES.  On
   the H200 (2026-11-30) a 64-token 64+32 tile took about 3.2 us (BENCHMARKS.md), mostly waiting on
   memory, and 64 tokens beat 32 by 1.5x; a 128-token tile halves the loop iterations per split, each
@@ -108,6 +114,52 @@ def pow2_at_least(value: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(value) - 1).bit_length())
 
 
+def pow2_at_most(value: int) -> int:
+    return 1 << (max(1, int(value)).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """How the kernel cuts a cache row of R + D columns into two power-of-two blocks (tl.dot needs them).
+
+    The main block holds latent columns [0, main); the tail block holds the `tail` columns from
+    tail_start = min(R, main), so it is the rope key alone when main >= R, and the latent's last columns
+    followed by the rope key when main < R.  Padding columns are masked (never read) but still cost
+    shared memory and tensor-core work, so the cut with fewer padded columns wins: at SmolLM2 2x's
+    144+48, 128 + 64 = 192 columns (no padding) against 256 + 64 = 320 when the latent is padded whole.
+    """
+
+    main: int  # BLOCK_R: latent columns [0, main) (masked to R when main > R)
+    tail: int  # BLOCK_T: row columns [tail_start, tail_start + tail), masked to R + D
+
+    @property
+    def width(self) -> int:
+        return self.main + self.tail
+
+    def tail_has_latent(self, rank: int) -> bool:
+        """The tail holds latent columns, so the products with the probabilities also need it."""
+        return self.main < rank
+
+    def accumulator_width(self, rank: int) -> int:
+        """fp32 output columns one whole-R program accumulates."""
+        return self.width if self.tail_has_latent(rank) else self.main
+
+
+@functools.lru_cache(maxsize=512)
+def row_blocks(rank: int, rope_dim: int) -> RowBlocks:
+    """The cut of a cache row into the kernel's two blocks with the fewest padded columns (see RowBlocks).
+
+    Ties keep the latent whole (no latent columns in the tail, so no third product per tile).
+    """
+    padded = RowBlocks(pow2_at_least(rank), pow2_at_least(rope_dim))
+    main = pow2_at_most(rank)
+    if main >= 16 and main < rank:
+        cut = RowBlocks(main, pow2_at_least(rank + rope_dim - main))
+        if cut.width < padded.width:
+            return cut
+    return padded
+
+
 def cache_buffers(tile: TileConfig, element_size: int) -> int:
     """Cache tiles the compiled loop keeps in shared memory (what `compile_check` reads from the compiler).
 
@@ -121,7 +173,7 @@ def cache_buffers(tile: TileConfig, element_size: int) -> int:
 
 def shared_bytes_estimate(rank: int, rope_dim: int, tile: TileConfig, element_size: int) -> int:
     """Buffered cache tiles (all R + D columns: the score needs them) plus the queries kept on chip."""
-    width = pow2_at_least(rank) + pow2_at_least(rope_dim)
+    width = row_blocks(rank, rope_dim).width
     return (cache_buffers(tile, element_size) * tile.block_n + tile.block_h) * width * element_size
 
 
@@ -132,15 +184,19 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     Cached: it is asked on every decode call, and a tuple, so no caller can change the cached answer.
     """
     element_size = torch.empty((), dtype=cache_dtype).element_size()
-    block_r = pow2_at_least(rank)
-    width = block_r + pow2_at_least(rope_dim)
+    blocks = row_blocks(rank, rope_dim)
+    block_r, width = blocks.main, blocks.width
+    # A latent cut into main + tail cannot be R-split (kernel.py): fewer rows per program instead.
+    max_block_h = MAX_BLOCK_H
+    if blocks.tail_has_latent(rank):
+        max_block_h = min(MAX_BLOCK_H, max(16, pow2_at_most(ACCUMULATOR_BUDGET // blocks.accumulator_width(rank))))
     if cache_dtype == torch.float32:
-        block_h = min(pow2_at_least(rows), FP32_TILE["max_block_h"])
-        r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET // 2 else 1
+        block_h = min(pow2_at_least(rows), FP32_TILE["max_block_h"], max_block_h)
+        r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET // 2 and not blocks.tail_has_latent(rank) else 1
         return (TileConfig(block_h, r_split, FP32_TILE["block_n"], FP32_TILE["num_warps"], FP32_TILE["num_stages"]),)
-    block_h = min(pow2_at_least(rows), MAX_BLOCK_H)
-    r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET else 1
-    num_warps = 8 if block_h * block_r // r_split >= WARPS_8_AT else 4
+    block_h = min(pow2_at_least(rows), max_block_h)
+    r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET and not blocks.tail_has_latent(rank) else 1
+    num_warps = 8 if block_h * blocks.accumulator_width(rank) // r_split >= WARPS_8_AT else 4
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
     shapes = [(block_h, r_split, num_warps, BLOCK_N_CHOICES, STAGE_CHOICES)]

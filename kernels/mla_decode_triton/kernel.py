@@ -23,6 +23,18 @@ both programs compute the scores (1.5x the tensor-core work at 512+64), which is
 offers whole-R tiles for these shapes (32 rows, or 64 rows with 16-token tiles) and lets the autotuner
 choose.
 
+Row blocks.  tl.dot wants power-of-two block widths, so a cache row of R + D columns is read as two
+blocks (`configs.row_blocks`): a main block of latent columns [0, BLOCK_R) and a tail of BLOCK_T columns
+from min(R, BLOCK_R).  With a power-of-two R the tail is the rope key; otherwise the row may be cut
+below R, and the tail holds the latent's last columns and then the rope key.  Both blocks take part
+in the scores (the tail's query is the latent query on its latent columns and the rope query on the
+rest); with latent in the tail it also takes part in the product with the probabilities, and its
+latent columns are stored.  At SmolLM2 2x (144+48) the cut is 128 + 64 = the 192 columns of the row,
+where padding the latent whole gave 256 + 64: 40 % fewer columns in shared memory and in the
+products, 96-104 registers instead of 136-146 (compiled for sm_90), and on the H200 (2026-12-04) a
+1.12x faster step at batch 64, context 4K (BENCHMARKS.md).  An R split needs the whole latent in the
+main block, so cut latents never use it.
+
 Query rows.  A row is one (query token, head) pair; rows are numbered token-major, row = i * heads + h,
 so a single decode token is just q_len = 1.  With several query tokens per sequence (speculative
 decoding) query i sits at position seq_len - q_len + i and may only see tokens below
@@ -110,8 +122,9 @@ def mla_decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # query rows per program (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # cache tokens per tile
-    BLOCK_R: tl.constexpr,  # next power of two >= R (>= 16)
-    BLOCK_D: tl.constexpr,  # next power of two >= D (>= 16)
+    BLOCK_R: tl.constexpr,  # main block: latent columns [0, BLOCK_R), a power of two >= 16 (configs.row_blocks)
+    BLOCK_T: tl.constexpr,  # tail block: row columns [min(R, BLOCK_R), + BLOCK_T): the rope key, after the
+    #                         latent's last R - BLOCK_R columns when BLOCK_R < R; a power of two >= 16
     R_SPLIT: tl.constexpr,  # 1 or 2: programs that share one (row block, split), each owning BLOCK_R / R_SPLIT columns
     ROW_ALIGN: tl.constexpr,  # power of two dividing the page and token strides (vectorisation hint)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the products: the cache dtype, or fp32 (see launcher)
@@ -138,17 +151,21 @@ def mla_decode_split_kernel(
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, seq_len)
 
-    BLOCK_RC: tl.constexpr = BLOCK_R // R_SPLIT  # output columns owned by this program
+    BLOCK_RC: tl.constexpr = BLOCK_R // R_SPLIT  # main-block output columns owned by this program
+    TAIL_HAS_LATENT: tl.constexpr = BLOCK_R < KV_LORA_RANK  # the tail also holds output columns
+    TAIL_START: tl.constexpr = BLOCK_R if BLOCK_R < KV_LORA_RANK else KV_LORA_RANK
+    tl.static_assert(R_SPLIT == 1 or not TAIL_HAS_LATENT, "an R split needs the whole latent in the main block")
     rows = pid_rows * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
     row_ok = rows < num_rows
     query_index = rows // heads
     key_limit = seq_len - q_len + query_index + 1  # (BLOCK_H,): row sees tokens t < key_limit
     cols_own = r_part * BLOCK_RC + tl.arange(0, BLOCK_RC)  # (BLOCK_RC,) latent columns accumulated here
     cols_other = (1 - r_part) * BLOCK_RC + tl.arange(0, BLOCK_RC)  # the other half (used when R_SPLIT == 2)
-    cols_d = tl.arange(0, BLOCK_D)
+    cols_t = TAIL_START + tl.arange(0, BLOCK_T)  # (BLOCK_T,) row columns of the tail block
     own_ok = cols_own < KV_LORA_RANK
     other_ok = cols_other < KV_LORA_RANK
-    d_ok = cols_d < ROPE_DIM
+    t_ok = cols_t < KV_LORA_RANK + ROPE_DIM
+    t_rope = (cols_t >= KV_LORA_RANK) & t_ok  # tail columns that are rope-key columns
 
     cache_dtype = kv_cache_ptr.dtype.element_ty
     q_base = q_latent_ptr + seq * stride_qlat_b + rows[:, None] * stride_qlat_r
@@ -159,15 +176,24 @@ def mla_decode_split_kernel(
         q_other = tl.load(
             q_base + cols_other[None, :] * stride_qlat_c, mask=row_ok[:, None] & other_ok[None, :], other=0.0
         ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_H, BLOCK_RC)
-    q_rope = tl.load(
-        q_rope_ptr + seq * stride_qrope_b + rows[:, None] * stride_qrope_r + cols_d[None, :] * stride_qrope_c,
-        mask=row_ok[:, None] & d_ok[None, :],
+    # The tail's query: the rope query on rope columns, the latent query on the latent's last columns.
+    q_tail = tl.load(
+        q_rope_ptr + seq * stride_qrope_b + rows[:, None] * stride_qrope_r
+        + (cols_t - KV_LORA_RANK)[None, :] * stride_qrope_c,
+        mask=row_ok[:, None] & t_rope[None, :],
         other=0.0,
-    ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_H, BLOCK_D)
+    )  # (BLOCK_H, BLOCK_T)
+    if TAIL_HAS_LATENT:
+        q_tail += tl.load(
+            q_base + cols_t[None, :] * stride_qlat_c, mask=row_ok[:, None] & (cols_t < KV_LORA_RANK)[None, :], other=0.0
+        ).to(q_tail.dtype)  # the two masks are disjoint: each column comes from one of the two loads
+    q_tail = q_tail.to(cache_dtype).to(DOT_DTYPE)
 
     running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # base-2 max score per row
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of exp2(score - running_max)
     acc = tl.zeros([BLOCK_H, BLOCK_RC], dtype=tl.float32)  # unnormalised sum of p_t * c_t, own columns
+    if TAIL_HAS_LATENT:
+        acc_tail = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)  # the same over the tail (rope part unused)
 
     # Gather through the page table.  Tiles start at multiples of BLOCK_N (splits are whole tiles), so
     # when BLOCK_N divides PAGE_SIZE a tile lies in one page and needs one page id (a scalar); when
@@ -215,11 +241,11 @@ def mla_decode_split_kernel(
         latent = tl.load(
             row_ptr + cols_own[None, :] * stride_kv_c, mask=token_ok[:, None] & own_ok[None, :], other=0.0
         ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_RC): keys (nope side) and values at once
-        rope_key = tl.load(
-            row_ptr + (KV_LORA_RANK + cols_d[None, :]) * stride_kv_c,
-            mask=token_ok[:, None] & d_ok[None, :],
+        tail = tl.load(
+            row_ptr + cols_t[None, :] * stride_kv_c,
+            mask=token_ok[:, None] & t_ok[None, :],
             other=0.0,
-        ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_D)
+        ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_T): the rope key (and the latent's last columns)
 
         scores = tl.dot(q_own, tl.trans(latent), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) fp32
         if R_SPLIT == 2:
@@ -227,7 +253,7 @@ def mla_decode_split_kernel(
                 row_ptr + cols_other[None, :] * stride_kv_c, mask=token_ok[:, None] & other_ok[None, :], other=0.0
             ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_RC): only for the scores
             scores += tl.dot(q_other, tl.trans(latent_other), input_precision=DOT_PRECISION)
-        scores += tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_tail, tl.trans(tail), input_precision=DOT_PRECISION)
         scores = scores * scale_log2
         visible = token_ok[None, :] & (tokens[None, :] < key_limit[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -240,7 +266,10 @@ def mla_decode_split_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         acc = acc * rescale[:, None]
         # probs are rounded to the cache dtype first, exactly as the tensor-core path does.
-        acc = tl.dot(probs.to(cache_dtype).to(DOT_DTYPE), latent, acc, input_precision=DOT_PRECISION)
+        probs_rounded = probs.to(cache_dtype).to(DOT_DTYPE)
+        acc = tl.dot(probs_rounded, latent, acc, input_precision=DOT_PRECISION)
+        if TAIL_HAS_LATENT:
+            acc_tail = tl.dot(probs_rounded, tail, acc_tail * rescale[:, None], input_precision=DOT_PRECISION)
         running_max = new_max
 
     has_tokens = running_sum > 0.0
@@ -257,6 +286,13 @@ def mla_decode_split_kernel(
         out.to(part_out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & own_ok[None, :],
     )
+    if TAIL_HAS_LATENT:
+        tl.store(
+            part_out_ptr + seq * stride_po_b + rows[:, None] * stride_po_r + split * stride_po_s
+            + cols_t[None, :] * stride_po_c,
+            (acc_tail / safe_sum[:, None]).to(part_out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (cols_t < KV_LORA_RANK)[None, :],
+        )
     if r_part == 0:  # every R part computed the same lse; one of them stores it
         tl.store(part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r + split * stride_pl_s, lse, mask=row_ok)
 

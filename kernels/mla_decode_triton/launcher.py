@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from mla_decode_triton.configs import TileConfig, choose_tile, pow2_at_least
+from mla_decode_triton.configs import TileConfig, choose_tile, pow2_at_least, row_blocks
 from mla_decode_triton.errors import MLADecodeInputError
 from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
 from mla_decode_triton.kernel import LOG2E, mla_decode_merge_kernel, mla_decode_split_kernel
@@ -279,14 +279,17 @@ def _check_runnable(device: torch.device) -> None:
 
 def _check_config(config: DecodeConfig, shape: DecodeShape) -> None:
     """Reject configs the kernel cannot run correctly (they come from callers, benchmarks and tuners)."""
-    block_r = pow2_at_least(shape.kv_lora_rank)
+    blocks = row_blocks(shape.kv_lora_rank, shape.rope_dim)
     problems = []
     if config.block_h < 16 or config.block_h & (config.block_h - 1):
         problems.append(f"block_h={config.block_h} is not a power of two >= 16")
     if config.block_n < 16 or config.block_n & (config.block_n - 1):
         problems.append(f"block_n={config.block_n} is not a power of two >= 16")
-    if config.r_split not in (1, 2) or block_r // config.r_split < 16:
+    if config.r_split not in (1, 2) or blocks.main // config.r_split < 16:
         problems.append(f"r_split={config.r_split} must be 1 or 2 with at least 16 columns per part")
+    elif config.r_split == 2 and blocks.tail_has_latent(shape.kv_lora_rank):
+        problems.append(f"r_split=2 needs a power-of-two latent width (R={shape.kv_lora_rank} is cut into "
+                        f"{blocks.main} + a tail of {blocks.tail} columns)")
     if config.num_splits < 1 or config.min_split_tokens < 1:
         problems.append("num_splits and min_split_tokens must be at least 1")
     if problems:
@@ -340,6 +343,7 @@ def plan_launches(
         part_lse = torch.empty((batch, rows, splits), dtype=torch.float32, device=device)
 
     dot_dtype = _dot_dtype(kv_cache.dtype)
+    blocks = row_blocks(rank, rope_dim)
     launches = [
         KernelLaunch(
             kernel=mla_decode_split_kernel,
@@ -358,8 +362,8 @@ def plan_launches(
                 PAGE_SIZE=shape.page_size,
                 BLOCK_H=config.block_h,
                 BLOCK_N=config.block_n,
-                BLOCK_R=pow2_at_least(rank),
-                BLOCK_D=pow2_at_least(rope_dim),
+                BLOCK_R=blocks.main,
+                BLOCK_T=blocks.tail,
                 R_SPLIT=config.r_split,
                 ROW_ALIGN=row_alignment(kv_cache),
                 DOT_DTYPE=dot_dtype,
