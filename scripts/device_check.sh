@@ -6,7 +6,7 @@
 #   OUT=/some/folder STORIES=path/to/stories260k bash scripts/device_check.sh     (-h / --help: this text)
 #   (relative paths in OUT, STORIES, CALIB_TEXT, EVAL_TEXT count from the folder it is started in)
 #
-# Prepare the assets once with scripts/prepare_device_assets.sh.  SKIP_KERNEL=1 runs the conversion part alone, CASES="key ..." only those cases (see --cases); CONVERT_LIMIT (seconds, default 180) caps it.  The texts are halves
+# Prepare the assets once with scripts/prepare_device_assets.sh.  SKIP_KERNEL=1 runs the conversion part alone, CASES="key ..." only those cases (see --cases); CONVERT_LIMIT (seconds, default 170) caps it.  The texts are halves
 # of ../shared/data/tinystories-valid-excerpt.txt (calibration / held-out), copied beside stories260K.
 # Everything it writes is packed into $OUT/device_check.tgz (plus $OUT/summary.txt), because a device
 # run hands back only a few files.  Needs only what the GPU image has (torch, triton, transformers,
@@ -36,7 +36,7 @@ export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 
 if [ -z "${SKIP_KERNEL:-}" ]; then
-  OUT="$WORK/kernel" timeout --kill-after=5 290 bash scripts/device_kernel_check.sh > "$WORK/kernel.log" 2>&1
+  OUT="$WORK/kernel" timeout --kill-after=5 310 bash scripts/device_kernel_check.sh > "$WORK/kernel.log" 2>&1
   echo "kernel rc=$? $((SECONDS - start))s" | tee -a "$WORK/summary.txt"
   tail -n 8 "$WORK/kernel.log"
 fi
@@ -44,7 +44,7 @@ pack() { tar czf "$FINAL/device_check.tgz" -C "$WORK" --exclude=convert/work . &
 pack  # what is done so far comes back even if the run is cut short later
 
 step=$SECONDS
-timeout --kill-after=5 "${CONVERT_LIMIT:-180}" python scripts/device_convert_check.py --out "$WORK/convert" ${CASES:+--cases $CASES} \
+timeout --kill-after=5 "${CONVERT_LIMIT:-170}" python scripts/device_convert_check.py --out "$WORK/convert" ${CASES:+--cases $CASES} \
   --stories "${STORIES:-$PWD/.device_assets/stories260k}" --calib-text "${CALIB_TEXT:-$PWD/.device_assets/texts/calibration.txt}" \
   --eval-text "${EVAL_TEXT:-$PWD/.device_assets/texts/held-out.txt}" > "$WORK/convert.log" 2>&1
 echo "convert rc=$? $((SECONDS - step))s" | tee -a "$WORK/summary.txt"
