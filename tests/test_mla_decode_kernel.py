@@ -302,13 +302,14 @@ def test_rows_are_cut_into_the_two_blocks_with_the_fewest_padded_columns():
     """configs.row_blocks: a power-of-two latent stays whole (the tail is the rope key); otherwise the cut
     main + tail is taken when it pads less, as at SmolLM2 2x (144+48 -> 128 + 64, no padding at all,
     against 256 + 64); where cutting pads more (255+64 -> 128 + 256) or as much (48+24 -> 32 + 64 =
-    64 + 32) the latent stays whole; latents under 16 columns are padded to tl.dot's 16."""
+    64 + 32), or the main block would be under CUT_MIN_MAIN = 64 columns (20+6), the latent stays whole;
+    latents under 16 columns are padded to tl.dot's 16."""
     from mla_decode_triton.configs import RowBlocks, candidate_tiles, row_blocks
 
     expected = {
         (512, 64): RowBlocks(512, 64), (64, 32): RowBlocks(64, 32), (144, 48): RowBlocks(128, 64),
         (300, 64): RowBlocks(256, 128), (255, 64): RowBlocks(256, 64), (48, 24): RowBlocks(64, 32),
-        (4, 4): RowBlocks(16, 16), (20, 6): RowBlocks(16, 16), (100, 12): RowBlocks(64, 64),
+        (4, 4): RowBlocks(16, 16), (20, 6): RowBlocks(32, 16), (100, 12): RowBlocks(64, 64),
     }
     for (rank, rope_dim), blocks in expected.items():
         assert row_blocks(rank, rope_dim) == blocks, (rank, rope_dim)

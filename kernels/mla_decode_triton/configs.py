@@ -30,10 +30,10 @@ The rules, from those compiles:
     16 B under 3.9; 16 warps spill 328 B); 128 heads then read each cache tile twice, not four times.
 * num_warps: 8 once the accumulator per program reaches 8K elements, else 4.
 * Row blocks (`row_blocks`, see kernel.py): a latent that is not a power of two is cut into a main
-  block and a tail shared with the rope key when that pads fewer columns (144+48: 128 + 64 instead of
-  256 + 64); such a latent is never R-split, so its programs take fewer rows when the accumulator
-  (main + tail columns) would pass ACCUMULATOR_BUDGET.  Every width below (tile bytes, shared memory)
-  is the two blocks' width.
+  block of at least CUT_MIN_MAIN columns and a tail shared with the rope key when that pads fewer
+  columns (144+48: 128 + 64 instead of 256 + 64); such a latent is never R-split, so its programs
+  take fewer rows when the accumulator (main + tail columns) would pass ACCUMULATOR_BUDGET.  Every
+  width below (tile bytes, shared memory) is the two blocks' width.
 * num_stages: 3 by default, because that is the first count at which the cache read overlaps the
   products.  Read from the compiled loops (`compile_check`, columns "buffers" and "in flight"): with
   2 stages every tile is single-buffered for mma.sync and the loop waits for all its copies at the top
@@ -84,6 +84,7 @@ WHOLE_ACCUMULATOR_LIMIT = 32768  # ... and with the whole-R 64-row tiles (64 x 5
 WHOLE_ACCUMULATOR_BLOCK_N = 16
 WARPS_8_AT = 8192  # accumulator elements per program from which 8 warps are used
 MAX_BLOCK_H = 64
+CUT_MIN_MAIN = 64  # the narrowest main block a latent is cut at (row_blocks)
 SHARED_BUDGET = 200 * 1024  # bytes: Hopper allows 227 KB per block; leave room for the compiler's scratch
 TILE_BYTES_PREFERRED = 72 * 1024  # one stage's cache tile, for the default (first) candidate (module doc)
 WIDE_TILE_BYTES = 48 * 1024  # the largest 128-token tile offered to narrow rows
@@ -149,11 +150,14 @@ class RowBlocks:
 def row_blocks(rank: int, rope_dim: int) -> RowBlocks:
     """The cut of a cache row into the kernel's two blocks with the fewest padded columns (see RowBlocks).
 
-    Ties keep the latent whole (no latent columns in the tail, so no third product per tile).
+    Ties keep the latent whole (no latent columns in the tail, so no fourth product per tile), and so do
+    latents under CUT_MIN_MAIN columns: compiled for sm_90, cutting 20+6 or 24+8 into 16 + 16 saved 16
+    padded columns but tripled the tensor-core instructions per tile (10 -> 32 at 64-token tiles) and
+    took up to 80 more registers.
     """
     padded = RowBlocks(pow2_at_least(rank), pow2_at_least(rope_dim))
     main = pow2_at_most(rank)
-    if main >= 16 and main < rank:
+    if CUT_MIN_MAIN <= main < rank:
         cut = RowBlocks(main, pow2_at_least(rank + rope_dim - main))
         if cut.width < padded.width:
             return cut
