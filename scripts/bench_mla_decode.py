@@ -229,6 +229,10 @@ def sweep_splits(torch, mla, rank, rope_dim, heads, batch, context, args, dtype,
     parts = {"split": gpu_time_ms(launches[0].run, on_cuda, args.rep_ms)}
     if len(launches) > 1:
         parts["merge"] = gpu_time_ms(launches[1].run, on_cuda, args.rep_ms)
+    if len(launches) > 1 and launches[1].launch_pdl:  # the same step with the merge launched the plain way
+        plain, _, _ = mla.launcher.plan_launches(q_latent, q_rope, kv_cache, page_table, seq_lens, inputs[-1], shape,
+                                                 chosen, q_latent.dtype, pdl=False)
+        parts["step_without_pdl"] = gpu_time_ms(lambda: [launch.run() for launch in plain], on_cuda, args.rep_ms)
     return dict(shape=f"{rank}+{rope_dim} x{heads}", batch=batch, context=context, tile=chosen.tile.label(),
                 programs_per_sm=mla.launcher.resident_programs(kv_cache.device, shape, dtype, chosen.tile)
                 if on_cuda else None, chosen=chosen.num_splits, times_ms=times, parts_ms=parts)
@@ -378,22 +382,25 @@ def tuning_table(results: dict) -> str:
 def split_sweep_table(results: dict) -> str:
     """Per swept workload: the launcher's split count and time against the fastest count measured."""
     lines = ["| shape | batch | context | tile | programs / SM | launcher's splits | µs | split kernel µs | merge µs "
-             "| fastest splits | µs | launcher / fastest | every count: µs |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| without PDL µs | fastest splits | µs | launcher / fastest | every count: µs |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for entry in results.get("split_sweep", []):
         if "error" in entry:
             lines.append(f"| {entry['shape']} | {entry['batch']} | {entry['context']} | failed: {entry['error']} "
-                         "|" + " |" * 9)
+                         "|" + " |" * 10)
             continue
         times = {int(count): ms for count, ms in entry["times_ms"].items()}
         fastest = min(times, key=times.get)
         chosen = entry["chosen"]
         every = ", ".join(f"{count}: {ms * 1e3:.0f}" for count, ms in sorted(times.items()))
         resident = "-" if entry.get("programs_per_sm") is None else entry["programs_per_sm"]
-        parts = entry.get("parts_ms", {})  # runs before 2026-12-04 did not time the parts
-        split_us, merge_us = (f"{parts[name] * 1e3:.1f}" if name in parts else "-" for name in ("split", "merge"))
+        # runs before 2026-12-04 did not time the parts, nor (before the merge was a programmatic
+        # dependent launch) the step without it
+        parts = entry.get("parts_ms", {})
+        split_us, merge_us, plain_us = (f"{parts[name] * 1e3:.1f}" if name in parts else "-"
+                                        for name in ("split", "merge", "step_without_pdl"))
         lines.append(f"| {entry['shape']} | {entry['batch']} | {entry['context']} | {entry['tile']} | {resident} "
-                     f"| {chosen} | {times[chosen] * 1e3:.1f} | {split_us} | {merge_us} | {fastest} "
+                     f"| {chosen} | {times[chosen] * 1e3:.1f} | {split_us} | {merge_us} | {plain_us} | {fastest} "
                      f"| {times[fastest] * 1e3:.1f} "
                      f"| {times[chosen] / times[fastest]:.2f} | {every} |")
     return "\n".join(lines) + "\n"
@@ -431,7 +438,8 @@ def render(results: dict) -> str:
     if results.get("split_sweep"):
         body += ("\nSplit counts (`launcher.splits_for_gpu`: whole waves from the compiled kernel's programs per "
                  f"multiprocessor) against the fastest count measured, same tile, {timer}; the launcher's step also "
-                 "timed in its parts, the split kernel alone and the merge alone (each with its own launch):\n\n")
+                 "timed in its parts, the split kernel alone and the merge alone (each with its own launch), and, "
+                 "where the merge is a programmatic dependent launch (sm_90+), the step with a plain launch:\n\n")
         body += split_sweep_table(results)
     if results.get("skipped"):
         body += f"\nSkipped (time budget): {', '.join(results['skipped'])}.\n"

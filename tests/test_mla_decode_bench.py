@@ -74,13 +74,13 @@ def test_split_sweep_compares_the_launchers_count_with_the_fastest(bench):
     body = bench.render(synthetic_run())
     row = next(line for line in body.splitlines() if line.startswith("| 512+64 x16 | 64 | 4096 | H16 r1 N32 w8 st3 "))
     cells = [cell.strip() for cell in row.split("|")][1:-1]
-    assert cells[4:12] == ["2", "4", "120.0", "-", "-", "4", "120.0", "1.00"]  # parts not timed in this run
-    assert cells[12] == "1: 400, 2: 220, 4: 120, 5: 150"
+    assert cells[4:13] == ["2", "4", "120.0", "-", "-", "-", "4", "120.0", "1.00"]  # parts not timed in this run
+    assert cells[13] == "1: 400, 2: 220, 4: 120, 5: 150"
     assert "| 64+32 x9 | 16 | 4096 | failed: OutOfMemoryError: ... |" in body
     run = synthetic_run()
-    run["split_sweep"][0]["parts_ms"] = {"split": 0.09, "merge": 0.011}
+    run["split_sweep"][0]["parts_ms"] = {"split": 0.09, "merge": 0.011, "step_without_pdl": 0.125}
     row = next(line for line in bench.render(run).splitlines() if line.startswith("| 512+64 x16 | 64 | 4096 "))
-    assert [cell.strip() for cell in row.split("|")][8:10] == ["90.0", "11.0"]
+    assert [cell.strip() for cell in row.split("|")][8:11] == ["90.0", "11.0", "125.0"]
 
 
 def test_tuning_and_split_tables_say_how_they_were_timed(bench):

@@ -151,3 +151,12 @@ def test_rendered_report_gives_programs_per_multiprocessor_of_each_version():
                 assert held == 1, report
             if report["case"].startswith("512+64 x16 ") and "N=32" in report["config"] and "stages=3" in report["config"]:
                 assert held == 2, report  # the 512+64 x16 default: 91 KB, 96-98 registers x 8 warps
+
+
+@pytest.mark.slow
+def test_the_merge_waits_for_the_split_kernel_where_it_is_launched_early(reports):
+    """On sm_90 the merge is a programmatic dependent launch (launcher.dependent_launch): every split
+    kernel of these multi-split launches signals its dependents once and every merge waits once
+    (griddepcontrol) before it reads a partial."""
+    for report in reports:
+        assert report["grid_dependency_ops"] == 1, report

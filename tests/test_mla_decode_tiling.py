@@ -276,3 +276,27 @@ def test_every_page_gather_gives_identical_results(block_n):
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
     assert_matches(results[0], mla_decode_reference(*base.args()), torch.bfloat16)
+
+
+
+def test_the_merge_is_a_programmatic_dependent_launch_only_where_asked_and_possible(monkeypatch):
+    """plan_launches(pdl=True) makes the split kernel signal its dependents and the merge wait for it,
+    launched with Triton's launch_pdl; one split has no merge and nothing to signal; by default
+    (`dependent_launch`) it is off on the CPU and in the interpreter, and MLA_DECODE_PDL=0 turns it off
+    on a GPU.  Compiled for sm_90 in test_mla_decode_compile; run on the H200 by the `gpu` tests."""
+    from mla_decode_triton.launcher import dependent_launch, plan_launches
+
+    inputs = make_decode_inputs(2, 9, 64, 32, [40, 100], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=8)
+    shape = check_decode_inputs(*inputs.args()[:5], None)
+    tile = candidate_tiles(64, 32, 9, torch.bfloat16)[0]
+    for splits, pdl in [(3, True), (3, False), (1, True)]:
+        config = DecodeConfig(tile.block_h, tile.block_n, splits, tile.num_warps, tile.num_stages, tile.r_split)
+        launches, _, _ = plan_launches(*inputs.args(), shape, config, torch.float32, pdl=pdl)
+        dependent = pdl and splits > 1
+        assert len(launches) == (2 if splits > 1 else 1)
+        assert launches[0].constexprs["LAUNCH_DEPENDENTS"] is dependent and not launches[0].launch_pdl
+        if splits > 1:
+            assert launches[1].constexprs["WAIT_FOR_SPLITS"] is dependent and launches[1].launch_pdl is dependent
+    assert not dependent_launch(torch.device("cpu"))
+    monkeypatch.setenv("MLA_DECODE_PDL", "0")
+    assert not dependent_launch(torch.device("cuda", 0))

@@ -122,6 +122,7 @@ class CompileReport:
     load_bytes: dict = field(default_factory=dict)  # global-load width in bytes -> instruction count
     cache_buffers: int | None = None  # cache tiles held in shared memory by the tile loop (split kernel)
     tiles_in_flight: int | None = None  # tiles still being copied while the loop multiplies one
+    grid_dependency_ops: int | None = None  # griddepcontrol in the PTX: programmatic dependent launch
     triton_version: str = triton.__version__
     note: str = ""
 
@@ -229,7 +230,9 @@ def build_launches(case: Case, config: DecodeConfig, num_splits: int = 4):
     page_table = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)  # (batch, pages)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     shape = check_decode_inputs(q_latent, q_rope, kv_cache, page_table, seq_lens, None)
-    launches, _, _ = plan_launches(q_latent, q_rope, kv_cache, page_table, seq_lens, 0.1, shape, config, case.dtype)
+    # pdl=True: compiled as an sm_90 GPU runs them, the merge a programmatic dependent of the split kernel
+    launches, _, _ = plan_launches(q_latent, q_rope, kv_cache, page_table, seq_lens, 0.1, shape, config, case.dtype,
+                                   pdl=True)
     if not case.align_hint:
         launches[0].constexprs["ROW_ALIGN"] = 1
     return launches
@@ -258,6 +261,7 @@ def compile_launch(launch, label: str, note: str = "") -> CompileReport:
         async_copies=len(re.findall(r"\bLDGSTS\b", sass)),
         load_bytes=global_load_widths(sass),
         cache_buffers=buffers,
+        grid_dependency_ops=len(re.findall(r"\bgriddepcontrol\.", compiled.asm["ptx"])),
         tiles_in_flight=in_flight,
         note=note,
     )

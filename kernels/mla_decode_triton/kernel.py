@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # log2(e) is applied by the launcher (scale_log2); ln(2) converts the base-2 lse back inside the kernel.
 LOG2E = 1.4426950408889634
@@ -129,6 +130,7 @@ def mla_decode_split_kernel(
     ROW_ALIGN: tl.constexpr,  # power of two dividing the page and token strides (vectorisation hint)
     DOT_DTYPE: tl.constexpr,  # operand dtype of the products: the cache dtype, or fp32 (see launcher)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no TF32 rounding), else irrelevant
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # the merge is launched as a programmatic dependent (sm_90+)
 ):
     """One program: BLOCK_H query rows of one sequence, its own BLOCK_R / R_SPLIT output columns, one split.
 
@@ -272,6 +274,10 @@ def mla_decode_split_kernel(
             acc_tail = tl.dot(probs_rounded, tail, acc_tail * rescale[:, None], input_precision=DOT_PRECISION)
         running_max = new_max
 
+    if LAUNCH_DEPENDENTS:
+        # The merge's programs may now be scheduled and do their setup; they wait in gdc_wait until
+        # this whole grid has finished and its stores are visible, so this is only a hint.
+        gdc_launch_dependents()
     has_tokens = running_sum > 0.0
     safe_sum = tl.where(has_tokens, running_sum, 1.0)
     out = acc / safe_sum[:, None]
@@ -316,6 +322,7 @@ def mla_decode_merge_kernel(
     BLOCK_ROWS: tl.constexpr,  # query rows per program
     BLOCK_C: tl.constexpr,  # output columns per program
     BLOCK_S: tl.constexpr,  # splits read at once: a power of two >= num_splits
+    WAIT_FOR_SPLITS: tl.constexpr = False,  # launched as a programmatic dependent of the split kernel
 ):
     """One program: BLOCK_ROWS query rows of one sequence, BLOCK_C output columns, all its used splits.
 
@@ -340,6 +347,10 @@ def mla_decode_merge_kernel(
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < KV_LORA_RANK
     splits = tl.arange(0, BLOCK_S)
+    if WAIT_FOR_SPLITS:
+        # Launched before the split kernel finished (programmatic dependent launch): everything above
+        # reads only inputs that kernel does not write; from here on its partials are read.
+        gdc_wait()
     lse_ptrs = part_lse_ptr + seq * stride_pl_b + rows[:, None] * stride_pl_r + splits[None, :] * stride_pl_s
     split_lse = tl.load(lse_ptrs, mask=row_ok[:, None] & (splits < used_splits)[None, :],
                         other=float("-inf"))  # (BLOCK_ROWS, BLOCK_S); unused splits and padding rows: -inf
