@@ -31,7 +31,7 @@ in the scores (the tail's query is the latent query on its latent columns and th
 rest); with latent in the tail it also takes part in the product with the probabilities, and its
 latent columns are stored.  At SmolLM2 2x (144+48) the cut is 128 + 64 = the 192 columns of the row,
 where padding the latent whole gave 256 + 64: 40 % fewer columns in shared memory and in the
-products, 96-104 registers instead of 136-146 (compiled for sm_90), and on the H200 (2026-12-04) a
+products, 96-104 registers instead of 128-146 (compiled for sm_90), and on the H200 (2026-12-04) a
 1.12x faster step at batch 64, context 4K (BENCHMARKS.md).  An R split needs the whole latent in the
 main block, so cut latents never use it.
 
