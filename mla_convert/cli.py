@@ -380,9 +380,20 @@ def convert(
         print_plain(pushed.commit_url or pushed.repo_url or push_to_hub if quiet else pushed.summary())
 
 
+def release_console_buffer(console: Console) -> None:
+    """Undo what an interrupt can leave inside rich: every print enters the console's buffer (`with console:`),
+    and a signal handled right after `Console.__enter__` opened it, before the with-block began, leaves it open -
+    the console then holds every later line until an exit that never comes.  Close any such buffer (which writes
+    what it held).  A clean-clone CI run lost "interrupted (SIGTERM)" this way (2026-12-04).  Relies on rich's
+    private buffer counter; a rich without it is left alone."""
+    while getattr(console, "_buffer_index", 0) > 0:
+        console._exit_buffer()
+
+
 def _interrupted(progress, interrupt: KeyboardInterrupt, what: str) -> None:
     """Ctrl-C or a kill during a long command: the phase cut off is logged as interrupted (not "done"), one line says
     what was left behind, and the exit status is 128 + the signal's number, as a shell reports a signal."""
+    release_console_buffer(err_console)  # the signal may have cut one of its prints in half
     progress.finish("interrupted")
     signum = getattr(interrupt, "signum", 2)  # errors.TerminatedBySignal carries SIGTERM/SIGHUP; else SIGINT
     err_console.print(f"interrupted ({str(interrupt) or 'SIGINT'}): {escape(what)}", highlight=False, soft_wrap=True)

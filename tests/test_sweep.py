@@ -711,6 +711,32 @@ def test_the_log_says_interrupted_not_done_for_a_phase_cut_off():
     assert [line.split(" (")[0] for line in lines] == ["done: calibration statistics", "interrupted: converting layers"]
 
 
+
+def test_the_interrupted_line_gets_out_when_the_signal_cut_a_print_in_half(capsys):
+    """A signal handled between rich's Console.__enter__ opening its buffer and the with-block starting leaves the
+    buffer open, and the console then withholds every later line: a CI run lost "interrupted (SIGTERM)" so.  The
+    state is made here the way that race leaves it; the interrupt handler must still get its lines out, in order."""
+    import typer
+
+    from mla_convert import cli
+    from mla_convert.console import RichProgress
+    from mla_convert.errors import TerminatedBySignal
+
+    progress = RichProgress(cli.err_console)
+    progress.phase("calibration statistics")
+    cli.err_console._enter_buffer()  # what the cut leaves behind (rich's own method, as Console.__enter__ calls it)
+    try:
+        cli.err_console.print("a line printed after the cut", highlight=False)
+        with pytest.raises(typer.Exit) as exit_info:
+            cli._interrupted(progress, TerminatedBySignal(15), "the conversion left nothing at out")
+        assert getattr(cli.err_console, "_buffer_index", 0) == 0
+    finally:  # a failure must not leave the shared console withholding the next tests' output
+        cli.release_console_buffer(cli.err_console)
+    assert exit_info.value.exit_code == 143
+    err = capsys.readouterr().err
+    lines = [line.split(" (")[0] for line in err.splitlines()]
+    assert lines == ["a line printed after the cut", "interrupted: calibration statistics", "interrupted"], err
+
 @pytest.mark.slow
 def test_an_interrupted_sweep_says_so_and_where_its_results_are(tiny_source, tiny_text, tmp_path):
     """Ctrl-C ended `sweep` with status 130 and no word (convert says "interrupted ...")."""
