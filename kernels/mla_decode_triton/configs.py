@@ -189,17 +189,17 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     """
     element_size = torch.empty((), dtype=cache_dtype).element_size()
     blocks = row_blocks(rank, rope_dim)
-    block_r, width = blocks.main, blocks.width
+    block_r, width, cut = blocks.main, blocks.width, blocks.tail_has_latent(rank)
     # A latent cut into main + tail cannot be R-split (kernel.py): fewer rows per program instead.
     max_block_h = MAX_BLOCK_H
-    if blocks.tail_has_latent(rank):
+    if cut:
         max_block_h = min(MAX_BLOCK_H, max(16, pow2_at_most(ACCUMULATOR_BUDGET // blocks.accumulator_width(rank))))
     if cache_dtype == torch.float32:
         block_h = min(pow2_at_least(rows), FP32_TILE["max_block_h"], max_block_h)
-        r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET // 2 and not blocks.tail_has_latent(rank) else 1
+        r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET // 2 and not cut else 1
         return (TileConfig(block_h, r_split, FP32_TILE["block_n"], FP32_TILE["num_warps"], FP32_TILE["num_stages"]),)
     block_h = min(pow2_at_least(rows), max_block_h)
-    r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET and not blocks.tail_has_latent(rank) else 1
+    r_split = 2 if block_h * block_r > ACCUMULATOR_BUDGET and not cut else 1
     num_warps = 8 if block_h * blocks.accumulator_width(rank) // r_split >= WARPS_8_AT else 4
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
