@@ -154,6 +154,34 @@ def test_rendered_report_gives_programs_per_multiprocessor_of_each_version():
 
 
 @pytest.mark.slow
+def test_the_merge_reads_partials_without_waiting_for_the_split_weights(reports):
+    """The merge masks its partial-output loads by which splits exist, not by their weights, so the
+    compiler issues most of its loads before the first exponential (which needs the lse loads back):
+    e.g. 64+32 x9 at 4 splits (BLOCK_S = 8), 15 of 18 loads before it under 3.9.0 and all 18 under
+    3.6.0, where masking by the weights left 2 of 18 (compile_check.merge_load_order).  Checked at 4
+    splits: at 64, 3.6.0 still issues every load first, while 3.9.0 leaves about half after it."""
+    merges = [r for r in reports if r["kernel"] == "mla_decode_merge_kernel" and "BLOCK_S=8 " in r["config"]]
+    assert len(merges) >= 10
+    for report in merges:
+        assert report["loads_before_exp"] > 2 * report["loads_after_exp"], report
+
+
+def test_merge_load_order_counts_loads_around_the_first_exponential():
+    from mla_decode_triton.compile_check import merge_load_order
+
+    sass = """
+        /*0040*/  LDG.E R2, desc[UR4][R2.64] ;
+        /*0050*/  LDGSTS.E.128 [R7], desc[UR4][R4.64] ;
+        /*0060*/  LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0070*/  MUFU.EX2 R9, R9 ;
+        /*0080*/  LDG.E.64 R10, desc[UR4][R12.64] ;
+        /*0090*/  MUFU.EX2 R11, R11 ;
+    """
+    assert merge_load_order(sass) == (2, 1)  # cp.async (LDGSTS) is not a register load
+    assert merge_load_order("LDG.E R2, desc[UR4][R2.64] ;") == (1, 0)  # no exponential at all
+
+
+@pytest.mark.slow
 def test_the_merge_waits_for_the_split_kernel_where_it_is_launched_early(reports):
     """On sm_90 the merge is a programmatic dependent launch (launcher.dependent_launch): every split
     kernel of these multi-split launches signals its dependents once and every merge waits once

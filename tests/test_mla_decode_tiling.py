@@ -134,6 +134,31 @@ def test_merge_reads_up_to_the_most_splits_at_once():
     assert_matches((out, lse), mla_decode_reference(*inputs.args()), torch.float32)
 
 
+def test_a_split_that_some_query_rows_cannot_see_merges_to_zero_weight():
+    """Speculative decoding with 4 query tokens over 33 tokens in 16-token splits: the last split holds
+    token 32 alone, which only the last query sees, so the other rows' partials of that split are 0 with
+    lse = -inf.  The merge reads every written partial without waiting for its lse (kernel.py), so
+    these must come out as weight 0, while the NaN left in the unwritten splits must stay unread."""
+    q_len, heads = 4, 3
+    inputs = make_decode_inputs(2, heads, 32, 16, [33, 5], page_size=16, q_len=q_len, device=DEVICE, seed=65)
+    shape = check_decode_inputs(*inputs.args()[:5], None, q_len_dim=True)
+    config = DecodeConfig(16, 16, num_splits=4, num_warps=4, num_stages=2, min_split_tokens=16)
+    rows_latent = inputs.q_latent.reshape(2, q_len * heads, 32)  # (batch, rows, R)
+    rows_rope = inputs.q_rope.reshape(2, q_len * heads, 16)  # (batch, rows, D)
+    launches, out, lse = plan_launches(rows_latent, rows_rope, *inputs.args()[2:], shape, config, torch.float32)
+    part_out, part_lse = launches[0].args[5], launches[0].args[6]  # (2, 12, 4, 32), (2, 12, 4)
+    part_out.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    for launch in launches:
+        launch.run()
+    last_split = part_lse[0, :, 2].reshape(q_len, heads)  # (q_len, heads): token 32 is seen by query 3 only
+    assert torch.isneginf(last_split[:3]).all() and torch.isfinite(last_split[3]).all()
+    assert (part_out[0, : 3 * heads, 2] == 0).all()
+    assert torch.isnan(part_lse[0, :, 3]).all() and torch.isnan(part_lse[1, :, 1:]).all()
+    expected = mla_decode_multi_reference(*inputs.args())
+    assert_matches((out.reshape(2, q_len, heads, 32), lse.reshape(2, q_len, heads)), expected, torch.float32)
+
+
 def test_idle_slots_with_length_zero_give_zero_output():
     """A length-0 slot (a finished sequence left in a captured batch) yields out = 0, lse = -inf."""
     inputs = make_decode_inputs(3, 4, 32, 16, [0, 20, 0], page_size=8, device=DEVICE, seed=43)

@@ -46,6 +46,7 @@ from triton.compiler import ASTSource
 
 from mla_decode_triton.configs import TileConfig, candidate_tiles
 from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
+from mla_decode_triton.kernel import mla_decode_merge_kernel
 from mla_decode_triton.launcher import (
     INTERPRETED,
     MAX_SPLITS,
@@ -123,6 +124,8 @@ class CompileReport:
     cache_buffers: int | None = None  # cache tiles held in shared memory by the tile loop (split kernel)
     tiles_in_flight: int | None = None  # tiles still being copied while the loop multiplies one
     grid_dependency_ops: int | None = None  # griddepcontrol in the PTX: programmatic dependent launch
+    loads_before_exp: int | None = None  # merge: global loads the SASS issues before its first exp ...
+    loads_after_exp: int | None = None  # ... and after it, i.e. waiting for the split weights (merge_load_order)
     triton_version: str = triton.__version__
     note: str = ""
 
@@ -247,6 +250,7 @@ def compile_launch(launch, label: str, note: str = "") -> CompileReport:
     keys = [key for key in launch.constexprs if key.startswith(("BLOCK", "R_SPLIT", "ROW_ALIGN"))]
     block_n = launch.constexprs.get("BLOCK_N")
     buffers, in_flight = tile_pipeline(compiled.asm["ttgir"], block_n) if block_n else (None, None)
+    load_order = merge_load_order(sass) if launch.kernel is mla_decode_merge_kernel and sass else (None, None)
     return CompileReport(
         case=label,
         kernel=launch.kernel.fn.__name__,
@@ -262,6 +266,8 @@ def compile_launch(launch, label: str, note: str = "") -> CompileReport:
         load_bytes=global_load_widths(sass),
         cache_buffers=buffers,
         grid_dependency_ops=len(re.findall(r"\bgriddepcontrol\.", compiled.asm["ptx"])),
+        loads_before_exp=load_order[0],
+        loads_after_exp=load_order[1],
         tiles_in_flight=in_flight,
         note=note,
     )
@@ -286,6 +292,19 @@ def check_case(case: Case, tiles: list[TileConfig] | None = None, merge: bool = 
             widest = build_launches(case, dataclasses.replace(config, num_splits=MAX_SPLITS))[1]
             reports.append(compile_launch(widest, case.label(), case.note))
     return reports
+
+
+def merge_load_order(sass: str) -> tuple[int, int]:
+    """Global loads (LDG) in the merge's SASS before and after its first exponential (MUFU.EX2).
+
+    The merge's exponentials turn the splits' lse into weights, so a load placed after the first one
+    is, in program order, issued only once lse values have arrived: with the partial outputs masked
+    by their weights (before 2026-12-04, third session) most of them were; masked by which splits
+    exist, the compiler issues most of them together with the lse loads.
+    """
+    opcodes = re.findall(r"\b(LDG|MUFU\.EX2)\b", sass)
+    first_exp = opcodes.index("MUFU.EX2") if "MUFU.EX2" in opcodes else len(opcodes)
+    return opcodes[:first_exp].count("LDG"), opcodes[first_exp:].count("LDG")
 
 
 def _dash(value) -> str:

@@ -327,12 +327,13 @@ def mla_decode_merge_kernel(
     """One program: BLOCK_ROWS query rows of one sequence, BLOCK_C output columns, all its used splits.
 
     Grid = (column blocks, row blocks, batch).  Only the sequence's used splits (`split_extent`) were
-    written, so only they are read: first their lse, one (BLOCK_ROWS, BLOCK_S) load that gives every
-    split's weight exp(lse_s - max_s lse_s), then their partial outputs, one (BLOCK_ROWS, BLOCK_S,
-    BLOCK_C) load summed over the splits.  Two dependent reads, whatever the split count: the loop over
-    splits this replaced (load a split's lse, then its partial, fold in with a running maximum) was a
-    chain of two reads per split, and on the H200 (2026-12-04) the merge alone took 15-17 µs of a
-    20-46 µs decode step at 16 splits (batch 16, context 4K).  A row's lse is finite unless it saw no
+    written, so only they are read: their lse, one (BLOCK_ROWS, BLOCK_S) load that gives every split's
+    weight exp(lse_s - max_s lse_s), and their partial outputs, one (BLOCK_ROWS, BLOCK_S, BLOCK_C) load
+    summed over the splits.  The two loads do not depend on each other, so the merge waits for one
+    round trip to memory whatever the split count: the loop over splits this replaced (load a split's
+    lse, then its partial, fold in with a running maximum) was a chain of two reads per split, and on
+    the H200 (2026-12-04) the merge alone took 15-17 µs of a 20-46 µs decode step at 16 splits (batch
+    16, context 4K).  A row's lse is finite unless it saw no
     token at all, which the decode contract (seq_len >= q_len) rules out except for seq_len = 0 (out = 0,
     lse = -inf).
     """
@@ -351,17 +352,21 @@ def mla_decode_merge_kernel(
         # Launched before the split kernel finished (programmatic dependent launch): everything above
         # reads only inputs that kernel does not write; from here on its partials are read.
         gdc_wait()
+    written = row_ok[:, None] & (splits < used_splits)[None, :]  # (BLOCK_ROWS, BLOCK_S): partials that exist
     lse_ptrs = part_lse_ptr + seq * stride_pl_b + rows[:, None] * stride_pl_r + splits[None, :] * stride_pl_s
-    split_lse = tl.load(lse_ptrs, mask=row_ok[:, None] & (splits < used_splits)[None, :],
+    split_lse = tl.load(lse_ptrs, mask=written,
                         other=float("-inf"))  # (BLOCK_ROWS, BLOCK_S); unused splits and padding rows: -inf
+    # The partials are masked by the same `written`, not by their weights, so both loads are issued at
+    # once instead of the second waiting for the first.  A written partial of a row that saw no token
+    # of its split is 0 (the split kernel divides a zero sum by 1) and gets weight 0.
+    out_ptrs = (part_out_ptr + seq * stride_po_b + rows[:, None, None] * stride_po_r
+                + splits[None, :, None] * stride_po_s + cols[None, None, :] * stride_po_c)
+    partial = tl.load(out_ptrs, mask=written[:, :, None] & col_ok[None, None, :],
+                      other=0.0)  # (BLOCK_ROWS, BLOCK_S, BLOCK_C); unwritten partials are never read
     row_max = tl.max(split_lse, axis=1)  # (BLOCK_ROWS,)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     weight = tl.exp(split_lse - shift[:, None])  # (BLOCK_ROWS, BLOCK_S), 0 where a split saw no token of the row
     total = tl.sum(weight, axis=1)  # (BLOCK_ROWS,)
-    out_ptrs = (part_out_ptr + seq * stride_po_b + rows[:, None, None] * stride_po_r
-                + splits[None, :, None] * stride_po_s + cols[None, None, :] * stride_po_c)
-    partial = tl.load(out_ptrs, mask=(weight > 0.0)[:, :, None] & col_ok[None, None, :],
-                      other=0.0)  # (BLOCK_ROWS, BLOCK_S, BLOCK_C); unwritten partials are never read
     acc = tl.sum(partial * weight[:, :, None], axis=1)  # (BLOCK_ROWS, BLOCK_C)
 
     has_tokens = total > 0.0
