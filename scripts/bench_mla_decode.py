@@ -16,6 +16,12 @@ What is measured, per (latent shape R+D, heads, batch, context), all in one run:
     cache dtype (optimistic: it skips paging), and the reference (`mla_decode_reference`: page gather +
     fp32 masked softmax), with the speed-up over each.
   * max |kernel - reference| of the output, so a fast but wrong kernel cannot go unnoticed.
+  * inside a model step: a model decodes all its layers in one step, so the runtime's CUDA graph holds
+    one decode call per layer back to back, each over its own layer's cache.  One call replayed alone
+    also pays the graph launch and the GPU's ramp up and drain, a few µs that decide the small cases
+    (a 12 MB cache is read in 3 µs).  So the memory-bound cases with caches up to STACK_MAX_LAYER_BYTES
+    are also timed as STACK_LAYERS calls over as many distinct caches (together larger than L2) in one
+    graph, per call, beside STACK_LAYERS copies of the same bytes in one graph.
   * autotuning: per shape, every candidate tile (`mla_decode_triton.configs`) is timed once at batch 64,
     context 4096 (`mla_decode_triton.autotune`, replayed from a CUDA graph); the winner is used for every case of the shape, and the
     timings are kept in the JSON (`--write-tuned-table` turns them into the shipped table).  The table is
@@ -42,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -72,6 +79,9 @@ TENSOR_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "H20": 148.0}
 # to the cache dtype (see tests/test_mla_decode_kernel.py), so a few ulps of bf16/fp16 around O(1).
 ERROR_LIMIT = {"bf16": 5e-2, "fp16": 1e-2}
 MEMORY_BOUND = dict(min_batch=16, min_context=4096)  # the regime of the >= 70 % of copy target
+STACK_LAYERS = 30  # decode calls in one graph for "inside a model step" (SmolLM2-135M has 30 layers)
+STACK_MAX_LAYER_BYTES = 128 * 1024**2  # ... measured for caches up to this size (30 of them: <= 3.75 GiB)
+DRY_STACK_LAYERS = 2
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -194,6 +204,39 @@ def copy_ms(torch, size: int, device, on_cuda: bool, rep_ms: int, graph: bool = 
     return time_ms(lambda: target.copy_(source), on_cuda, rep_ms)  # both freed on return
 
 
+def stacked_times_ms(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, config, on_cuda,
+                     layers: int) -> tuple[float, float]:
+    """Per call: `layers` decode calls over as many distinct caches in one graph, and as many copies.
+
+    Each layer gets its own cache, queries and page table (seeds 1..layers), as in a model, so no call
+    finds its cache in L2 after the one before; the copies each move one cache's bytes.  Returns
+    (kernel ms, copy ms), each the graph's time divided by `layers`.
+    """
+    def decode_every_layer(stack):
+        for inputs in stack:
+            mla.mla_decode(*inputs, config=config)
+
+    stack = [build_paged_inputs(torch, rank, rope_dim, heads, batch, context, args.page_size, dtype, device,
+                                seed=layer + 1) for layer in range(layers)]
+    kernel = gpu_time_ms(functools.partial(decode_every_layer, stack), on_cuda, args.rep_ms) / layers
+    del stack  # freed before the copies' buffers are allocated
+    cache_bytes = batch * context * (rank + rope_dim) * torch.empty((), dtype=dtype).element_size()
+    pairs = [(torch.empty(cache_bytes, dtype=torch.uint8, device=device).random_(0, 255),
+              torch.empty(cache_bytes, dtype=torch.uint8, device=device)) for _ in range(layers)]
+
+    def copy_every_layer():
+        for source, target in pairs:
+            target.copy_(source)
+
+    return kernel, gpu_time_ms(copy_every_layer, on_cuda, args.rep_ms) / layers
+
+
+def measures_stack(batch: int, context: int, cache_bytes: int, dry_run: bool) -> bool:
+    """Whether a case is also timed inside a model step: memory-bound, small enough (every case in a dry run)."""
+    return dry_run or (batch >= MEMORY_BOUND["min_batch"] and context >= MEMORY_BOUND["min_context"]
+                       and cache_bytes <= STACK_MAX_LAYER_BYTES)
+
+
 def tune_shape(torch, mla, rank, rope_dim, heads, args, dtype, device, page_size: int) -> dict:
     """Time every candidate tile of this shape at the tuning workload; the autotuner remembers the best."""
     from mla_decode_triton import autotune
@@ -269,6 +312,14 @@ def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, dev
             row["dense_graph_ms"] = graph_time_ms(lambda: dense_decode(q_latent, q_rope, scale), args.rep_ms)
         except Exception as error:  # a capture that fails is reported, the eager numbers stay
             row["graph_error"] = f"{type(error).__name__}: {error}"[:200]
+    if measures_stack(batch, context, cache_bytes, args.dry_run):
+        layers = DRY_STACK_LAYERS if args.dry_run else STACK_LAYERS
+        try:
+            row["kernel_stack_ms"], row["copy_stack_ms"] = stacked_times_ms(
+                torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, config, on_cuda, layers)
+            row["stack_layers"] = layers
+        except Exception as error:  # reported; the single-call numbers stay
+            row["stack_error"] = f"{type(error).__name__}: {error}"[:200]
     row["reference_ms"] = None
     if not args.no_reference:
         row["reference_ms"] = time_ms(lambda: mla.mla_decode_reference(*inputs), on_cuda, args.rep_ms)
@@ -363,6 +414,38 @@ def memory_bound_summary(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stack_table(results: dict) -> str:
+    """The cases timed inside a model step (`stacked_times_ms`): per call, against one call alone."""
+    rows = [r for r in results["cases"] if "kernel_stack_ms" in r]
+    if not rows:
+        return ""
+    large_gbps = results["meta"]["large_copy_gbps"]
+
+    def percent_of_large(r, ms):
+        return 100 * r["bytes"] / (ms * 1e-3) / 1e9 / large_gbps
+
+    lines = ["| R+D | heads | batch | context | calls in the graph | one call alone µs | in a step: µs per call "
+             "| one call alone: % of large copy | in a step: % of large copy | in a step: % of copy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (-r["rank"], r["heads"], r["batch"], r["context"])):
+        alone = r.get("kernel_graph_ms")
+        alone_us, alone_percent = ("-", "-") if alone is None else (f"{alone * 1e3:.1f}",
+                                                                    f"{percent_of_large(r, alone):.0f}%")
+        same_bytes = 100 * (r["bytes"] / r["kernel_stack_ms"]) / (2 * r["bytes"] / r["copy_stack_ms"])
+        lines.append(f"| {r['rank']}+{r['rope_dim']} | {r['heads']} | {r['batch']} | {r['context']} "
+                     f"| {r['stack_layers']} | {alone_us} | {r['kernel_stack_ms'] * 1e3:.1f} | {alone_percent} "
+                     f"| {percent_of_large(r, r['kernel_stack_ms']):.0f}% | {same_bytes:.0f}% |")
+    lines += ["", "| R+D | heads | cases | in a step: min % of large copy | in a step: median % of large copy |",
+              "|---|---:|---:|---:|---:|"]
+    for rank, rope_dim, heads in sorted({(r["rank"], r["rope_dim"], r["heads"]) for r in rows},
+                                        key=lambda s: (-s[0], s[2])):
+        percent = [percent_of_large(r, r["kernel_stack_ms"]) for r in rows
+                   if (r["rank"], r["rope_dim"], r["heads"]) == (rank, rope_dim, heads)]
+        lines.append(f"| {rank}+{rope_dim} | {heads} | {len(percent)} | {min(percent):.0f}% "
+                     f"| {statistics.median(percent):.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def tuning_table(results: dict) -> str:
     if not results.get("tuning"):
         return ""
@@ -428,6 +511,18 @@ def render(results: dict) -> str:
         "Memory-bound regime (batch >= 16, context >= 4K), target >= 70 % of copy:\n\n"
         + memory_bound_summary(results) + "\nAll cases:\n\n" + format_table(results)
     )
+    if stack_table(results):
+        body += ("\nInside a model step: a model's decode step calls the kernel once per layer, each over its own "
+                 "layer's cache, all in one CUDA graph.  So the memory-bound cases with caches up to "
+                 f"{STACK_MAX_LAYER_BYTES // 1024**2} MB (in a --dry-run: every case) are also timed as several "
+                 "calls (column \"calls in the graph\") over as many distinct caches, together larger than L2, "
+                 "in one graph, per call.  One call replayed alone (the graph columns above) also pays the graph's "
+                 "launch and the GPU's ramp up and drain.  **% of copy** here compares with as many copies of "
+                 "the same bytes in one graph:\n\n" + stack_table(results))
+    failed = [f"{r['rank']}+{r['rope_dim']} x{r['heads']} b{r['batch']} ctx{r['context']} ({r['stack_error']})"
+              for r in results["cases"] if "stack_error" in r]
+    if failed:
+        body += "\nNot timed inside a model step (failed): " + "; ".join(failed) + ".\n"
     # runs before 2026-12-04 timed tuning and sweeps eagerly (host launch work included); the JSON says which
     timer = ("replayed from a CUDA graph" if meta.get("tuning_timer") == "graph"
              else "eager launches, host launch work included")

@@ -104,6 +104,37 @@ def test_memory_bound_summary_compares_graph_times_with_the_large_copy(bench):
     assert f"| 512+64 | 16 | 1 | 75% | 75% | 4.0x | 125% | 125% | {large:.0f}% | {large:.0f}% | 4.0x |" in body
 
 
+def test_cases_timed_inside_a_model_step_are_compared_with_one_call_alone(bench):
+    """A case timed as 30 calls in one graph gets a row with its per-call time against the one call alone,
+    both against the large copy, and against 30 copies of the same bytes; shapes get their min / median."""
+    run = synthetic_run()
+    memory_bound = run["cases"][0]  # batch 16, context 4096
+    memory_bound.update(kernel_graph_ms=0.018, copy_graph_ms=0.045, dense_graph_ms=0.072,
+                        kernel_stack_ms=0.012, copy_stack_ms=0.030, stack_layers=30)
+    body = bench.render(run)
+    assert "Inside a model step" in body and "128 MB" in body
+    alone, in_step = (100 * memory_bound["bytes"] / ms / 1e9 / 8000 for ms in (18e-6, 12e-6))
+    assert in_step == pytest.approx(1.5 * alone)
+    # 30 copies of the same bytes in 30 us per copy: bytes / 12 us against 2 x bytes / 30 us
+    assert (f"| 512+64 | 16 | 16 | 4096 | 30 | 18.0 | 12.0 | {alone:.0f}% | {in_step:.0f}% | 125% |") in body
+    assert f"| 512+64 | 16 | 1 | {in_step:.0f}% | {in_step:.0f}% |" in body
+    # a case without the stack timing is not in that table; a failed stack timing is listed
+    assert "| 512+64 | 16 | 1 | 1024 | " not in body.split("Inside a model step")[1]
+    run["cases"][1]["stack_error"] = "OutOfMemoryError: ..."
+    assert "Not timed inside a model step (failed): 512+64 x16 b1 ctx1024 (OutOfMemoryError: ...)" in bench.render(run)
+    del memory_bound["kernel_stack_ms"]
+    assert "Inside a model step" not in bench.render(run)
+
+
+def test_only_small_memory_bound_cases_are_timed_inside_a_model_step(bench):
+    small = 16 * 4096 * 96 * 2  # 64+32 at batch 16, context 4K: 12.6 MB
+    assert bench.measures_stack(16, 4096, small, dry_run=False)
+    assert not bench.measures_stack(8, 4096, small, dry_run=False)  # not memory-bound: batch below 16
+    assert not bench.measures_stack(16, 1024, small, dry_run=False)  # nor at 1K tokens
+    assert not bench.measures_stack(64, 16384, bench.STACK_MAX_LAYER_BYTES + 1, dry_run=False)
+    assert bench.measures_stack(1, 16, 1000, dry_run=True)
+
+
 def test_shapes_option_parses_rank_rope_and_heads(bench):
     assert bench.parse_args(["--shapes", "512+64x32", "64+32x9"]).shapes == [(512, 64, 32), (64, 32, 9)]
     assert bench.parse_args([]).shapes is None  # the default shapes
@@ -152,6 +183,10 @@ def test_dry_run_measures_renders_and_writes_json(tmp_path):
         assert all(ms > 0 for ms in entry["times_ms"].values())
         assert set(entry["parts_ms"]) == ({"split", "merge"} if entry["chosen"] > 1 else {"split"}), entry
     assert "Split counts (`launcher.splits_for_gpu`" in done.stdout
+    # a dry run times every case inside a model step too, over DRY_STACK_LAYERS distinct caches
+    assert all(case["stack_layers"] == 2 and case["kernel_stack_ms"] > 0 and case["copy_stack_ms"] > 0
+               for case in results["cases"])
+    assert "Inside a model step" in done.stdout and "| 64+32 | 3 | 2 | 40 | 2 | - |" in done.stdout
     assert {entry["shape"] for entry in results["tuning"]} == {"512+64 x3", "144+48 x3", "64+32 x3"}
     # every shape tuned at the run's pages (16 in a dry run) and then again at the second page size, last
     assert [entry["page_size"] for entry in results["tuning"]] == [16] * 4 + [4] * 4
