@@ -329,13 +329,14 @@ def mla_decode_merge_kernel(
     Grid = (column blocks, row blocks, batch).  Only the sequence's used splits (`split_extent`) were
     written, so only they are read: their lse, one (BLOCK_ROWS, BLOCK_S) load that gives every split's
     weight exp(lse_s - max_s lse_s), and their partial outputs, one (BLOCK_ROWS, BLOCK_S, BLOCK_C) load
-    summed over the splits.  The two loads do not depend on each other, so the merge waits for one
-    round trip to memory whatever the split count: the loop over splits this replaced (load a split's
-    lse, then its partial, fold in with a running maximum) was a chain of two reads per split, and on
-    the H200 (2026-12-04) the merge alone took 15-17 µs of a 20-46 µs decode step at 16 splits (batch
-    16, context 4K).  A row's lse is finite unless it saw no
-    token at all, which the decode contract (seq_len >= q_len) rules out except for seq_len = 0 (out = 0,
-    lse = -inf).
+    summed over the splits.  The two loads do not depend on each other (both are masked by which splits
+    exist, not the partials by their weights), so the compiler may issue them together: one round trip
+    to memory, not two in a row (`compile_check.merge_load_order` reads what it did).  The loop over
+    splits this replaced (load a split's lse, then its partial, fold in with a running maximum) was a
+    chain of two reads per split, and on the H200 (2026-12-04) the merge alone took 15-17 µs of a
+    20-46 µs decode step at 16 splits (batch 16, context 4K).  A row's lse is finite unless it saw no
+    token at all, which the decode contract (seq_len >= q_len) rules out except for seq_len = 0 (out =
+    0, lse = -inf).
     """
     col_block = tl.program_id(0)
     row_block = tl.program_id(1)
