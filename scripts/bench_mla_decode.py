@@ -205,11 +205,11 @@ def copy_ms(torch, size: int, device, on_cuda: bool, rep_ms: int, graph: bool = 
 
 
 def stacked_times_ms(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, config, on_cuda,
-                     layers: int) -> tuple[float, float]:
+                     layers: int, cache_bytes: int) -> tuple[float, float]:
     """Per call: `layers` decode calls over as many distinct caches in one graph, and as many copies.
 
     Each layer gets its own cache, queries and page table (seeds 1..layers), as in a model, so no call
-    finds its cache in L2 after the one before; the copies each move one cache's bytes.  Returns
+    finds its cache in L2 after the one before; the copies each move one cache's `cache_bytes`.  Returns
     (kernel ms, copy ms), each the graph's time divided by `layers`.
     """
     def decode_every_layer(stack):
@@ -220,7 +220,6 @@ def stacked_times_ms(torch, mla, rank, rope_dim, heads, batch, context, args, dt
                                 seed=layer + 1) for layer in range(layers)]
     kernel = gpu_time_ms(functools.partial(decode_every_layer, stack), on_cuda, args.rep_ms) / layers
     del stack  # freed before the copies' buffers are allocated
-    cache_bytes = batch * context * (rank + rope_dim) * torch.empty((), dtype=dtype).element_size()
     pairs = [(torch.empty(cache_bytes, dtype=torch.uint8, device=device).random_(0, 255),
               torch.empty(cache_bytes, dtype=torch.uint8, device=device)) for _ in range(layers)]
 
@@ -316,7 +315,8 @@ def run_case(torch, mla, rank, rope_dim, heads, batch, context, args, dtype, dev
         layers = DRY_STACK_LAYERS if args.dry_run else STACK_LAYERS
         try:
             row["kernel_stack_ms"], row["copy_stack_ms"] = stacked_times_ms(
-                torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, config, on_cuda, layers)
+                torch, mla, rank, rope_dim, heads, batch, context, args, dtype, device, config, on_cuda, layers,
+                cache_bytes)
             row["stack_layers"] = layers
         except Exception as error:  # reported; the single-call numbers stay
             row["stack_error"] = f"{type(error).__name__}: {error}"[:200]
@@ -372,13 +372,19 @@ def format_table(results: dict) -> str:
 def _graph_cells(r: dict) -> str:
     if "kernel_graph_ms" not in r:
         return "- | - | -"
-    percent = 100 * (r["bytes"] / r["kernel_graph_ms"]) / (2 * r["bytes"] / r["copy_graph_ms"])
+    percent = _percent_of_copy(r, "kernel_graph_ms", "copy_graph_ms")
     return f"{r['kernel_graph_ms'] * 1e3:.1f} | {percent:.0f}% | {r['dense_graph_ms'] * 1e3:.1f}"
 
 
-def _percent_of_copy(r: dict, graph: bool) -> float | None:
-    kernel, copy = (r.get("kernel_graph_ms"), r.get("copy_graph_ms")) if graph else (r["kernel_ms"], r["copy_ms"])
+def _percent_of_copy(r: dict, kernel_key: str = "kernel_ms", copy_key: str = "copy_ms") -> float | None:
+    """The kernel's bandwidth (r["bytes"] read) as % of a copy of as many bytes (read + written), timed alike."""
+    kernel, copy = r.get(kernel_key), r.get(copy_key)
     return None if kernel is None else 100 * (r["bytes"] / kernel) / (2 * r["bytes"] / copy)
+
+
+def _percent_of_large_copy(r: dict, kernel_ms: float, large_gbps: float) -> float:
+    """The kernel's bandwidth at `kernel_ms` as % of the large copy's (the run's meta large_copy_gbps)."""
+    return 100 * r["bytes"] / (kernel_ms * 1e-3) / 1e9 / large_gbps
 
 
 def memory_bound_summary(results: dict) -> str:
@@ -396,15 +402,15 @@ def memory_bound_summary(results: dict) -> str:
                 and r["context"] >= MEMORY_BOUND["min_context"]]
         if not rows:
             continue
-        percent = [_percent_of_copy(r, graph=False) for r in rows]
+        percent = [_percent_of_copy(r) for r in rows]
         speedup = [r["dense_ms"] / r["kernel_ms"] for r in rows]
         graphed = [r for r in rows if "kernel_graph_ms" in r]
         graph_cells = "- | - | - | - | -"
         if graphed:
-            graph_percent = [_percent_of_copy(r, graph=True) for r in graphed]
+            graph_percent = [_percent_of_copy(r, "kernel_graph_ms", "copy_graph_ms") for r in graphed]
             # against the 2 GiB copy's bandwidth: captured copies of 1-2 GB ran up to 1.5x slower than
             # eager ones on the H200 (2026-12-04), which lifts "% of copy" past 100 % there
-            large_percent = [100 * r["bytes"] / (r["kernel_graph_ms"] * 1e-3) / 1e9 / large_gbps for r in graphed]
+            large_percent = [_percent_of_large_copy(r, r["kernel_graph_ms"], large_gbps) for r in graphed]
             graph_speedup = [r["dense_graph_ms"] / r["kernel_graph_ms"] for r in graphed]
             graph_cells = (f"{min(graph_percent):.0f}% | {statistics.median(graph_percent):.0f}% "
                            f"| {min(large_percent):.0f}% | {statistics.median(large_percent):.0f}% "
@@ -420,26 +426,22 @@ def stack_table(results: dict) -> str:
     if not rows:
         return ""
     large_gbps = results["meta"]["large_copy_gbps"]
-
-    def percent_of_large(r, ms):
-        return 100 * r["bytes"] / (ms * 1e-3) / 1e9 / large_gbps
-
     lines = ["| R+D | heads | batch | context | calls in the graph | one call alone µs | in a step: µs per call "
              "| one call alone: % of large copy | in a step: % of large copy | in a step: % of copy |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (-r["rank"], r["heads"], r["batch"], r["context"])):
         alone = r.get("kernel_graph_ms")
-        alone_us, alone_percent = ("-", "-") if alone is None else (f"{alone * 1e3:.1f}",
-                                                                    f"{percent_of_large(r, alone):.0f}%")
-        same_bytes = 100 * (r["bytes"] / r["kernel_stack_ms"]) / (2 * r["bytes"] / r["copy_stack_ms"])
+        alone_us, alone_percent = ("-", "-") if alone is None else (
+            f"{alone * 1e3:.1f}", f"{_percent_of_large_copy(r, alone, large_gbps):.0f}%")
+        same_bytes = _percent_of_copy(r, "kernel_stack_ms", "copy_stack_ms")
         lines.append(f"| {r['rank']}+{r['rope_dim']} | {r['heads']} | {r['batch']} | {r['context']} "
                      f"| {r['stack_layers']} | {alone_us} | {r['kernel_stack_ms'] * 1e3:.1f} | {alone_percent} "
-                     f"| {percent_of_large(r, r['kernel_stack_ms']):.0f}% | {same_bytes:.0f}% |")
+                     f"| {_percent_of_large_copy(r, r['kernel_stack_ms'], large_gbps):.0f}% | {same_bytes:.0f}% |")
     lines += ["", "| R+D | heads | cases | in a step: min % of large copy | in a step: median % of large copy |",
               "|---|---:|---:|---:|---:|"]
     for rank, rope_dim, heads in sorted({(r["rank"], r["rope_dim"], r["heads"]) for r in rows},
                                         key=lambda s: (-s[0], s[2])):
-        percent = [percent_of_large(r, r["kernel_stack_ms"]) for r in rows
+        percent = [_percent_of_large_copy(r, r["kernel_stack_ms"], large_gbps) for r in rows
                    if (r["rank"], r["rope_dim"], r["heads"]) == (rank, rope_dim, heads)]
         lines.append(f"| {rank}+{rope_dim} | {heads} | {len(percent)} | {min(percent):.0f}% "
                      f"| {statistics.median(percent):.0f}% |")
