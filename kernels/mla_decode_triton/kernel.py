@@ -167,6 +167,7 @@ def mla_decode_split_kernel(
     own_ok = cols_own < KV_LORA_RANK
     other_ok = cols_other < KV_LORA_RANK
     t_ok = cols_t < KV_LORA_RANK + ROPE_DIM
+    t_latent = cols_t < KV_LORA_RANK  # tail columns that are latent columns (only when TAIL_HAS_LATENT)
     t_rope = (cols_t >= KV_LORA_RANK) & t_ok  # tail columns that are rope-key columns
 
     cache_dtype = kv_cache_ptr.dtype.element_ty
@@ -187,7 +188,7 @@ def mla_decode_split_kernel(
     )  # (BLOCK_H, BLOCK_T)
     if TAIL_HAS_LATENT:
         q_tail += tl.load(
-            q_base + cols_t[None, :] * stride_qlat_c, mask=row_ok[:, None] & (cols_t < KV_LORA_RANK)[None, :], other=0.0
+            q_base + cols_t[None, :] * stride_qlat_c, mask=row_ok[:, None] & t_latent[None, :], other=0.0
         ).to(q_tail.dtype)  # the two masks are disjoint: each column comes from one of the two loads
     q_tail = q_tail.to(cache_dtype).to(DOT_DTYPE)
 
@@ -283,22 +284,12 @@ def mla_decode_split_kernel(
     out = acc / safe_sum[:, None]
     lse = tl.where(has_tokens, (running_max + tl.log2(safe_sum)) * LN2, float("-inf"))
 
-    tl.store(
-        part_out_ptr
-        + seq * stride_po_b
-        + rows[:, None] * stride_po_r
-        + split * stride_po_s
-        + cols_own[None, :] * stride_po_c,
-        out.to(part_out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & own_ok[None, :],
-    )
+    part_row = part_out_ptr + seq * stride_po_b + rows[:, None] * stride_po_r + split * stride_po_s  # (BLOCK_H, 1)
+    tl.store(part_row + cols_own[None, :] * stride_po_c, out.to(part_out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & own_ok[None, :])
     if TAIL_HAS_LATENT:
-        tl.store(
-            part_out_ptr + seq * stride_po_b + rows[:, None] * stride_po_r + split * stride_po_s
-            + cols_t[None, :] * stride_po_c,
-            (acc_tail / safe_sum[:, None]).to(part_out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & (cols_t < KV_LORA_RANK)[None, :],
-        )
+        tl.store(part_row + cols_t[None, :] * stride_po_c, (acc_tail / safe_sum[:, None]).to(part_out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & t_latent[None, :])
     if r_part == 0:  # every R part computed the same lse; one of them stores it
         tl.store(part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r + split * stride_pl_s, lse, mask=row_ok)
 
