@@ -6,6 +6,8 @@
 #   OUT=/some/folder STORIES=path/to/stories260k bash scripts/device_check.sh     (-h / --help: this text)
 #   (relative paths in OUT, STORIES, CALIB_TEXT, EVAL_TEXT count from the folder it is started in)
 #
+# The fine-tuning recipe under FSDP is a separate check (same assets; estimated 2 minutes, not yet run on a GPU):
+#   python scripts/device_finetune_check.py --out $OUT/finetune
 # Prepare the assets once with scripts/prepare_device_assets.sh.  SKIP_KERNEL=1 runs the conversion part alone, CASES="key ..." only those cases (see --cases); CONVERT_LIMIT (seconds, default 170) caps it.  The texts are halves
 # of ../shared/data/tinystories-valid-excerpt.txt (calibration / held-out), copied beside stories260K.
 # Everything it writes is packed into $OUT/device_check.tgz (plus $OUT/summary.txt), because a device
