@@ -987,8 +987,25 @@ def test_pickled_checkpoint_converts_only_when_allowed_and_like_safetensors(temp
         shutil.copyfile(template / name, pickled / name)
     options = dict(calibration=CalibrationOptions(num_samples=2, seq_len=16), rope_finalists=1,
                    kv_balance_search=False)
-    convert(template, tmp_path / "from-safetensors", ConvertOptions(**options))
-    convert(pickled, tmp_path / "from-pickle", ConvertOptions(**options, allow_pickle=True))
+    messages = {name: MessageLog() for name in ("from-safetensors", "from-pickle")}
+    # --allow-pickle on a safetensors folder converts the same, and says that the flag did nothing
+    convert(template, tmp_path / "from-safetensors", ConvertOptions(**options, allow_pickle=True),
+            progress=messages["from-safetensors"])
+    convert(pickled, tmp_path / "from-pickle", ConvertOptions(**options, allow_pickle=True), progress=messages["from-pickle"])
     a = (tmp_path / "from-safetensors" / "model.safetensors").read_bytes()
     b = (tmp_path / "from-pickle" / "model.safetensors").read_bytes()
     assert a == b
+    unneeded = [line for line in messages["from-safetensors"].lines if "--allow-pickle" in line]
+    assert unneeded == [f"note: --allow-pickle has no effect: {template} holds safetensors weights, which are read (as "
+                        "transformers reads them when a folder holds both)"]
+    assert not [line for line in messages["from-pickle"].lines if "--allow-pickle" in line]
+
+
+class MessageLog(Progress):
+    """The messages a conversion gives its progress callbacks."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)

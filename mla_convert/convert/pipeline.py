@@ -132,6 +132,10 @@ class Converter:
             problems.append(str(error))
         if problems:
             raise PreflightError(revision + problems)
+        if self.options.allow_pickle and self.reader.format == "safetensors":
+            # (the flag is harmless here, but a user who passed it expects *.bin files to be read)
+            self.progress.message(f"note: --allow-pickle has no effect: {self.source_path} holds safetensors weights, "
+                                  "which are read (as transformers reads them when a folder holds both)")
         # what is wrong with the settings themselves (`setting_problems`: the caller's, e.g. the CLI's flags that
         # cannot act; a --revision that cannot act on a local folder): raised with pre-flight's problems
         # (`preflight`), so that the ranks', options' and output's problems come in the same run
