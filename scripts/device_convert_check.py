@@ -53,7 +53,8 @@ def synthetic(folder: Path, layers: int, shape: dict) -> Path:
 
 
 def convert(source: Path, output: Path, device: str, args: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}", "HF_HUB_OFFLINE": "1"}
+    # the caller's PYTHONPATH stays behind ours: a device run carries missing packages that way (/tmp/site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH")))), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "mla_convert", "convert", str(source), str(output), "--device", device, "--dtype", "fp32",
                "-q", *args]
     started = time.perf_counter()

@@ -99,7 +99,9 @@ def run_settings(args, converted: Path, work: Path, run: str) -> list[str]:
 
 
 def launch(command: list[str], log: Path) -> tuple[int, float]:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    # the caller's PYTHONPATH stays behind ours: a device run carries missing packages that way (/tmp/site)
+    path = os.pathsep.join(filter(None, (str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
     with open(log, "w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -177,9 +179,10 @@ def measure(args) -> dict:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
+    import accelerate
     from device_convert_check import environment
 
-    results = {"meta": environment(), "cpu": args.cpu, "steps": args.steps, "seq_len": args.seq_len, "runs": {}}
+    results = {"meta": environment() | {"accelerate": accelerate.__version__}, "cpu": args.cpu, "steps": args.steps, "seq_len": args.seq_len, "runs": {}}
     converted = work / "stories260k-mla-8x"
     command = [sys.executable, "-m", "mla_convert", "convert", str(args.stories), str(converted), "--compression", "8",
                "--calib-data", str(args.text), "--dtype", "fp32", "-q"]
@@ -225,7 +228,8 @@ def render(results: dict) -> str:
                 "single: `configs/accelerate/1gpu.yaml`; fsdp: the shipped `fsdp_4gpu.yaml` with `num_processes: 1`")
     lines = [SECTION_BEGIN, "## Fine-tuning under FSDP (GPU)", "",
              f"Measured by `python scripts/device_finetune_check.py{' --cpu' if results['cpu'] else ''}` on {where} "
-             f"({meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}): stories260K converted at 8x "
+             f"({meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}, "
+             f"accelerate {meta.get('accelerate', '?')}): stories260K converted at 8x "
              f"(`{results['convert']['command']}`), then four `accelerate launch` runs of `recipes/finetune_mla.py`, "
              f"{results['steps']} steps of 8 x {results['seq_len']} tokens each, attention trained, held-out perplexity "
              f"on 16 windows before and after; {launches}; fsdp-stopped / fsdp-resumed: the fsdp run's settings, stopped "

@@ -85,7 +85,8 @@ def _run(distributed: str, perplexity_after: float, losses: list[float], save=(0
 
 def _gpu_results() -> dict:
     losses = [2.2, 2.0, 1.9, 1.8]
-    results = {"meta": {"date": "2026-12-05", "torch": "2.11.0+cu130", "transformers": "5.17.0", "gpu": "NVIDIA H200"},
+    results = {"meta": {"date": "2026-12-05", "torch": "2.11.0+cu130", "transformers": "5.17.0", "gpu": "NVIDIA H200",
+                        "accelerate": "1.15.0"},
                "cpu": False, "steps": 16, "seq_len": 128, "convert": {"command": "mla-convert convert ...", "returncode": 0},
                "runs": {"single": _run("NO", 20.0, [2.2, 2.01, 1.9, 1.81]), "fsdp": _run("FSDP", 20.3, losses),
                         "fsdp-stopped": {"returncode": 0, "wall_seconds": 20.0, "checkpoints": ["step-0000008"]},
@@ -103,7 +104,7 @@ def test_a_gpu_run_that_did_what_the_recipe_promises_passes():
                                  "saved folders reload with the trained logits": True}
     assert check.passed(results)
     section = check.render(results)
-    assert "| fsdp | FSDP | 1 | bf16 | cuda:0 |" in section and "fsdp_4gpu.yaml` with `num_processes: 1`" in section
+    assert "accelerate 1.15.0" in section and "| fsdp | FSDP | 1 | bf16 | cuda:0 |" in section and "fsdp_4gpu.yaml` with `num_processes: 1`" in section
     assert "Saved weights, fsdp-resumed against fsdp: bit-identical: yes" in section and "| fsdp ran | passed |" in section
 
 
@@ -137,6 +138,14 @@ def test_a_gpu_resume_that_is_not_bit_for_bit_passes_within_its_tolerance_and_a_
     section = check.render(results)
     assert "| fsdp-resumed | failed (rc 1): RuntimeError: boom |" in section
     assert "| resume reproduces the straight run | **not run** |" in section
+
+
+def test_the_runs_keep_the_callers_python_path_behind_the_repos(tmp_path, monkeypatch):
+    """A device run carries packages the image lacks as wheels unpacked on PYTHONPATH: the runs must see them."""
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    code, _ = check.launch([sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], tmp_path / "log")
+    assert code == 0
+    assert (tmp_path / "log").read_text().split() == [f"{check.REPO}:{check.REPO / 'kernels'}:{tmp_path / 'site'}"]
 
 
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
