@@ -191,6 +191,7 @@ def measure(args) -> dict:
                           "returncode": code, "seconds": round(seconds, 1)}
     if code != 0:
         results["convert"]["error"] = tail(work / "convert.log")
+        (out / "device_finetune_check.json").write_text(json.dumps(results, indent=2) + "\n")
         return results
     fsdp_config = None if args.cpu else fsdp_one_process_config(work)
     for run in RUNS:

@@ -155,6 +155,21 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_conversion_that_fails_is_recorded_and_fails_the_check(tmp_path, capsys):
+    """Nothing is trained from a source that does not convert; the JSON that comes back from the device says why."""
+    source = tmp_path / "broken"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    for name in ("train.txt", "held-out.txt"):
+        (tmp_path / name).write_text("Once upon a time there was a cat.\n" * 50)
+    code = check.main(["--cpu", "--out", str(tmp_path / "out"), "--stories", str(source), "--text", str(tmp_path / "train.txt"),
+                       "--eval-text", str(tmp_path / "held-out.txt")])
+    results = json.loads((tmp_path / "out" / "device_finetune_check.json").read_text())
+    assert code == 1 and results["runs"] == {} and results["convert"]["returncode"] == 2
+    assert "hidden_size" in results["convert"]["error"]
+    assert "Conversion failed:" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_the_cpu_dry_run_trains_stops_resumes_and_renders(stories260k, tinystories_text, tmp_path, monkeypatch):
