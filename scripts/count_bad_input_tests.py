@@ -55,10 +55,17 @@ RULES = [
 
 
 def collected() -> list[str]:
+    """pytest's node ids of the whole suite.  A collection that fails (an interpreter without pytest or the project's
+    packages, a test module that does not import) is an error: it used to count every command as 0 and --write that."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'kernels'}"}
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
                           capture_output=True, text=True, cwd=REPO, env=env)
-    return [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    nodes = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    if done.returncode != 0 or not nodes:
+        reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"count_bad_input_tests.py: error: pytest could not collect the suite with {sys.executable} "
+                         f"(exit {done.returncode}: {reason[0]}); run it from the project's environment")
+    return nodes
 
 
 def hostile_examples() -> int:

@@ -482,6 +482,20 @@ def test_make_rope_source_edits_only_the_rope_and_transformers_rotates_as_declar
 
 
 # --------------------------------------------------------------------------- count_bad_input_tests.py
+def test_bad_input_counts_refuse_to_write_when_pytest_collects_nothing(tmp_path, monkeypatch):
+    """A failed collection (here: a tree with no tests) is an error, and the doc keeps its table (it was overwritten
+    with zeros when the script ran under an interpreter without pytest)."""
+    counter = load("count_bad_input_tests")
+    doc = tmp_path / "robustness.md"
+    doc.write_text(f"intro\n{counter.START}\nthe table\n{counter.END}\n")
+    (tmp_path / "tests").mkdir()
+    monkeypatch.setattr(counter, "REPO", tmp_path)
+    monkeypatch.setattr(counter, "DOC", doc)
+    with pytest.raises(SystemExit, match=r"pytest could not collect the suite .*\(exit [1-9]"):
+        counter.main(["--write"])
+    assert doc.read_text() == f"intro\n{counter.START}\nthe table\n{counter.END}\n"
+
+
 def test_the_robustness_docs_bad_input_counts_are_the_suites():
     """docs/robustness.md's table of bad inputs tested per command is generated from the suite's collection; nothing
     checked it, and it fell behind twice (push 55 for 56, generate 26 for 27): regenerate it with
