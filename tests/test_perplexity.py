@@ -315,6 +315,12 @@ def test_run_eval_checks_what_the_command_checks(stories260k, tinystories_text, 
     # the default context is what the command uses: min(1024, max_position_embeddings = 512)
     report = run_eval(converted, tinystories_text, max_windows=1, progress=False)
     assert report.settings["context_length"] == 512
+    assert not [note for note in report.notes if "allow-pickle" in note]
+    # --allow-pickle where both models hold safetensors: the same scores, and a note that the flag did nothing
+    both = run_eval(converted, tinystories_text, baseline=stories260k, max_windows=1, progress=False, allow_pickle=True)
+    assert f"--allow-pickle has no effect: {converted} and {stories260k} hold safetensors weights, which are read " \
+           "(as transformers reads them when a folder holds both)" in both.notes
+    assert both.results[f"{converted}"].perplexity == report.results[f"{converted}"].perplexity
 
 
 @pytest.fixture(scope="module")

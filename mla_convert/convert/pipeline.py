@@ -29,7 +29,7 @@ import torch
 from ..devices import resident_weight_budget
 from ..errors import CheckpointError, ConversionError, MLAConvertError, PreflightError
 from ..io.paths import absolute_path
-from ..io.reader import CheckpointReader
+from ..io.reader import CheckpointReader, unneeded_pickle_note
 from ..io.resolve import resolve_model_path, revision_problems
 from ..io.writer import CheckpointWriter, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, optional_argument, path_argument
@@ -132,10 +132,9 @@ class Converter:
             problems.append(str(error))
         if problems:
             raise PreflightError(revision + problems)
-        if self.options.allow_pickle and self.reader.format == "safetensors":
-            # (the flag is harmless here, but a user who passed it expects *.bin files to be read)
-            self.progress.message(f"note: --allow-pickle has no effect: {self.source_path} holds safetensors weights, "
-                                  "which are read (as transformers reads them when a folder holds both)")
+        unneeded = unneeded_pickle_note([self.source_path]) if self.options.allow_pickle else None
+        if unneeded:
+            self.progress.message(f"note: {unneeded}")
         # what is wrong with the settings themselves (`setting_problems`: the caller's, e.g. the CLI's flags that
         # cannot act; a --revision that cannot act on a local folder): raised with pre-flight's problems
         # (`preflight`), so that the ranks', options' and output's problems come in the same run

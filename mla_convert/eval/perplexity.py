@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..errors import MLAConvertError
 from ..io.paths import absolute_path
+from ..io.reader import unneeded_pickle_note
 from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
 if TYPE_CHECKING:
@@ -500,6 +501,9 @@ def run_eval(
     tokenized = tokenize_with_offsets(tokenizer, text)
     plan_windows(len(tokenized), context_length, stride, max_windows)
     notes = []
+    unneeded = unneeded_pickle_note([fact.path for fact in plan.facts if fact is not None]) if allow_pickle else None
+    if unneeded:
+        notes.append(unneeded)
     tokens = len(tokenized) if max_tokens is None else min(len(tokenized), max_tokens)
     if tokens < context_length:  # the results say so too (context_length, stride): the table and JSON quote them
         notes.append(f"the evaluation text has {tokens} tokens"

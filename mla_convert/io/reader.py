@@ -18,7 +18,7 @@ import pickle
 import re
 import struct
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,6 +172,23 @@ class Fold:
 
     scale: float = 1.0
     row_order: torch.Tensor | None = None
+
+
+def holds_safetensors(folder: str | os.PathLike) -> bool:
+    """Whether `folder` has safetensors weights, which transformers' `from_pretrained` (and `CheckpointReader`) load
+    before any pickled copy beside them: --allow-pickle then changes nothing."""
+    folder = Path(folder)
+    return (folder / SAFE_SINGLE).exists() or (folder / SAFE_INDEX).exists()
+
+
+def unneeded_pickle_note(folders: Sequence[str | os.PathLike]) -> str | None:
+    """What to say when --allow-pickle was given and every folder read holds safetensors (None: it is needed or
+    may be): the flag was harmless, but whoever passed it expected *.bin weights to be read."""
+    if not folders or not all(holds_safetensors(folder) for folder in folders):
+        return None
+    names = " and ".join(str(folder) for folder in folders)
+    return (f"--allow-pickle has no effect: {names} {'holds' if len(folders) == 1 else 'hold'} safetensors weights, "
+            "which are read (as transformers reads them when a folder holds both)")
 
 
 class CheckpointReader:
