@@ -513,14 +513,15 @@ def render(results: dict) -> str:
         "Memory-bound regime (batch >= 16, context >= 4K), target >= 70 % of copy:\n\n"
         + memory_bound_summary(results) + "\nAll cases:\n\n" + format_table(results)
     )
-    if stack_table(results):
+    stacked = stack_table(results)
+    if stacked:
         body += ("\nInside a model step: a model's decode step calls the kernel once per layer, each over its own "
                  "layer's cache, all in one CUDA graph.  So the memory-bound cases with caches up to "
                  f"{STACK_MAX_LAYER_BYTES // 1024**2} MB (in a --dry-run: every case) are also timed as several "
                  "calls (column \"calls in the graph\") over as many distinct caches, together larger than L2, "
                  "in one graph, per call.  One call replayed alone (the graph columns above) also pays the graph's "
                  "launch and the GPU's ramp up and drain.  **% of copy** here compares with as many copies of "
-                 "the same bytes in one graph:\n\n" + stack_table(results))
+                 "the same bytes in one graph:\n\n" + stacked)
     failed = [f"{r['rank']}+{r['rope_dim']} x{r['heads']} b{r['batch']} ctx{r['context']} ({r['stack_error']})"
               for r in results["cases"] if "stack_error" in r]
     if failed:

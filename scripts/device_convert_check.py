@@ -52,9 +52,16 @@ def synthetic(folder: Path, layers: int, shape: dict) -> Path:
     return folder
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child run: the repo and its kernels first on PYTHONPATH, the caller's entries kept after
+    them (a device run carries packages its image lacks as wheels unpacked onto PYTHONPATH, see the device notes),
+    and the hub offline."""
+    path = os.pathsep.join(filter(None, (str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **extra}
+
+
 def convert(source: Path, output: Path, device: str, args: list[str]) -> dict:
-    # the caller's PYTHONPATH stays behind ours: a device run carries missing packages that way (/tmp/site)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH")))), "HF_HUB_OFFLINE": "1"}
+    env = child_env()
     command = [sys.executable, "-m", "mla_convert", "convert", str(source), str(output), "--device", device, "--dtype", "fp32",
                "-q", *args]
     started = time.perf_counter()

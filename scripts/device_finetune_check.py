@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from benchmarks_md import write_marked_section  # noqa: E402
+from device_convert_check import child_env, environment  # noqa: E402
 
 SECTION_BEGIN = "<!-- device_finetune_check:begin -->"
 SECTION_END = "<!-- device_finetune_check:end -->"
@@ -99,9 +99,7 @@ def run_settings(args, converted: Path, work: Path, run: str) -> list[str]:
 
 
 def launch(command: list[str], log: Path) -> tuple[int, float]:
-    # the caller's PYTHONPATH stays behind ours: a device run carries missing packages that way (/tmp/site)
-    path = os.pathsep.join(filter(None, (str(REPO), str(REPO / "kernels"), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = child_env(PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     with open(log, "w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -180,7 +178,6 @@ def measure(args) -> dict:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     import accelerate
-    from device_convert_check import environment
 
     results = {"meta": environment() | {"accelerate": accelerate.__version__}, "cpu": args.cpu, "steps": args.steps, "seq_len": args.seq_len, "runs": {}}
     converted = work / "stories260k-mla-8x"
