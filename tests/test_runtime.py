@@ -167,6 +167,25 @@ def test_greedy_matches_transformers_on_converted_stories260k(stories_mla):
     assert all(len(ids) == NEW_TOKENS for ids in runtime), "a trained model should not stop at once"
 
 
+@pytest.mark.parametrize("key_width, value_width", [(112, 64), (24, 40), (32, 32)])
+@pytest.mark.parametrize("length", [1, 7])
+def test_prefill_attention_equals_the_written_out_softmax(key_width, value_width, length):
+    """causal_attention pads the narrower of keys / values on a CPU (torch's fused kernel wants one width): the
+    result must still be softmax(q k^T * scale, causal) v, computed here in float64 from the definition."""
+    from mla_convert.runtime.model import causal_attention
+
+    generator = torch.Generator().manual_seed(key_width + length)
+    heads, scale = 3, 0.3
+    queries, keys = (torch.randn(heads, length, key_width, generator=generator) for _ in range(2))
+    values = torch.randn(heads, length, value_width, generator=generator)
+    scores = queries.double() @ keys.double().transpose(1, 2) * scale  # (H, T, T)
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ values.double()  # (H, T, v)
+    out = causal_attention(queries, keys, values, scale)
+    assert out.shape == (heads, length, value_width)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_yarn_variant_exercises_both_rope_scalings(tiny_folders):
     """The yarn folder really tests cos/sin scaling and the mscale'd softmax scale (both != their plain values)."""
     model = AbsorbedMLAModel.from_folder(tiny_folders["q_proj-yarn-rope"], device="cpu")
