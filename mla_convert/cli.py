@@ -524,7 +524,7 @@ def generate(
     system: Optional[str] = typer.Option(None, help="With --chat: the system turn (default: the template's own)."),
     flag_problems: list[str] = (),
 ):
-    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, torch reference on CPU).
+    """Generate with the absorbed-MLA runtime (Triton kernel on CUDA, plain torch on CPU).
 
     The folder's generation_config.json applies as in transformers' generate() (stop tokens, penalties, sampling
     values with --sample), except the length: --max-new-tokens.  Greedy fp32 output equals generate()'s token for
