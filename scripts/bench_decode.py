@@ -4,11 +4,16 @@
 Why: the point of MLA is a smaller cache, which should make long-context decoding cheaper in memory
 and (where decoding is memory-bound) faster.  This times plain `model.generate` (greedy, `use_cache=True`,
 a fixed number of new tokens after a prompt of N tokens) for both models in the same run, on the same
-prompts, and counts the bytes of the cache `generate` hands back (`mla_convert.eval.kv_cache`).
+prompts, and counts the bytes of the cache `generate` hands back (`mla_convert.eval.kv_cache`).  The
+converted model is also decoded by mla-convert's absorbed runtime (`mla_convert.runtime`, what
+`mla-convert generate` runs: kv_b_proj folded into the query and output instead of expanding every cached
+latent at every step), on the same prompt, with end-of-sequence ignored as `min_new_tokens` makes
+`generate` ignore it; its greedy tokens are compared with transformers' for the converted model.
 
 Prefill and decode are timed separately within one `generate` call: a logits processor stamps the
 clock each time the model has produced next-token logits, so the first stamp ends the prefill and the
-rest are decode steps (decode tok/s = (new_tokens - 1) / (last stamp - first stamp)).
+rest are decode steps (decode tok/s = (new_tokens - 1) / (last stamp - first stamp)).  The runtime's
+own clock splits its call the same way (`GenerationOutput`: prefill, then the decode steps).
 
     python scripts/bench_decode.py --source SRC --converted OUT --contexts 512,2048 --new-tokens 32 \
         --write-benchmarks BENCHMARKS.md
@@ -54,6 +59,7 @@ class DecodeTiming:
     decode_tokens_per_s: float
     kv_cache_bytes: int
     kv_bytes_per_token: float
+    same_tokens_as_converted: bool | None = None  # runtime only: its greedy ids equal transformers' for the converted model
 
 
 class StepClock:
@@ -101,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "thread made decode 5-20x slower and erratic, one thread gave steady numbers)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per (model, context); the fastest counts")
+    parser.add_argument("--no-runtime", dest="runtime", action="store_false",
+                        help="skip decoding the converted model with mla-convert's absorbed runtime")
     parser.add_argument("--write-benchmarks", type=absolute_path, metavar="BENCHMARKS.md",
                         help="replace (or append) this script's section there")
     parser.add_argument("--json", type=absolute_path, dest="json_path", help="also write the raw timings as JSON")
@@ -170,8 +178,8 @@ def prompt_ids(args, tokenizer_folder: Path, length: int, vocab_size: int) -> to
             raise SystemExit(f"error: {args.data} has only {full_text_tokens} tokens, fewer than a {length}-token prompt")
 
 
-def time_generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> tuple[float, float, int]:
-    """(prefill seconds, decode seconds, cache bytes) of one greedy `generate`."""
+def time_generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> tuple[float, float, int, list[int]]:
+    """(prefill seconds, decode seconds, cache bytes, new token ids) of one greedy `generate`."""
     from transformers import LogitsProcessorList
 
     from mla_convert.eval.kv_cache import cache_bytes
@@ -201,48 +209,85 @@ def time_generate(model, ids: torch.Tensor, new_tokens: int, device: torch.devic
     per_layer, _, _ = cache_bytes(cache)
     prefill = clock.stamps[0] - start
     decode = clock.stamps[-1] - clock.stamps[0]
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
     del out, cache
-    return prefill, decode, sum(per_layer)
+    return prefill, decode, sum(per_layer), tokens
 
 
-def bench_pair(args, contexts: list[int], device: torch.device, dtype: torch.dtype) -> dict[str, list[DecodeTiming]]:
-    """Time both models at every context, alternating source and converted run by run.
+def time_runtime(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, int, list[int]]:
+    """The same four numbers for mla-convert's absorbed runtime (`model`: an AbsorbedMLAModel with no stop tokens).
 
-    Both models stay loaded and take turns, so load from other users of a shared machine (or clock
-    changes) hits both alike instead of whichever happened to run second.
+    Its decode time is the call after the prefill's logits (the first decode step and the steady steps:
+    new_tokens - 1 steps, as `time_generate` counts); cache bytes are the latent cache's payload holding the prompt
+    and all but the last new token, as `generate`'s cache does.
     """
-    models = {}
+    from mla_convert.runtime.generate import run_generation
+
+    prompt = ids[0].tolist()
+    output = run_generation(model, [prompt], new_tokens)
+    tokens = output.sequences[0]
+    if len(tokens) != new_tokens:
+        raise RuntimeError(f"the runtime produced {len(tokens)} tokens, expected {new_tokens}")
+    decode = output.first_decode_step_seconds + output.steady_decode_seconds
+    held = (len(prompt) + new_tokens - 1) * output.cache.bytes_per_token
+    return output.prefill_seconds, decode, held, tokens
+
+
+def load_runtime(spec: str, device: torch.device, dtype: torch.dtype):
+    """The converted model in mla-convert's absorbed runtime, stop tokens off (every run decodes new_tokens)."""
+    from mla_convert.io.resolve import resolve_model_path
+    from mla_convert.runtime import AbsorbedMLAModel
+
+    model = AbsorbedMLAModel.from_folder(resolve_model_path(spec), device=device, dtype=dtype)
+    model.eos_token_ids = ()
+    return model
+
+
+def bench_models(args, contexts: list[int], device: torch.device, dtype: torch.dtype) -> dict[str, list[DecodeTiming]]:
+    """Time every model at every context, alternating them run by run.
+
+    All models stay loaded and take turns, so load from other users of a shared machine (or clock
+    changes) hits them alike instead of whichever happened to run last.  The runtime decodes the converted
+    model's folder, with its prompt (the same ids: both read the converted folder's tokenizer).
+    """
+    models = {}  # label -> (timer, tokenizer folder, text config)
     for label, spec in (("source", args.source), ("converted", args.converted)):
         model, path = load(spec, device, dtype)
         config = model.config.get_text_config()
-        time_generate(model, prompt_ids(args, path, 16, config.vocab_size), 2, device)  # warm-up: first-call setup
-        models[label] = (model, path, config)
+        models[label] = (lambda ids, n, m=model: time_generate(m, ids, n, device), path, config)
+    if args.runtime:
+        runtime = load_runtime(args.converted, device, dtype)
+        models["runtime"] = (lambda ids, n, m=runtime: time_runtime(m, ids, n), *models["converted"][1:])
+    for timer, path, config in models.values():
+        timer(prompt_ids(args, path, 16, config.vocab_size), 2)  # warm-up: first-call setup
     timings: dict[str, list[DecodeTiming]] = {label: [] for label in models}
     limits = [getattr(config, "max_position_embeddings", None) for _, _, config in models.values()]
     max_positions = min((limit for limit in limits if limit), default=None)
     for context in contexts:
-        best: dict[str, tuple[float, float, int]] = {}
+        best: dict[str, tuple[float, float, int, list[int]]] = {}
         length = context
         if max_positions is not None and context + args.new_tokens > max_positions:
-            # Stay inside the trained positions; both models get the same (shorter) prompt.
+            # Stay inside the trained positions; every model gets the same (shorter) prompt.
             length = max_positions - args.new_tokens
             print(f"note: context {context}: prompt cut to {length} tokens (max_position_embeddings={max_positions})", file=sys.stderr)
         prompts = {label: prompt_ids(args, path, length, config.vocab_size) for label, (_, path, config) in models.items()}
         for _ in range(args.repeats):
-            for label, (model, _, _) in models.items():
-                prefill, decode, held = time_generate(model, prompts[label], args.new_tokens, device)
-                if label not in best or decode < best[label][1]:
-                    best[label] = (prefill, decode, held)
+            for label, (timer, _, _) in models.items():
+                result = timer(prompts[label], args.new_tokens)
+                if label not in best or result[1] < best[label][1]:
+                    best[label] = result
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         held_tokens = length + args.new_tokens - 1  # the last generated token is never fed back
-        for label, (prefill, decode, held) in best.items():
-            timing = DecodeTiming(label, length, args.new_tokens, prefill, decode, (args.new_tokens - 1) / decode, held, held / held_tokens)
+        for label, (prefill, decode, held, tokens) in best.items():
+            same = tokens == best["converted"][3] if label == "runtime" else None
+            timing = DecodeTiming(label, length, args.new_tokens, prefill, decode, (args.new_tokens - 1) / decode, held,
+                                  held / held_tokens, same)
             timings[label].append(timing)
             print(
                 f"{label:>9} ctx {length:>6}: prefill {prefill:7.2f}s  decode {timing.decode_tokens_per_s:8.2f} tok/s  "
-                f"KV {held / 2**20:9.2f} MiB",
+                f"KV {held / 2**20:9.2f} MiB" + ("" if same is None else f"  same tokens as transformers: {same}"),
                 flush=True,
             )
     return timings
@@ -262,18 +307,25 @@ def device_name(device: torch.device) -> str:
     return f"CPU {processor}, {torch.get_num_threads()} threads"
 
 
-def markdown_table(source: list[DecodeTiming], converted: list[DecodeTiming]) -> str:
-    header = (
-        "| context | source tok/s | converted tok/s | speed ratio | source KV MiB | converted KV MiB | KV ratio "
-        "| source prefill s | converted prefill s |"
-    )
-    lines = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s, c in zip(source, converted):
-        lines.append(
+def markdown_table(timings: dict[str, list[DecodeTiming]]) -> str:
+    """One row per context: both models in transformers, and the runtime's columns when it ran."""
+    source, converted, runtime = timings["source"], timings["converted"], timings.get("runtime")
+    header = ("| context | source tok/s | converted tok/s | speed ratio | source KV MiB | converted KV MiB | KV ratio "
+              "| source prefill s | converted prefill s |")
+    if runtime:
+        header += " runtime tok/s | runtime / source | runtime prefill s | runtime tokens = converted's |"
+    lines = [header, "|" + "---:|" * (header.count("|") - 1)]
+    for index, (s, c) in enumerate(zip(source, converted)):
+        line = (
             f"| {s.context} | {s.decode_tokens_per_s:.2f} | {c.decode_tokens_per_s:.2f} | "
             f"{c.decode_tokens_per_s / s.decode_tokens_per_s:.2f}x | {s.kv_cache_bytes / 2**20:.2f} | "
             f"{c.kv_cache_bytes / 2**20:.2f} | {s.kv_cache_bytes / c.kv_cache_bytes:.2f}x | {s.prefill_s:.2f} | {c.prefill_s:.2f} |"
         )
+        if runtime:
+            r = runtime[index]
+            line += (f" {r.decode_tokens_per_s:.2f} | {r.decode_tokens_per_s / s.decode_tokens_per_s:.2f}x | "
+                     f"{r.prefill_s:.2f} | {'yes' if r.same_tokens_as_converted else 'no'} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -297,9 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = args.contexts or context_list(GPU_DEFAULT_CONTEXTS if device.type == "cuda" else CPU_DEFAULT_CONTEXTS)
     started = time.perf_counter()
     with torch.inference_mode():
-        timings = bench_pair(args, contexts, device, dtype)
-    source, converted = timings["source"], timings["converted"]
-    table = markdown_table(source, converted)
+        timings = bench_models(args, contexts, device, dtype)
+    table = markdown_table(timings)
     command = args.command
     body = "\n".join(
         [
@@ -312,7 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.new_tokens} new tokens after a prompt of `context` tokens "
             f"({'text from ' + shown(args.data) if args.data else 'random token ids'}); best of {args.repeats}.",
             f"source: `{shown(args.source)}`; converted: `{shown(args.converted)}`. Decode tok/s excludes the prefill; "
-            "KV MiB is what the returned `DynamicCache` holds (context + new tokens - 1 positions).",
+            "KV MiB is what the returned `DynamicCache` holds (context + new tokens - 1 positions)."
+            + (" runtime: the converted folder decoded by `mla_convert.runtime` (as `mla-convert generate`; "
+               "plain torch attention on CPU; the Triton kernel and CUDA graphs on CUDA), stop tokens off; "
+               "\"runtime tokens = converted's\": its greedy ids equal transformers' for the converted model."
+               if "runtime" in timings else ""),
             "",
             table,
         ]
@@ -324,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         write_section(args.write_benchmarks, body)
         print(f"wrote section to {args.write_benchmarks}")
     if args.json_path:
-        args.json_path.write_text(json.dumps({"source": [asdict(t) for t in source], "converted": [asdict(t) for t in converted]}, indent=2) + "\n")
+        args.json_path.write_text(json.dumps({label: [asdict(t) for t in rows] for label, rows in timings.items()}, indent=2) + "\n")
     return 0
 
 
