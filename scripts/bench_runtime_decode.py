@@ -51,7 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", nargs="+", default=list(MLA_SHAPES), choices=list(MLA_SHAPES))
     parser.add_argument("--layers", type=int, help=f"default {SMOLLM2['num_hidden_layers']}; --cpu-smoke: 2")
     parser.add_argument("--cpu-smoke", action="store_true",
-                        help="2 layers, short prompts, on CPU (torch reference, no graphs): checks the plumbing only; "
+                        help="2 layers, short prompts, on CPU (plain torch decode attention, no graphs): checks the plumbing only; "
                              "--batches, --prompt, --new-tokens and --layers given explicitly are honoured")
     args = parser.parse_args(argv)
     defaults = (dict(layers=2, prompt=24, new_tokens=6, batches=[1, 2]) if args.cpu_smoke else

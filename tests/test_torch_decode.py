@@ -9,6 +9,11 @@ this path too: it is the CPU default.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from mla_decode_triton.reference import mla_decode_reference
@@ -82,3 +87,21 @@ def test_backend_choice():
         resolve_backend("torch", torch.device("cuda"))  # host reads every layer: no CUDA graphs
     with pytest.raises(GenerationSettingsError, match="choose one of auto, triton, torch, reference"):
         resolve_backend("fast", torch.device("cpu"))
+
+
+def test_a_cpu_only_install_decodes_without_triton(tmp_path):
+    """triton is an optional dependency: with it unimportable, the runtime still generates on a CPU (this path),
+    and the tokens are those it generates with triton importable."""
+    from test_runtime_decode_path import PROMPTS, build_folder
+
+    from mla_convert.runtime import generate_ids
+
+    folder = build_folder(tmp_path / "tiny", seed=3)
+    script = ("import sys, json; sys.modules['triton'] = None  # `import triton` now raises ImportError\n"
+              "from mla_convert.runtime import generate_ids\n"
+              f"print(json.dumps(generate_ids({str(folder)!r}, {PROMPTS!r}, 6, device='cpu')))\n"
+              "assert 'triton' not in sys.modules or sys.modules['triton'] is None\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env=os.environ | {"TRITON_INTERPRET": "0"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == generate_ids(folder, PROMPTS, 6, device="cpu")

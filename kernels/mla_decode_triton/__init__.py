@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 
-# Imported on first use: the torch reference must work where triton is not installed (decoding on a CPU).
+# Imported on first use: the torch reference must import where triton is not installed (a CPU-only install).
 _WHERE = {
     "TileConfig": "configs", "candidate_tiles": "configs", "MLADecodeInputError": "errors",
     "DecodeConfig": "launcher", "choose_config": "launcher", "mla_decode": "launcher", "mla_decode_multi": "launcher",
