@@ -48,6 +48,18 @@ def stories260k(shared_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def stories_mla(tmp_path_factory, stories260k) -> Path:
+    """stories260K converted at 2x by the real converter (fp32 export, tiny calibration: ~10 s), once per session;
+    tests read it, none may change it."""
+    from mla_convert.convert import CalibrationOptions, ConvertOptions, convert
+
+    out = tmp_path_factory.mktemp("stories-mla") / "out"
+    convert(stories260k, out, ConvertOptions(compression=2, dtype="fp32",
+                                             calibration=CalibrationOptions(num_samples=4, seq_len=64)))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tinystories_text(shared_dir) -> Path:
     path = shared_dir / "data" / "tinystories-valid-excerpt.txt"
     if not path.exists():

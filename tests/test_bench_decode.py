@@ -10,21 +10,10 @@ import pytest
 import torch
 from test_bench_scripts import load
 
-from mla_convert.convert import CalibrationOptions, ConvertOptions, convert
-
 pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.usefixtures("single_torch_thread")]
 
 CONTEXTS = (24, 40)
 NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def stories_mla_2x(tmp_path_factory, stories260k):
-    """stories260K converted at 2x, fp32 (tiny calibration: ~10 s)."""
-    out = tmp_path_factory.mktemp("bench-decode") / "mla"
-    convert(stories260k, out, ConvertOptions(compression=2, dtype="fp32",
-                                             calibration=CalibrationOptions(num_samples=4, seq_len=64)))
-    return out
 
 
 def run_bench(tmp_path, stories260k, converted, text, *extra):
@@ -40,9 +29,9 @@ def run_bench(tmp_path, stories260k, converted, text, *extra):
     return json.loads((tmp_path / "t.json").read_text()), (tmp_path / "B.md").read_text()
 
 
-def test_runtime_decodes_the_same_prompts_to_the_same_tokens_with_the_same_cache(tmp_path, stories260k, stories_mla_2x,
+def test_runtime_decodes_the_same_prompts_to_the_same_tokens_with_the_same_cache(tmp_path, stories260k, stories_mla,
                                                                                   tinystories_text):
-    timings, section = run_bench(tmp_path, stories260k, stories_mla_2x, tinystories_text)
+    timings, section = run_bench(tmp_path, stories260k, stories_mla, tinystories_text)
     assert set(timings) == {"source", "converted", "runtime"}
     for label, rows in timings.items():
         assert [row["context"] for row in rows] == list(CONTEXTS), label
@@ -61,8 +50,8 @@ def test_runtime_decodes_the_same_prompts_to_the_same_tokens_with_the_same_cache
     assert rows[0].count("|") == header.count("|")
 
 
-def test_no_runtime_leaves_the_two_transformers_columns(tmp_path, stories260k, stories_mla_2x, tinystories_text):
-    timings, section = run_bench(tmp_path, stories260k, stories_mla_2x, tinystories_text, "--no-runtime")
+def test_no_runtime_leaves_the_two_transformers_columns(tmp_path, stories260k, stories_mla, tinystories_text):
+    timings, section = run_bench(tmp_path, stories260k, stories_mla, tinystories_text, "--no-runtime")
     assert set(timings) == {"source", "converted"}
     header = next(line for line in section.splitlines() if line.startswith("| context"))
     assert "runtime" not in header and "runtime:" not in section  # no columns, no note on them

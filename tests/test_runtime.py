@@ -126,15 +126,6 @@ def tiny_folder(tiny_folders):
     return tiny_folders["q_proj-default-rope"]
 
 
-@pytest.fixture(scope="module")
-def stories_mla(tmp_path_factory, stories260k):
-    """stories260K converted by the real converter (fp32 export, tiny calibration: ~10 s)."""
-    out = tmp_path_factory.mktemp("stories-mla") / "out"
-    convert(stories260k, out, ConvertOptions(compression=2, dtype="fp32",
-                                             calibration=CalibrationOptions(num_samples=4, seq_len=64)))
-    return out
-
-
 @pytest.fixture(scope="session")
 def smollm2_mla(tmp_path_factory, smollm2):
     """SmolLM2-135M converted once per session (fp32, tiny calibration: ~1 min on 2 cores)."""
