@@ -218,8 +218,9 @@ def time_runtime(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, floa
     """The same four numbers for mla-convert's absorbed runtime (`model`: an AbsorbedMLAModel with no stop tokens).
 
     Its decode time is the call after the prefill's logits (the first decode step and the steady steps:
-    new_tokens - 1 steps, as `time_generate` counts); cache bytes are the latent cache's payload holding the prompt
-    and all but the last new token, as `generate`'s cache does.
+    new_tokens - 1 steps, as `time_generate` counts; on CUDA the first step may capture a CUDA graph for a length
+    the warm-up did not reach, and that is counted too); cache bytes are the latent cache's payload holding the
+    prompt and all but the last new token, as `generate`'s cache does.
     """
     from mla_convert.runtime.generate import run_generation
 
