@@ -297,6 +297,15 @@ def _number_flags(name: str) -> list[str]:
             if isinstance(param, typer.core.TyperOption) and number_kind(param.type_descriptor.annotation) is not None]
 
 
+def _arguments_besides_flags(name: str, tmp_path) -> tuple[list[str], list[str]]:
+    """Command NAME's positional arguments and required options, pointing into tmp_path (nothing there exists)."""
+    positional = {"convert": [str(tmp_path / "src"), str(tmp_path / "out")], "sweep": [str(tmp_path / "src")],
+                  "eval": [str(tmp_path / "src")], "generate": [str(tmp_path / "src"), "hi"],
+                  "inspect": [str(tmp_path / "src")], "push": [str(tmp_path / "src"), "me/model"]}.get(name, [])
+    required = {"sweep": ["--data", "t.txt", "--out-dir", str(tmp_path / "sw")], "eval": ["--data", "t.txt"]}.get(name, [])
+    return positional, required
+
+
 @pytest.mark.parametrize("name", sorted(typer.main.get_command(cli.app).commands))
 def test_every_number_flag_refuses_text_as_one_error_line(name, tmp_path):
     """typer printed a usage box for the first flag it could not convert and said nothing of the rest."""
@@ -305,10 +314,7 @@ def test_every_number_flag_refuses_text_as_one_error_line(name, tmp_path):
     flags = _number_flags(name)
     if name in {"convert", "sweep", "eval", "generate", "inspect", "demo"}:
         assert flags, "no number flag found: the check reads nothing"
-    positional = {"convert": [str(tmp_path / "src"), str(tmp_path / "out")], "sweep": [str(tmp_path / "src")],
-                  "eval": [str(tmp_path / "src")], "generate": [str(tmp_path / "src"), "hi"],
-                  "inspect": [str(tmp_path / "src")], "push": [str(tmp_path / "src"), "me/model"]}.get(name, [])
-    required = {"sweep": ["--data", "t.txt", "--out-dir", str(tmp_path / "sw")], "eval": ["--data", "t.txt"]}.get(name, [])
+    positional, required = _arguments_besides_flags(name, tmp_path)
     for flag in flags:
         result = CliRunner().invoke(cli.app, [name, *positional, *required, flag, "1.5x"])
         assert result.exit_code == 2 and "Traceback" not in result.output, (flag, result.output)
@@ -333,10 +339,7 @@ def test_every_float_flag_refuses_nan_and_infinity_as_typed(name, tmp_path):
     flags = _float_flags(name)
     if name in {"convert", "sweep", "generate", "inspect", "demo"}:
         assert flags, "no float flag found: the check reads nothing"
-    positional = {"convert": [str(tmp_path / "src"), str(tmp_path / "out")], "sweep": [str(tmp_path / "src")],
-                  "eval": [str(tmp_path / "src")], "generate": [str(tmp_path / "src"), "hi"],
-                  "inspect": [str(tmp_path / "src")], "push": [str(tmp_path / "src"), "me/model"]}.get(name, [])
-    required = {"sweep": ["--data", "t.txt", "--out-dir", str(tmp_path / "sw")], "eval": ["--data", "t.txt"]}.get(name, [])
+    positional, required = _arguments_besides_flags(name, tmp_path)
     for flag in flags:
         for typed in ("1e309", "nan", "-inf"):
             result = CliRunner().invoke(cli.app, [name, *positional, *required, f"{flag}={typed}"])
