@@ -19,9 +19,10 @@ import torch
 from mla_decode_triton.reference import mla_decode_reference
 from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, UNUSED_PAGE, make_decode_inputs
 
+from mla_convert.runtime import torch_decode
 from mla_convert.runtime.decode_backends import decode_attention, resolve_backend
 from mla_convert.runtime.errors import GenerationSettingsError
-from mla_convert.runtime.torch_decode import mla_decode_torch, sequence_rows
+from mla_convert.runtime.torch_decode import mla_decode_torch, sequence_rows, uses_loop
 
 LENGTHS = [0, 1, 7, 33, 64]  # an idle slot, a lone token, ragged last pages, whole pages
 RANK, ROPE, HEADS = 24, 8, 3
@@ -47,6 +48,13 @@ def consecutive_layout(inputs, page_size: int, row_width: int | None = None):
     return cache, table
 
 
+@pytest.fixture
+def loop_always(monkeypatch):
+    """These caches are short: without this the call would go to the reference itself (`uses_loop`)."""
+    monkeypatch.setattr(torch_decode, "LOOP_FROM_VALUES", 0)
+
+
+@pytest.mark.usefixtures("loop_always")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("layout", ["shuffled", "consecutive", "consecutive, padded rows", "shuffled, padded rows"])
@@ -65,6 +73,16 @@ def test_equals_the_reference_on_poisoned_paged_caches(dtype, page_size, layout)
     torch.testing.assert_close(out, expected_out, **TOLERANCE[dtype])
     torch.testing.assert_close(lse, expected_lse, **LSE_TOLERANCE)
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()  # the idle slot
+
+
+def test_short_caches_go_to_the_reference_long_ones_to_the_loop():
+    width = 192  # SmolLM2 2x: the measured crossover lies between 256 and 512 tokens per sequence on average
+    assert not uses_loop([256] * 8, width) and uses_loop([512] * 8, width)
+    assert uses_loop([4096], width) and not uses_loop([0, 0], width)
+    inputs = make_decode_inputs(2, HEADS, RANK, ROPE, [3, 5], 4)
+    # below the threshold the call is the reference's, to the bit
+    for got, expected in zip(mla_decode_torch(*inputs.args()), mla_decode_reference(*inputs.args()), strict=True):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("row_width", [None, RANK + ROPE + 8])
@@ -105,3 +123,14 @@ def test_a_cpu_only_install_decodes_without_triton(tmp_path):
                             env=os.environ | {"TRITON_INTERPRET": "0"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == generate_ids(folder, PROMPTS, 6, device="cpu")
+
+
+@pytest.mark.usefixtures("loop_always")
+def test_runtime_on_the_loop_generates_transformers_tokens(tmp_path):
+    """The runtime's own tests decode short prompts, which go to the reference: here the loop decodes them."""
+    from test_runtime_decode_path import PROMPTS, assert_same_tokens, build_folder, transformers_greedy
+
+    from mla_convert.runtime import generate_ids
+
+    folder = build_folder(tmp_path / "tiny", seed=5)
+    assert_same_tokens(generate_ids(folder, PROMPTS, 12, device="cpu"), transformers_greedy(folder, PROMPTS, 12))
