@@ -55,3 +55,35 @@ def test_no_runtime_leaves_the_two_transformers_columns(tmp_path, stories260k, s
     assert set(timings) == {"source", "converted"}
     header = next(line for line in section.splitlines() if line.startswith("| context"))
     assert "runtime" not in header and "runtime:" not in section  # no columns, no note on them
+
+
+def test_cpu_decode_paths_bench_times_both_paths_to_the_same_tokens(tmp_path, stories_mla):
+    """scripts/bench_cpu_decode_paths.py: the loop and the oracle decode the same prompts to the same tokens; the
+    table has a row per case with both rates."""
+    bench = load("bench_cpu_decode_paths")
+    from mla_convert.runtime import torch_decode
+
+    threads, threshold = torch.get_num_threads(), torch_decode.LOOP_FROM_VALUES
+    try:
+        assert bench.main(["--model", str(stories_mla), "--cases", "2x9,1x40", "--new-tokens", "4", "--repeats", "1",
+                           "--json", str(tmp_path / "p.json"), "--write-benchmarks", str(tmp_path / "B.md")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert torch_decode.LOOP_FROM_VALUES == threshold  # forced to 0 for its runs only
+    rows = json.loads((tmp_path / "p.json").read_text())
+    assert [(row["batch"], row["length"]) for row in rows] == [(2, 9), (1, 40)]
+    assert all(row["same_tokens"] and row["reference_tok_s"] > 0 and row["loop_tok_s"] > 0 for row in rows)
+    section = (tmp_path / "B.md").read_text()
+    assert "| 2 x 9 |" in section and "| 1 x 40 |" in section and section.count("| yes |") == 2
+    assert f"takes the loop from {threshold} cached values" in section
+
+
+@pytest.mark.parametrize("argv, says", [(["--cases", "16by128"], "--cases"), (["--cases", "0x5"], "--cases"),
+                                        (["--new-tokens", "2"], "--new-tokens"), (["--repeats", "0"], "--repeats")])
+def test_cpu_decode_paths_bench_refuses_bad_arguments(tmp_path, capsys, argv, says):
+    from test_bench_scripts import refused
+
+    bench = load("bench_cpu_decode_paths")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert says in refused(capsys, lambda: bench.parse_args(["--model", str(tmp_path / "m"), *argv]))

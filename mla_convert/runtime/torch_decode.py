@@ -6,16 +6,14 @@ the size of the page table and zeroes the slots past each length with a second f
 On a CPU there is no graph to stay inside and reading a length costs nothing, so this path cuts each sequence's
 rows to its length first and multiplies them where they lie: a sequence whose pages are consecutive in the pool
 (a lone sequence, or any sequence until another one takes a page in between) is read as a view of the cache,
-with no copy at all; any other gathers only its own pages.  Measured through the runtime on SmolLM2-135M at 2x
-(4096-token prompt, fp32, one thread, 2026-12-05): steady decode 7.9-8.6 tok/s with the reference, 11.4 with
-this, the same tokens (BENCHMARKS.md, "Greedy decode").
+with no copy at all; any other gathers only its own pages.
 
 The loop pays a dozen torch calls per sequence and layer, the reference a dozen per layer, so with many short
 sequences the reference's batched products win: below LOOP_FROM_VALUES cached values per sequence on average
 (length x (R + D)) this path hands the call to the reference (`uses_loop`).  Measured through the runtime on SmolLM2
-2x (192 values per token; fp32, one thread; steady decode, the better of two alternating runs each, 2026-12-05):
-batch 16 x 128-token prompts, the reference 1.13x faster than the loop; 8 x 256 even; 8 x 512, 16 x 1024, 4 x 2048,
-1 x 4096: the loop 1.06x, 1.22x, 1.25x, 1.29x faster.
+2x (192 values per token; fp32, one thread; `scripts/bench_cpu_decode_paths.py`, BENCHMARKS.md "CPU decode",
+2026-12-05): loop / reference 0.93 at batch 16 x 128-token prompts, 1.01 at 8 x 256, 1.06 at 8 x 512, 1.34 at
+16 x 1024, 1.21 at 4 x 2048, 1.22 at 1 x 4096, the same tokens in every case.
 
 The contract is the reference's and the kernel's (`check_decode_inputs`): slots past a sequence's length and
 page-table entries past its last page are never read, a length of 0 gives out = 0 and lse = -inf.  It is not for
