@@ -1,0 +1,299 @@
+"""The fine-tuning student sharded over several processes with torch's FSDP2: does sharded training equal plain training?
+
+Why this exists: the recipe's multi-GPU path is accelerate's FSDP2 (`recipes/configs/accelerate/fsdp_{4,8}gpu.yaml`),
+but accelerate turns an FSDP config into plain multi-process (DDP) training on a CPU, and this project has had no
+machine with several GPUs, so no run of the recipe has split a parameter across processes.  This script does that
+part with torch itself (`torch.distributed.fsdp.fully_shard`, any backend: gloo on CPUs, nccl on GPUs), on the
+recipe's own pieces: the converted folder loaded as the trainer loads it, latents unfolded (`finetune.latent`), the
+trainer's parameter selection (`train`: attention or all), its loss (`finetune.loss.distillation_loss` against the
+source model), AdamW with the trainer's parameter groups and gradient clipping, and its save
+(`finetune.saving.save_finetuned`, from the gathered full state dict).  The units are the ones the shipped FSDP2
+config asks accelerate for: one per `DeepseekV3DecoderLayer` (wrapped for activation checkpointing, as the config
+asks), one for the embedding, final norm and (tied) head, and the root.  It does not run accelerate itself (its
+`prepare`, `save_state`), which `scripts/device_finetune_check.py` covers on one GPU, nor the config's bf16 mixed
+precision: the check is about sharding, in fp32.
+
+Each step takes the same global batch of text windows; each process trains on its contiguous slice of it (the
+trainer's `process_slice`), so a run on N processes must reproduce a run on one, up to the order of float sums.
+`--resume-at K` also writes a sharded checkpoint (torch.distributed.checkpoint: weights and optimizer state) after K
+steps, builds a fresh sharded student from the untrained folder, loads the checkpoint into it and trains on: the
+final weights must not care.
+
+    python scripts/fsdp_sharding_check.py --model MLA --teacher SOURCE --text FILE --out DIR --no-shard
+    torchrun --standalone --nproc_per_node 2 scripts/fsdp_sharding_check.py --model MLA --teacher SOURCE \\
+        --text FILE --out DIR2 --resume-at 2
+    python scripts/fsdp_sharding_check.py --compare DIR DIR2
+
+Writes DIR/result.json (losses per step, units, parameters, the saved folder's logit check) and the trained folder
+DIR/model; `--compare` judges two such folders (exit status 1 when they differ beyond float rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a file (torchrun) from any folder
+    sys.path.insert(0, str(REPO))
+
+from mla_convert.finetune.data import process_slice  # noqa: E402
+from mla_convert.finetune.latent import stored_latent_sites, unfold_latent_scales  # noqa: E402
+from mla_convert.finetune.loss import distillation_loss  # noqa: E402
+from mla_convert.finetune.saving import save_finetuned  # noqa: E402
+from mla_convert.finetune.trainer import load_converted_report, load_tokenizer, trainable_names  # noqa: E402
+from mla_convert.io.hf_loading import load_causal_lm  # noqa: E402
+
+RESULT_FILE = "result.json"
+# float sums in another order (gradients reduce-scattered in halves, clipping norms summed per shard) move fp32
+# weights by rounding, relative to each tensor's largest entry (stories260K at 2x, 3 steps: 3e-7)
+WEIGHT_TOLERANCE = 1e-5
+LOSS_TOLERANCE = 1e-5
+LOGIT_TOLERANCE = 1e-4  # the saved folder, reloaded, against the sharded model that trained it (fp32 both)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="converted MLA folder (mla-convert convert)")
+    parser.add_argument("--teacher", type=Path, help="the source model folder (distillation target)")
+    parser.add_argument("--text", type=Path, help="plain-text file the training windows are cut from")
+    parser.add_argument("--out", type=Path, help="folder for result.json and the trained model (must not exist)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--windows-per-step", type=int, default=4, help="global batch (a multiple of the processes)")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--train", choices=("attention", "all"), default="attention")
+    parser.add_argument("--resume-at", type=int, default=0, help="checkpoint after this many steps and resume (0: no)")
+    parser.add_argument("--no-shard", action="store_true", help="plain model, one process: the reference run")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("REFERENCE", "SHARDED"),
+                        help="judge two --out folders instead of training")
+    args = parser.parse_args(argv)
+    if args.compare is None and None in (args.model, args.teacher, args.text, args.out):
+        parser.error("--model, --teacher, --text and --out are required unless --compare is given")
+    return args
+
+
+def text_windows(folder: Path, text: Path, count: int, seq_len: int) -> torch.Tensor:
+    """The first `count` windows of `seq_len` token ids of the text: (count, seq_len)."""
+    tokenizer = load_tokenizer(folder)
+    if tokenizer is None:
+        raise SystemExit(f"{folder}: no tokenizer")
+    ids = tokenizer(text.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    if len(ids) < count * seq_len:
+        raise SystemExit(f"{text}: {len(ids)} tokens, the run needs {count * seq_len}")
+    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)  # (count, seq_len)
+
+
+def build_student(folder: Path, train: str, device: torch.device):
+    """The student as the trainer builds it: fp32, latents unfolded, only the `train` parameters trainable."""
+    student = load_causal_lm(folder, dtype=torch.float32, pickle_flag=False).to(device)
+    sites = unfold_latent_scales(student, stored_latent_sites(load_converted_report(folder)))
+    trained = set(trainable_names(student, train))
+    for name, parameter in student.named_parameters():
+        parameter.requires_grad_(name in trained)
+    return student, sites
+
+
+def shard(student, mesh) -> list[str]:
+    """FSDP2 units as the shipped accelerate config asks for them; returns their names, outermost last.
+
+    Each decoder layer is first wrapped for activation checkpointing (the config's `fsdp_activation_checkpointing`),
+    which puts `_checkpoint_wrapped_module` into its parameters' names: the gathered state dict must still carry the
+    folder's names, or the save's latent folding and its name check would miss them.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    layers = student.model.layers
+    units = []
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, DeepseekV3DecoderLayer):
+            raise SystemExit(f"model.layers.{index} is a {type(layer).__name__}, not a DeepseekV3DecoderLayer")
+        layers[index] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        fully_shard(layers[index], mesh=mesh)
+        units.append(f"model.layers.{index} (activation checkpointing)")
+    # the embedding, the final norm and the head in one unit kept gathered between forward and backward (a tied head
+    # shares the embedding's parameter, which two units must not both hold)
+    ends = [student.get_input_embeddings(), student.model.norm, student.get_output_embeddings()]
+    fully_shard(list(dict.fromkeys(ends)), mesh=mesh, reshard_after_forward=False)
+    units.append("embedding, norm, head")
+    fully_shard(student, mesh=mesh)
+    units.append("root")
+    return units
+
+
+def make_optimizer(student, lr: float) -> torch.optim.Optimizer:
+    """AdamW with the trainer's two groups (matrices decay, vectors do not; weight decay 0 as in the recipes)."""
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() >= 2]}, {"params": [p for p in trainable if p.dim() < 2]}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def checkpoint(student, optimizer, folder: Path, load: bool) -> None:
+    """Save or load the sharded weights and optimizer state (each process writes / reads its own shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(student, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if not load:
+        dcp.save(state, checkpoint_id=str(folder))
+        return
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def train(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.no_shard and world > 1:
+        raise SystemExit("--no-shard is the one-process reference: run it without torchrun")
+    if args.windows_per_step % world:
+        raise SystemExit(f"--windows-per-step {args.windows_per_step} is not a multiple of the {world} processes")
+    if not 0 <= args.resume_at < args.steps:
+        raise SystemExit(f"--resume-at {args.resume_at}: must be below --steps {args.steps}")
+    if args.out.exists():  # (checked by every process before they meet; process 0 creates it after)
+        raise SystemExit(f"--out {args.out}: exists; name a new folder")
+    cuda = torch.cuda.is_available()
+    rank = 0
+    mesh = None
+    if not args.no_shard:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank = dist.get_rank()
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=False)
+    torch.manual_seed(0)
+
+    windows = text_windows(args.model, args.text, args.steps * args.windows_per_step, args.seq_len)
+    teacher = load_causal_lm(args.teacher, dtype=torch.float32, pickle_flag=False).to(device).eval()
+
+    def fresh():
+        student, sites = build_student(args.model, args.train, device)
+        units = shard(student, mesh) if mesh is not None else []
+        return student, sites, units, make_optimizer(student, args.lr)
+
+    student, sites, units, optimizer = fresh()
+    losses = []
+    for step in range(args.steps):
+        if args.resume_at and step == args.resume_at:  # stop, write the shards, start over from the folder, load
+            folder = args.out / "checkpoint"
+            checkpoint(student, optimizer, folder, load=False)
+            del student, optimizer
+            student, sites, units, optimizer = fresh()
+            checkpoint(student, optimizer, folder, load=True)
+        draw = torch.arange(step * args.windows_per_step, (step + 1) * args.windows_per_step)
+        batch = windows[process_slice(draw, rank, world)].to(device)  # (windows_per_step / world, seq_len)
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=batch, use_cache=False).logits
+        logits = student(input_ids=batch, use_cache=False).logits
+        loss = distillation_loss(logits, teacher_logits, batch).total
+        loss.backward()  # FSDP2 reduce-scatters the mean gradient of all processes
+        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        if mesh is not None:
+            dist.all_reduce(mean)
+            mean /= world
+        losses.append(mean.item())
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    probe = windows[:1].to(device)  # (1, seq_len)
+    with torch.no_grad():  # every process takes part: the forward gathers the shards
+        trained_logits = student(input_ids=probe, use_cache=False).logits.float().cpu()
+    full = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        report = load_converted_report(args.model)
+        path = save_finetuned({name: tensor.detach().cpu() for name, tensor in full.items()}, sites, args.model,
+                              args.out / "model", report, {"sharding_check": True})
+        saved = load_causal_lm(path, pickle_flag=False).eval()
+        with torch.no_grad():
+            saved_logits = saved(input_ids=probe.cpu(), use_cache=False).logits.float()
+        trainable = [p for p in student.parameters() if p.requires_grad]
+        result = {
+            "model": str(args.model.resolve()), "world_size": world, "sharded": mesh is not None, "backend": dist.get_backend() if mesh else None,
+            "torch": torch.__version__, "units": units, "train": args.train, "steps": args.steps,
+            "resume_at": args.resume_at or None, "losses": losses,
+            "trainable_parameters": sum(p.numel() for p in trainable),
+            "frozen_parameters": sum(p.numel() for p in student.parameters() if not p.requires_grad),
+            "saved_vs_trained_max_logit_difference": (saved_logits - trained_logits).abs().max().item(),
+            "max_logit": trained_logits.abs().max().item(),
+        }
+        (args.out / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result))
+    if mesh is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |a|: the stored latent norms' gains are ~1e3-1e4, the projections ~1."""
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
+
+
+def compare(reference: Path, sharded: Path) -> list[str]:
+    """What differs between two runs beyond rounding (empty: they agree); prints the measured differences."""
+    from safetensors.torch import load_file
+
+    def weights(folder: Path) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for shard_file in sorted(folder.glob("*.safetensors")):
+            tensors.update(load_file(shard_file))
+        return tensors
+
+    runs = [json.loads((folder / RESULT_FILE).read_text()) for folder in (reference, sharded)]
+    problems = []
+    if runs[0]["sharded"] or not runs[1]["sharded"] or runs[1]["world_size"] < 2:
+        problems.append("expected a one-process reference and a sharded run on several processes")
+    loss_gap = max(abs(a - b) for a, b in zip(runs[0]["losses"], runs[1]["losses"], strict=True))
+    ref_weights, sharded_weights = weights(reference / "model"), weights(sharded / "model")
+    untrained = weights(Path(runs[0]["model"]))
+    if ref_weights.keys() != sharded_weights.keys():
+        problems.append(f"saved tensors differ: {sorted(ref_weights.keys() ^ sharded_weights.keys())[:4]}")
+    common = sorted(ref_weights.keys() & sharded_weights.keys())
+    weight_gap = max(relative_gap(ref_weights[name], sharded_weights[name]) for name in common)
+    # how far training moved the weights: the gap only means something against it
+    moved = max(relative_gap(untrained[name], ref_weights[name]) for name in common if name in untrained)
+    print(f"losses: {runs[0]['losses']} (reference) vs {runs[1]['losses']} (sharded, {runs[1]['world_size']} "
+          f"processes): max difference {loss_gap:.3g}")
+    print(f"saved weights, max |difference| / max |weight| per tensor: {weight_gap:.3g} between the runs, "
+          f"{moved:.3g} from the untrained folder; saved-vs-trained logits: "
+          f"{runs[0]['saved_vs_trained_max_logit_difference']:.3g} / {runs[1]['saved_vs_trained_max_logit_difference']:.3g}")
+    if loss_gap > LOSS_TOLERANCE:
+        problems.append(f"losses differ by {loss_gap:.3g} (> {LOSS_TOLERANCE})")
+    if weight_gap > WEIGHT_TOLERANCE:
+        problems.append(f"trained weights differ by {weight_gap:.3g} of their size (> {WEIGHT_TOLERANCE})")
+    if not moved > 100 * max(weight_gap, WEIGHT_TOLERANCE):
+        problems.append(f"training moved the weights by only {moved:.3g} of their size: the comparison shows nothing")
+    for run, folder in zip(runs, (reference, sharded), strict=True):
+        if run["saved_vs_trained_max_logit_difference"] > LOGIT_TOLERANCE * max(1.0, run["max_logit"]):
+            problems.append(f"{folder}: the saved folder's logits are off by {run['saved_vs_trained_max_logit_difference']:.3g}")
+    return problems
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.compare:
+        problems = compare(*args.compare)
+        for problem in problems:
+            print(f"FAIL: {problem}")
+        print("sharded training equals the reference" if not problems else "")
+        return 1 if problems else 0
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
