@@ -10,6 +10,7 @@ unsharded run of the same steps.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 def run(args: list[str], processes: int | None = None) -> subprocess.CompletedProcess:
     launcher = [sys.executable]
+    env = dict(os.environ)
     if processes:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    return subprocess.run(launcher + [str(SCRIPT)] + args, capture_output=True, text=True, timeout=600, cwd=REPO)
+        if sys.platform == "linux":  # gloo otherwise binds the address the host name resolves to, which a sandbox may lack
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return subprocess.run(launcher + [str(SCRIPT)] + args, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=env)
 
 
 @pytest.mark.parametrize("train", ["attention", "all"])
