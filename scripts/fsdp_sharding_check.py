@@ -50,9 +50,14 @@ from mla_convert.finetune.trainer import load_converted_report, load_tokenizer, 
 from mla_convert.io.hf_loading import load_causal_lm  # noqa: E402
 
 RESULT_FILE = "result.json"
-# float sums in another order (gradients reduce-scattered in halves, clipping norms summed per shard) move fp32
-# weights by rounding, relative to each tensor's largest entry (stories260K at 2x, 3 steps: 3e-7)
-WEIGHT_TOLERANCE = 1e-5
+# Float sums in another order (gradients reduce-scattered in halves, clipping norms summed per shard) change the
+# gradients by rounding, and Adam's normalised steps lift that to weight differences that grow with the learning
+# rate: so the two runs' weights are judged against how far training moved them.  Measured (3 steps, relative to each
+# tensor's largest entry): stories260K at 2x, lr 3e-3: 3.2e-7 apart, moved 2.6e-2; SmolLM2-135M at 2x, lr 5e-4:
+# 7.6e-6 apart, moved 9.2e-3 (at lr 3e-3 its loss jumps from 0.3 to 10 and the runs drift 2e-3 apart: divergent
+# training amplifies rounding, so judge sharding at a learning rate that trains).
+WEIGHT_AGREEMENT = 1e-2  # the largest gap between the runs, as a fraction of the largest movement
+MIN_MOVEMENT = 1e-4  # a run that moved its weights less than this shows nothing
 LOSS_TOLERANCE = 1e-5
 LOGIT_TOLERANCE = 1e-4  # the saved folder, reloaded, against the sharded model that trained it (fp32 both)
 
@@ -273,10 +278,11 @@ def compare(reference: Path, sharded: Path) -> list[str]:
           f"{runs[0]['saved_vs_trained_max_logit_difference']:.3g} / {runs[1]['saved_vs_trained_max_logit_difference']:.3g}")
     if loss_gap > LOSS_TOLERANCE:
         problems.append(f"losses differ by {loss_gap:.3g} (> {LOSS_TOLERANCE})")
-    if weight_gap > WEIGHT_TOLERANCE:
-        problems.append(f"trained weights differ by {weight_gap:.3g} of their size (> {WEIGHT_TOLERANCE})")
-    if not moved > 100 * max(weight_gap, WEIGHT_TOLERANCE):
+    if not moved >= MIN_MOVEMENT:
         problems.append(f"training moved the weights by only {moved:.3g} of their size: the comparison shows nothing")
+    elif weight_gap > WEIGHT_AGREEMENT * moved:
+        problems.append(f"trained weights differ by {weight_gap:.3g} of their size, {weight_gap / moved:.3g} of what "
+                        f"training moved them (> {WEIGHT_AGREEMENT})")
     for run, folder in zip(runs, (reference, sharded), strict=True):
         if run["saved_vs_trained_max_logit_difference"] > LOGIT_TOLERANCE * max(1.0, run["max_logit"]):
             problems.append(f"{folder}: the saved folder's logits are off by {run['saved_vs_trained_max_logit_difference']:.3g}")
