@@ -1,17 +1,19 @@
 """The fine-tuning student sharded over several processes with torch's FSDP2: does sharded training equal plain training?
 
-Why this exists: the recipe's multi-GPU path is accelerate's FSDP2 (`recipes/configs/accelerate/fsdp_{4,8}gpu.yaml`),
-but accelerate turns an FSDP config into plain multi-process (DDP) training on a CPU, and this project has had no
-machine with several GPUs, so no run of the recipe has split a parameter across processes.  This script does that
-part with torch itself (`torch.distributed.fsdp.fully_shard`, any backend: gloo on CPUs, nccl on GPUs), on the
-recipe's own pieces: the converted folder loaded as the trainer loads it, latents unfolded (`finetune.latent`), the
-trainer's parameter selection (`train`: attention or all), its loss (`finetune.loss.distillation_loss` against the
-source model), AdamW with the trainer's parameter groups and gradient clipping, and its save
-(`finetune.saving.save_finetuned`, from the gathered full state dict).  The units are the ones the shipped FSDP2
-config asks accelerate for: one per `DeepseekV3DecoderLayer` (wrapped for activation checkpointing, as the config
-asks), one for the embedding, final norm and (tied) head, and the root.  It does not run accelerate itself (its
-`prepare`, `save_state`), which `scripts/device_finetune_check.py` covers on one GPU, nor the config's bf16 mixed
-precision: the check is about sharding, in fp32.
+Why this exists: the recipe's multi-GPU path is accelerate's FSDP2
+(`recipes/configs/accelerate/fsdp_{4,8}gpu.yaml`), but accelerate turns an FSDP config into plain multi-process
+(DDP) training on a CPU, and this project has had no machine with several GPUs, so no run of the recipe has split a
+parameter across processes. This script does that part with torch itself (`torch.distributed.fsdp.fully_shard`, any
+backend: gloo on CPUs, nccl on GPUs), on the recipe's own pieces: the converted folder loaded as the trainer loads
+it, latents unfolded (`finetune.latent`), the trainer's parameter selection (`train`: attention or all), its loss
+(`finetune.loss.distillation_loss` against the source model), AdamW with the trainer's parameter groups and gradient
+clipping, its save (`finetune.saving.save_finetuned`, from the gathered full state dict, taken as accelerate's
+`get_state_dict` takes it under FSDP2), and its evaluation (`finetune.evaluate.evaluate_perplexity_distributed`:
+windows spread over the processes). The units are the ones the shipped FSDP2 config asks accelerate for: one per
+`DeepseekV3DecoderLayer` (wrapped for activation checkpointing, as the config asks), one for the embedding, final
+norm and (tied) head, and the root. It does not run accelerate itself (its `prepare`, `save_state`), which
+`scripts/device_finetune_check.py` covers on one GPU, nor the config's bf16 mixed precision: the check is about
+sharding, in fp32.
 
 Each step takes the same global batch of text windows; each process trains on its contiguous slice of it (the
 trainer's `process_slice`), so a run on N processes must reproduce a run on one, up to the order of float sums.
@@ -43,6 +45,7 @@ if str(REPO) not in sys.path:  # run as a file (torchrun) from any folder
     sys.path.insert(0, str(REPO))
 
 from mla_convert.finetune.data import process_slice  # noqa: E402
+from mla_convert.finetune.evaluate import EvalWindows, evaluate_perplexity_distributed  # noqa: E402
 from mla_convert.finetune.latent import stored_latent_sites, unfold_latent_scales  # noqa: E402
 from mla_convert.finetune.loss import distillation_loss  # noqa: E402
 from mla_convert.finetune.saving import save_finetuned  # noqa: E402
@@ -60,6 +63,8 @@ WEIGHT_AGREEMENT = 1e-2  # the largest gap between the runs, as a fraction of th
 MIN_MOVEMENT = 1e-4  # a run that moved its weights less than this shows nothing
 LOSS_TOLERANCE = 1e-5
 LOGIT_TOLERANCE = 1e-4  # the saved folder, reloaded, against the sharded model that trained it (fp32 both)
+PERPLEXITY_TOLERANCE = 1e-4  # relative: the trained models' perplexities (they differ by the weights' rounding)
+EVAL_WINDOWS = 3  # odd, so that on 2 processes one runs the evaluation's padding forward
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -215,6 +220,16 @@ def train(args: argparse.Namespace) -> None:
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    # the trainer's evaluation, windows spread over the processes: with an odd count one process runs a padding
+    # forward, without which the others would wait forever in the shards' all-gather
+    evaluation = EvalWindows.from_text(load_tokenizer(args.model), str(args.text), args.seq_len, EVAL_WINDOWS)
+
+    def reduce(total: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(total)
+        return total
+
+    perplexity = evaluate_perplexity_distributed(student, evaluation, device, rank, world,
+                                                 reduce if mesh is not None else None)
     probe = windows[:1].to(device)  # (1, seq_len)
     with torch.no_grad():  # every process takes part: the forward gathers the shards
         trained_logits = student(input_ids=probe, use_cache=False).logits.float().cpu()
@@ -230,7 +245,8 @@ def train(args: argparse.Namespace) -> None:
         result = {
             "model": str(args.model.resolve()), "world_size": world, "sharded": mesh is not None, "backend": dist.get_backend() if mesh else None,
             "torch": torch.__version__, "units": units, "train": args.train, "steps": args.steps,
-            "resume_at": args.resume_at or None, "losses": losses,
+            "resume_at": args.resume_at or None, "losses": losses, "perplexity": perplexity,
+            "perplexity_windows": len(evaluation.windows),
             "trainable_parameters": sum(p.numel() for p in trainable),
             "frozen_parameters": sum(p.numel() for p in student.parameters() if not p.requires_grad),
             "saved_vs_trained_max_logit_difference": (saved_logits - trained_logits).abs().max().item(),
@@ -278,6 +294,11 @@ def compare(reference: Path, sharded: Path) -> list[str]:
           f"{runs[0]['saved_vs_trained_max_logit_difference']:.3g} / {runs[1]['saved_vs_trained_max_logit_difference']:.3g}")
     if loss_gap > LOSS_TOLERANCE:
         problems.append(f"losses differ by {loss_gap:.3g} (> {LOSS_TOLERANCE})")
+    perplexity_gap = abs(runs[1]["perplexity"] / runs[0]["perplexity"] - 1)
+    print(f"perplexity after training ({runs[0]['perplexity_windows']} windows, spread over the processes): "
+          f"{runs[0]['perplexity']:.6g} vs {runs[1]['perplexity']:.6g}")
+    if perplexity_gap > PERPLEXITY_TOLERANCE:
+        problems.append(f"perplexities differ by {perplexity_gap:.3g} (relative, > {PERPLEXITY_TOLERANCE})")
     if not moved >= MIN_MOVEMENT:
         problems.append(f"training moved the weights by only {moved:.3g} of their size: the comparison shows nothing")
     elif weight_gap > WEIGHT_AGREEMENT * moved:

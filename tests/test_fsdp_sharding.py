@@ -3,8 +3,8 @@
 accelerate runs an FSDP config as DDP on a CPU, so the recipe's tests never split a parameter across processes;
 `scripts/fsdp_sharding_check.py` shards the recipe's student with torch's `fully_shard` (the units the shipped FSDP2
 config asks for, activation checkpointing included), trains it with the recipe's loss, checkpoints and resumes
-through torch.distributed.checkpoint, gathers and saves it with the recipe's save, and compares with a one-process
-unsharded run of the same steps.
+through torch.distributed.checkpoint, evaluates it with the recipe's distributed evaluation, gathers and saves it
+with the recipe's save, and compares with a one-process unsharded run of the same steps.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def test_two_sharded_processes_train_like_one_plain_process(tmp_path, stories_ml
     assert (result["world_size"], result["sharded"], result["backend"]) == (2, True, "gloo")
     assert len(result["units"]) == layers + 2  # a unit per decoder layer, the embedding/norm/head unit, the root
     assert result["resume_at"] == 2 and (sharded / "checkpoint").is_dir()  # every rank wrote its shard
+    assert result["perplexity_windows"] == 3  # odd: one process ran the evaluation's padding forward (else: a hang)
     assert len(list((sharded / "checkpoint").glob("*.distcp"))) == 2
     if train == "attention":  # frozen MLPs and trained attention share each layer's unit
         assert result["frozen_parameters"] > 0 and result["trainable_parameters"] > 0
@@ -61,6 +62,7 @@ def test_two_sharded_processes_train_like_one_plain_process(tmp_path, stories_ml
     judged = run(["--compare", str(reference), str(sharded)])
     assert judged.returncode == 0, judged.stdout + judged.stderr
     assert "sharded training equals the reference" in judged.stdout
+    assert "perplexity after training (3 windows, spread over the processes)" in judged.stdout
 
 
 def test_the_comparison_catches_a_weight_that_sharding_got_wrong(tmp_path, stories_mla, stories260k, tinystories_text):
