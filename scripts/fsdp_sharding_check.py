@@ -109,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-shard", action="store_true", help="plain model, one process: the fp32 reference run")
     parser.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
                         help="bf16: FSDP2 computes with bf16 copies of the parameters and reduces gradients in bf16, as "
-                             "accelerate's FSDP2 does for mixed_precision bf16 (compare with a 1-process sharded run)")
+                             "accelerate's FSDP2 does for mixed_precision bf16 (its reference: the fp32 --no-shard run)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("REFERENCE", "SHARDED"),
                         help="judge two --out folders instead of training")
     args = parser.parse_args(argv)
@@ -199,8 +199,8 @@ def train(args: argparse.Namespace) -> None:
     if args.no_shard and world > 1:
         raise SystemExit("--no-shard is the one-process reference: run it without torchrun")
     if args.no_shard and args.mixed_precision != "no":
-        raise SystemExit("--mixed-precision bf16 is FSDP2's parameter casting: run its reference as one sharded process "
-                         "(torchrun --nproc_per_node 1 ...), not with --no-shard")
+        raise SystemExit("--mixed-precision bf16 is FSDP2's parameter casting and needs sharding (torchrun); its "
+                         "reference is the fp32 --no-shard run")
     if args.windows_per_step % world:
         raise SystemExit(f"--windows-per-step {args.windows_per_step} is not a multiple of the {world} processes")
     if not 0 <= args.resume_at < args.steps:
