@@ -50,12 +50,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file (torchrun) from any folder
     sys.path.insert(0, str(REPO))
 
-from mla_convert.finetune.data import process_slice  # noqa: E402
+from mla_convert.finetune.data import process_slice, text_windows  # noqa: E402
 from mla_convert.finetune.evaluate import EvalWindows, evaluate_perplexity_distributed  # noqa: E402
 from mla_convert.finetune.latent import stored_latent_sites, unfold_latent_scales  # noqa: E402
 from mla_convert.finetune.loss import distillation_loss  # noqa: E402
 from mla_convert.finetune.saving import save_finetuned  # noqa: E402
-from mla_convert.finetune.trainer import load_converted_report, load_tokenizer, trainable_names  # noqa: E402
+from mla_convert.finetune.trainer import (  # noqa: E402
+    load_converted_report,
+    load_tokenizer,
+    optimizer_groups,
+    trainable_names,
+)
 from mla_convert.io.hf_loading import load_causal_lm  # noqa: E402
 
 RESULT_FILE = "result.json"
@@ -75,8 +80,8 @@ class Tolerances:
 # fp32: float sums in another order (gradients reduce-scattered in halves, clipping norms summed per shard) change the
 # gradients by rounding, and Adam's normalised steps lift that to weight differences that grow with the learning
 # rate, so the weights are judged against how far training moved them.  Measured (2 processes against 1, resumed
-# halfway; relative to each tensor's largest entry), defaults (8 steps, lr 3e-4): stories260K 2x 1.9e-7 apart, moved
-# 6.7e-3; SmolLM2-135M 2x 4.6e-6 apart, moved 1.4e-2.  Divergent training amplifies the rounding (SmolLM2 at lr 3e-3,
+# halfway; relative to each tensor's largest entry), defaults (8 steps, lr 3e-4): stories260K 2x 2.9e-7 apart, moved
+# 6.8e-3; SmolLM2-135M 2x 4.6e-6 apart, moved 1.4e-2.  Divergent training amplifies the rounding (SmolLM2 at lr 3e-3,
 # 3 steps: loss 0.3 -> 10, runs 1.9e-3 apart), so judge sharding at a learning rate that trains.
 # bf16 (FSDP2 computing with bf16 parameter copies): bf16 rounds gradients at ~4e-3, so Adam's first, sign-like
 # steps differ wherever a gradient is near zero, and the runs drift apart step by step whatever the sharding
@@ -84,8 +89,8 @@ class Tolerances:
 # where the 2-process one ends at 53.6 and fp32 at 52.3).  So bf16 runs are judged as scripts/device_finetune_check.py
 # judges accelerate's bf16 run against fp32: they must learn, and reach the fp32 run's held-out perplexity within 3 %;
 # the fp32 reload of the trained weights may differ by bf16's rounding of the logits.  Measured against the fp32
-# unsharded run, 2 processes: stories260K 2x 6.818 -> 6.357 (fp32: 6.833 -> 6.356); SmolLM2 2x 65.52 -> 53.64
-# (fp32: 65.10 -> 52.31, 2.5 % below); reload 0.34 / 1.94 off the largest logits 21 / 34.
+# unsharded run, 2 processes: stories260K 2x 6.818 -> 6.355 (fp32: 6.833 -> 6.383); SmolLM2 2x 65.52 -> 53.64
+# (fp32: 65.10 -> 52.31, 2.5 % below); reload 0.39 / 1.94 off the largest logits 21 / 34.
 TOLERANCES = {
     "no": Tolerances(loss=1e-5, weight_agreement=1e-2, perplexity=1e-4, logits=1e-4, must_learn=False),
     "bf16": Tolerances(loss=None, weight_agreement=None, perplexity=0.03, logits=0.1, must_learn=True),
@@ -116,17 +121,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.compare is None and None in (args.model, args.teacher, args.text, args.out):
         parser.error("--model, --teacher, --text and --out are required unless --compare is given")
     return args
-
-
-def text_windows(folder: Path, text: Path, count: int, seq_len: int) -> torch.Tensor:
-    """The first `count` windows of `seq_len` token ids of the text: (count, seq_len)."""
-    tokenizer = load_tokenizer(folder)
-    if tokenizer is None:
-        raise SystemExit(f"{folder}: no tokenizer")
-    ids = tokenizer(text.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
-    if len(ids) < count * seq_len:
-        raise SystemExit(f"{text}: {len(ids)} tokens, the run needs {count * seq_len}")
-    return torch.tensor(ids[: count * seq_len]).view(count, seq_len)  # (count, seq_len)
 
 
 def build_student(folder: Path, train: str, device: torch.device):
@@ -172,10 +166,8 @@ def shard(student, mesh, mixed_precision: str = "no") -> list[str]:
 
 
 def make_optimizer(student, lr: float) -> torch.optim.Optimizer:
-    """AdamW with the trainer's two groups (matrices decay, vectors do not; weight decay 0 as in the recipes)."""
-    trainable = [p for p in student.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in trainable if p.dim() >= 2]}, {"params": [p for p in trainable if p.dim() < 2]}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    """AdamW with the trainer's parameter groups and betas (weight decay 0, as in the recipes)."""
+    return torch.optim.AdamW(optimizer_groups(student, weight_decay=0.0), lr=lr, betas=(0.9, 0.95))
 
 
 def checkpoint(student, optimizer, folder: Path, load: bool) -> None:
@@ -221,7 +213,14 @@ def train(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=False)
     torch.manual_seed(0)
 
-    windows = text_windows(args.model, args.text, args.steps * args.windows_per_step, args.seq_len)
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer is None:
+        raise SystemExit(f"{args.model}: no tokenizer")
+    # the first windows of the text, tokenised as the trainer tokenises its `data`
+    windows = text_windows(tokenizer, str(args.text), args.seq_len)[: args.steps * args.windows_per_step]
+    if windows.shape[0] < args.steps * args.windows_per_step:
+        raise SystemExit(f"{args.text}: {windows.shape[0]} windows of {args.seq_len} tokens, the run needs "
+                         f"{args.steps * args.windows_per_step}")
     teacher = load_causal_lm(args.teacher, dtype=torch.float32, pickle_flag=False).to(device).eval()
 
     def fresh():
@@ -231,7 +230,7 @@ def train(args: argparse.Namespace) -> None:
 
     # the trainer's evaluation, windows spread over the processes: with an odd count one process runs a padding
     # forward, without which the others would wait forever in the shards' all-gather
-    evaluation = EvalWindows.from_text(load_tokenizer(args.model), str(args.text), args.seq_len, EVAL_WINDOWS)
+    evaluation = EvalWindows.from_text(tokenizer, str(args.text), args.seq_len, EVAL_WINDOWS)
 
     def reduce(total: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(total)

@@ -233,6 +233,17 @@ def trainable_names(model, train: str) -> list[str]:
     return [name for name in names if ATTENTION_MARKER in name]
 
 
+def optimizer_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups of the trainable parameters: matrices decay, vectors (norm gains, biases) do not; empty
+    groups are left out (no group at all: nothing is trainable)."""
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (decay if parameter.dim() >= 2 else no_decay).append(parameter)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
 def checkpoint_folders(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
@@ -467,15 +478,10 @@ class Finetuner:
                 self.log(f"note: {shortfall}")
 
         # --- optimizer, schedule
-        decay, no_decay = [], []
-        for parameter in student.parameters():
-            if parameter.requires_grad:
-                (decay if parameter.dim() >= 2 else no_decay).append(parameter)
-        if not decay and not no_decay:
+        groups = optimizer_groups(student, config.weight_decay)
+        if not groups:
             raise FinetuneError(f"train={config.train!r} selects no parameters of this model")
-        groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
-                                      betas=(config.adam_beta1, config.adam_beta2))
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             optimizer, config.warmup_steps, config.max_steps, min_lr_rate=config.min_lr_ratio)
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
