@@ -264,6 +264,7 @@ def train(args: argparse.Namespace) -> None:
             dist.all_reduce(mean)
             mean /= world
         losses.append(mean.item())
+        tokens_per_step = batch.numel() * world  # what the processes trained on together
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -281,10 +282,11 @@ def train(args: argparse.Namespace) -> None:
             saved_logits = saved(input_ids=probe.cpu(), use_cache=False).logits.float()
         trainable = [p for p in student.parameters() if p.requires_grad]
         result = {
-            "model": str(args.model.resolve()), "world_size": world, "sharded": mesh is not None, "backend": dist.get_backend() if mesh else None,
-            "torch": torch.__version__, "units": units, "mixed_precision": args.mixed_precision, "train": args.train,
-            "steps": args.steps,
-            "resume_at": args.resume_at or None, "losses": losses, "perplexity_before": perplexity_before, "perplexity": perplexity_after,
+            "model": str(args.model.resolve()), "world_size": world, "sharded": mesh is not None,
+            "backend": dist.get_backend() if mesh else None, "torch": torch.__version__, "units": units,
+            "mixed_precision": args.mixed_precision, "train": args.train, "steps": args.steps,
+            "resume_at": args.resume_at or None, "tokens_per_step": tokens_per_step, "losses": losses,
+            "perplexity_before": perplexity_before, "perplexity": perplexity_after,
             "perplexity_windows": len(evaluation.windows),
             "trainable_parameters": sum(p.numel() for p in trainable),
             "frozen_parameters": sum(p.numel() for p in student.parameters() if not p.requires_grad),

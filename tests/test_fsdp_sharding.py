@@ -109,3 +109,14 @@ def test_a_bf16_run_that_did_not_train_fails_the_comparison(tmp_path, inputs, re
     judged = run(["--compare", str(references["attention"]), str(sharded)])
     assert judged.returncode == 1
     assert "perplexities differ" in judged.stdout and "it did not learn" in judged.stdout
+
+
+def test_batch_settings_shape_the_steps_and_are_checked(tmp_path, inputs):
+    out = tmp_path / "small"
+    done = run(inputs + ["--steps", "2", "--seq-len", "32", "--windows-per-step", "2", "--out", str(out), "--no-shard"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["tokens_per_step"] == 2 * 32 and len(result["losses"]) == 2
+    refused = run(inputs + ["--windows-per-step", "3", "--out", str(tmp_path / "odd")], processes=2)
+    assert refused.returncode != 0 and "is not a multiple of the 2 processes" in refused.stderr
+    assert not (tmp_path / "odd").exists()
