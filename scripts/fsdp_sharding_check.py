@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file (torchrun) from any folder
     sys.path.insert(0, str(REPO))
 
+from mla_convert.finetune.config import FinetuneConfig  # noqa: E402
 from mla_convert.finetune.data import process_slice, text_windows  # noqa: E402
 from mla_convert.finetune.evaluate import EvalWindows, evaluate_perplexity_distributed  # noqa: E402
 from mla_convert.finetune.latent import stored_latent_sites, unfold_latent_scales  # noqa: E402
@@ -64,6 +65,7 @@ from mla_convert.finetune.trainer import (  # noqa: E402
 from mla_convert.io.hf_loading import load_causal_lm  # noqa: E402
 
 RESULT_FILE = "result.json"
+RECIPE = FinetuneConfig()  # the recipe's defaults: AdamW betas and weight decay, clipping, the loss's weights
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,9 @@ def shard(student, mesh, mixed_precision: str = "no") -> list[str]:
 
 
 def make_optimizer(student, lr: float) -> torch.optim.Optimizer:
-    """AdamW with the trainer's parameter groups and betas (weight decay 0, as in the recipes)."""
-    return torch.optim.AdamW(optimizer_groups(student, weight_decay=0.0), lr=lr, betas=(0.9, 0.95))
+    """AdamW with the trainer's parameter groups, betas and weight decay (the recipe's defaults)."""
+    return torch.optim.AdamW(optimizer_groups(student, RECIPE.weight_decay), lr=lr,
+                             betas=(RECIPE.adam_beta1, RECIPE.adam_beta2))
 
 
 def checkpoint(student, optimizer, folder: Path, load: bool) -> None:
@@ -254,9 +257,10 @@ def train(args: argparse.Namespace) -> None:
         with torch.no_grad():
             teacher_logits = teacher(input_ids=batch, use_cache=False).logits
         logits = student(input_ids=batch, use_cache=False).logits
-        loss = distillation_loss(logits, teacher_logits, batch).total
+        loss = distillation_loss(logits, teacher_logits, batch, RECIPE.kd_weight, RECIPE.ce_weight,
+                                 RECIPE.temperature).total
         loss.backward()  # FSDP2 reduce-scatters the mean gradient of all processes
-        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], RECIPE.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
