@@ -22,9 +22,6 @@ from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inpu
 pytestmark = NEEDS_KERNEL_DEVICE
 
 
-def config_from_tile(tile: TileConfig, num_splits: int, min_split_tokens: int = 1) -> DecodeConfig:
-    return DecodeConfig(tile.block_h, tile.block_n, num_splits, tile.num_warps, tile.num_stages, tile.r_split,
-                        min_split_tokens)
 
 
 # ------------------------------------------------------------------------------------- many heads
@@ -43,7 +40,7 @@ def test_heads_share_one_tile_at_512_plus_64(heads, block_h, r_split):
     if heads >= 64:
         split_tile = next(tile for tile in candidate_tiles(512, 64, heads, torch.bfloat16) if tile.r_split == 2)
         assert split_tile.block_h == 64
-        assert_matches(mla_decode(*inputs.args(), config=config_from_tile(split_tile, num_splits=2)), expected,
+        assert_matches(mla_decode(*inputs.args(), config=DecodeConfig.from_tile(split_tile, num_splits=2)), expected,
                        torch.bfloat16)
 
 
@@ -54,6 +51,79 @@ def test_r_split_with_a_ragged_half_rows_over_blocks_and_several_query_tokens():
     for config in (DecodeConfig(16, 16, 3, 4, 2, r_split=2), DecodeConfig(32, 16, 1, 4, 2, r_split=2)):
         assert_matches(mla_decode_multi(*inputs.args(), config=config), mla_decode_multi_reference(*inputs.args()),
                        torch.float16)
+
+
+# ------------------------------------------------------------------------------------- tokens-major
+def _tokens_major_tile(heads):
+    tile = candidate_tiles(512, 64, heads, torch.bfloat16)[-1]
+    assert tile.tokens_major and tile.r_split == 1 and tile.block_n == 64
+    return tile
+
+
+@pytest.mark.parametrize("heads, block_h", [(1, 16), (16, 16), (64, 32), (128, 32)])
+def test_tokens_major_tiles_match_the_reference_at_512_plus_64(heads, block_h):
+    """The transposed split kernel (cache tokens in the MMA's M) gives the reference's answer for one
+    head up to 128 heads (four 32-row programs), with sequences that end inside a tile and inside a page
+    (NaN past each length); the launcher runs it only when the tile says tokens_major."""
+    inputs = make_decode_inputs(2, heads, 512, 64, [5, 130], page_size=16, dtype=torch.bfloat16, device=DEVICE,
+                                seed=70 + heads)
+    shape = check_decode_inputs(*inputs.args()[:5], None)
+    tile = _tokens_major_tile(heads)
+    assert tile.block_h == block_h
+    config = DecodeConfig.from_tile(tile, num_splits=2)
+    launches, _, _ = plan_launches(*inputs.args(), shape, config, torch.float32)
+    assert launches[0].kernel.fn.__name__ == "mla_decode_split_tokens_major_kernel"
+    assert launches[0].grid == (-(-heads // block_h), 2, 2)
+    assert_matches(mla_decode(*inputs.args(), config=config), mla_decode_reference(*inputs.args()), torch.bfloat16)
+
+
+def test_tokens_major_with_several_query_tokens_mixed_lengths_and_empty_splits():
+    """3 query tokens x 16 heads (causal within the new tokens) over lengths {3, 7, 300} in a table
+    preallocated for 1024 tokens, 8 splits of at least 64 tokens: the short sequences leave 7 splits
+    empty, whose partials (NaN before the launch) are neither written nor read."""
+    lens = [3, 7, 300]
+    inputs = make_decode_inputs(3, 16, 512, 64, lens, page_size=16, q_len=3, dtype=torch.bfloat16, device=DEVICE,
+                                seed=75, table_pages=1024 // 16)
+    shape = check_decode_inputs(*inputs.args()[:5], None, q_len_dim=True)
+    config = DecodeConfig.from_tile(_tokens_major_tile(48), num_splits=8, min_split_tokens=64)
+    rows_latent = inputs.q_latent.reshape(3, 48, 512)  # (batch, q_len * heads, R)
+    rows_rope = inputs.q_rope.reshape(3, 48, 64)  # (batch, q_len * heads, D)
+    launches, out, lse = plan_launches(rows_latent, rows_rope, *inputs.args()[2:], shape, config, torch.bfloat16)
+    part_lse = launches[0].args[6]  # (3, 48, 8)
+    launches[0].args[5].fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    for launch in launches:
+        launch.run()
+    # (batch, rows, R) -> (batch, q_len, heads, R), as mla_decode_multi returns them
+    assert_matches((out.reshape(3, 3, 16, 512), lse.reshape(3, 3, 16)), mla_decode_multi_reference(*inputs.args()),
+                   torch.bfloat16)
+    for seq, used in enumerate([1, 1, 5]):  # 300 tokens in chunks of 64
+        assert torch.isfinite(part_lse[seq, :, :used]).all() and torch.isnan(part_lse[seq, :, used:]).all()
+
+
+def test_tokens_major_is_offered_only_for_whole_wide_latents_and_refused_elsewhere():
+    """Tokens-major tiles come after every row-major tile (no default changes) and only for 16-bit caches
+    whose latent is a power of two of at least 256 columns: narrower latents are memory-bound, a cut
+    latent (144 = 128 + 16 in the tail) or an R split would leave output columns to no program."""
+    from mla_decode_triton.configs import TOKENS_MAJOR_MIN_R
+    from mla_decode_triton.errors import MLADecodeInputError
+
+    for heads in (16, 128):
+        tiles = candidate_tiles(512, 64, heads, torch.bfloat16)
+        flags = [tile.tokens_major for tile in tiles]
+        assert flags[0] is False and flags == sorted(flags)  # row-major first, tokens-major last
+    assert any(tile.tokens_major for tile in candidate_tiles(TOKENS_MAJOR_MIN_R, 64, 16, torch.float16))
+    for rank, rope_dim, dtype in [(128, 64, torch.bfloat16), (144, 48, torch.bfloat16), (64, 32, torch.bfloat16),
+                                  (512, 64, torch.float32)]:
+        assert not any(tile.tokens_major for tile in candidate_tiles(rank, rope_dim, 16, dtype)), (rank, dtype)
+
+    inputs = make_decode_inputs(1, 16, 144, 48, [40], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=76)
+    cut = DecodeConfig(16, 64, 1, 4, 2, tokens_major=True)
+    with pytest.raises(MLADecodeInputError, match="tokens_major needs r_split=1 and the whole latent"):
+        mla_decode(*inputs.args(), config=cut)
+    inputs = make_decode_inputs(1, 16, 512, 64, [40], page_size=16, dtype=torch.bfloat16, device=DEVICE, seed=77)
+    with pytest.raises(MLADecodeInputError, match="tokens_major needs r_split=1"):
+        mla_decode(*inputs.args(), config=DecodeConfig(16, 64, 1, 4, 2, r_split=2, tokens_major=True))
 
 
 # ------------------------------------------------------------------------------------- splits
@@ -71,7 +141,7 @@ def test_mixed_lengths_with_a_preallocated_table():
     inputs, lens = _mixed_inputs(8, 64, 32, torch.bfloat16)
     expected = mla_decode_reference(*inputs.args())
     tile = candidate_tiles(64, 32, 8, torch.bfloat16)[0]
-    config = config_from_tile(tile, num_splits=16, min_split_tokens=128)
+    config = DecodeConfig.from_tile(tile, num_splits=16, min_split_tokens=128)
     assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)
     # the default path, told the real lengths (no device read), gives the same answer
     hinted = mla_decode(*inputs.args(), max_seq_len=max(lens), mean_seq_len=sum(lens) / len(lens))
@@ -83,8 +153,12 @@ def test_mixed_lengths_with_a_preallocated_table_at_512_plus_64_and_128_heads():
     inputs, _ = _mixed_inputs(128, 512, 64, torch.bfloat16, seed=41)
     tile = next(tile for tile in candidate_tiles(512, 64, 128, torch.bfloat16) if tile.r_split == 2)
     assert tile.block_h == 64  # two row blocks of 64 rows, each R split in two: the most programs per tile
-    config = config_from_tile(tile, num_splits=8, min_split_tokens=256)
-    assert_matches(mla_decode(*inputs.args(), config=config), mla_decode_reference(*inputs.args()), torch.bfloat16)
+    expected = mla_decode_reference(*inputs.args())
+    config = DecodeConfig.from_tile(tile, num_splits=8, min_split_tokens=256)
+    assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)
+    # the transposed kernel's 32-row tile (four row blocks) over the same batch
+    config = DecodeConfig.from_tile(_tokens_major_tile(128), num_splits=8, min_split_tokens=256)
+    assert_matches(mla_decode(*inputs.args(), config=config), expected, torch.bfloat16)
 
 
 def test_empty_splits_are_neither_written_nor_read():
@@ -219,9 +293,10 @@ def test_every_candidate_tile_matches_the_reference(rank, rope_dim, heads, dtype
     if INTERPRETED:
         # num_stages only shapes the compiled software pipeline, which the interpreter does not model
         # (test_mla_decode_compile checks it for sm_90): one tile per computed shape is enough here.
-        tiles = list({(tile.block_h, tile.r_split, tile.block_n, tile.num_warps): tile for tile in tiles}.values())
+        tiles = list({(tile.block_h, tile.r_split, tile.block_n, tile.num_warps, tile.tokens_major): tile
+                      for tile in tiles}.values())
     for tile in tiles:
-        assert_matches(mla_decode(*inputs.args(), config=config_from_tile(tile, num_splits=2)), expected, dtype)
+        assert_matches(mla_decode(*inputs.args(), config=DecodeConfig.from_tile(tile, num_splits=2)), expected, dtype)
 
 
 def test_autotune_times_every_candidate_and_the_launcher_then_uses_the_winner():
@@ -297,7 +372,7 @@ def test_every_page_gather_gives_identical_results(block_n):
         kv_cache, page_table = paginate(base.logical.cpu(), base.seq_lens.cpu(), page_size,
                                         torch.Generator().manual_seed(page_size))
         results.append(mla_decode(base.q_latent, base.q_rope, kv_cache.to(DEVICE), page_table.to(DEVICE),
-                                  base.seq_lens, base.softmax_scale, config=config_from_tile(tile, num_splits=2)))
+                                  base.seq_lens, base.softmax_scale, config=DecodeConfig.from_tile(tile, num_splits=2)))
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
     assert_matches(results[0], mla_decode_reference(*base.args()), torch.bfloat16)
@@ -315,7 +390,7 @@ def test_the_merge_is_a_programmatic_dependent_launch_only_where_asked_and_possi
     shape = check_decode_inputs(*inputs.args()[:5], None)
     tile = candidate_tiles(64, 32, 9, torch.bfloat16)[0]
     for splits, pdl in [(3, True), (3, False), (1, True)]:
-        config = DecodeConfig(tile.block_h, tile.block_n, splits, tile.num_warps, tile.num_stages, tile.r_split)
+        config = DecodeConfig.from_tile(tile, splits)
         launches, _, _ = plan_launches(*inputs.args(), shape, config, torch.float32, pdl=pdl)
         dependent = pdl and splits > 1
         assert len(launches) == (2 if splits > 1 else 1)

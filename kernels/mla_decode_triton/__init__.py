@@ -5,7 +5,8 @@ TRITON_INTERPRET=1 is set before triton is imported); `mla_decode_reference` is 
 with the same signature.  `mla_decode_multi` / `mla_decode_multi_reference` take several causal query
 tokens per sequence (speculative decoding).
 
-Modules: `kernel` (the two @triton.jit kernels: split-KV attention and the LSE merge), `configs` (the
+Modules: `kernel` (the @triton.jit kernels: split-KV attention, row-major or tokens-major - the
+latter puts many-head products on Hopper's wgmma -, and the LSE merge), `configs` (the
 candidate tiles per shape and the measured table `tuned_configs.json`), `launcher` (tile, split count
 from the real lengths, launches), `autotune` (time the candidate tiles on a GPU, keep the fastest),
 `reference` (pure-torch oracle), `inputs` (shared argument checks), `testing` (adversarial paged

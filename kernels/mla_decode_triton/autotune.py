@@ -110,8 +110,7 @@ def config_for_tile(shape: DecodeShape, tile: TileConfig, cache_dtype: torch.dty
         splits = launcher.splits_for_gpu(shape, tile, element_size, launcher._multiprocessor_count(device.index or 0),
                                          max_seq_len, mean_seq_len,
                                          launcher.resident_programs(device, shape, cache_dtype, tile))
-    return DecodeConfig(tile.block_h, tile.block_n, splits, tile.num_warps, tile.num_stages, tile.r_split,
-                        chosen.min_split_tokens)
+    return DecodeConfig.from_tile(tile, splits, chosen.min_split_tokens)
 
 
 def autotune(

@@ -283,8 +283,7 @@ def check_case(case: Case, tiles: list[TileConfig] | None = None, merge: bool = 
         # The chunk floor as on a GPU (the CPU default is 1, which the JIT would turn into a constant).
         probe = DecodeShape(batch=1, q_len=1, heads=case.heads, kv_lora_rank=case.rank, rope_dim=case.rope_dim,
                             page_size=case.page_size, max_pages=1)
-        config = DecodeConfig(tile.block_h, tile.block_n, 4, tile.num_warps, tile.num_stages, tile.r_split,
-                              min_split_tokens_for(probe, element_size))
+        config = DecodeConfig.from_tile(tile, 4, min_split_tokens_for(probe, element_size))
         launches = build_launches(case, config)
         wanted = launches if (merge and index == 0) else launches[:1]
         reports += [compile_launch(launch, case.label(), case.note) for launch in wanted]

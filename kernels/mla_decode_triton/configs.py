@@ -59,6 +59,18 @@ The rules, from those compiles:
   with its own reductions and page-id read.  Timed on the H200 (2026-12-04): 64+32 x9 ran fastest
   with 128-token tiles (30.7 µs against 35.1 for the default, batch 64, context 4K), which the shipped
   table records; still not the default, because the margin is 6-12 % and rests on one shape.
+* Tokens-major tiles (new 2026-12-06, not yet timed on a GPU), for 16-bit caches whose latent is
+  whole in the main block (power of two) and at least TOKENS_MAJOR_MIN_R wide, listed after all the
+  others, so no default changes: the same split kernel with its products transposed (kernel.py,
+  `mla_decode_split_tokens_major_kernel`), 64 cache tokens in wgmma's M and the rows in its N, so the
+  products run on wgmma with 16 or 32 rows per program, where the row-major tiles use mma.sync; the
+  queries sit in shared memory as wgmma's B operand instead of in registers.  BLOCK_H is every row up to
+  ACCUMULATOR_BUDGET / R (32 at 512), BLOCK_N = 64 (M of the score product), 3 stages where they fit
+  SHARED_BUDGET, else 2; wgmma tiles keep one cache buffer per stage, so at 512+64 only 2 fit (184 KB
+  at 32 rows).  Compiled for sm_90 they use HGMMA only and do not spill (BENCHMARKS.md, compile check).
+  The aim is the many-head shapes whose decode is bound by the products (128 heads at 512+64: 16 % of
+  the tensor-core peak on the H200, row-major); narrower latents are memory-bound, where the layout of
+  the products does not matter, so they are not offered it.  Whether it wins is for the autotuner.
 * fp32 caches (the exact path: products on CUDA cores, no tensor cores) broadcast a BLOCK_H x BLOCK_N x K
   product through registers and spill easily: 16 rows, BLOCK_N = 16, 4 warps, 2 stages is the one tile
   that compiles clean for every shape under both Triton versions; more rows use more row blocks.
@@ -92,6 +104,9 @@ BLOCK_N_CHOICES = (64, 32)
 WIDE_BLOCK_N = 128  # an extra candidate for narrow rows (see module doc)
 STAGE_CHOICES = (3, 4, 2)  # 3 = the default (double-buffered), 2 = single-buffered, kept for comparison
 DEFAULT_STAGES = 3
+TOKENS_MAJOR_MIN_R = 256  # latent width from which tokens-major tiles are offered (module doc)
+TOKENS_MAJOR_BLOCK_N = 64  # cache tokens per tile = wgmma's M for the scores
+TOKENS_MAJOR_STAGES = (3, 2)  # 3 where it fits the shared budget (not at 512+64), else 2
 FP32_TILE = dict(max_block_h=16, block_n=16, num_warps=4, num_stages=2)
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -106,9 +121,11 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tokens_major: bool = False  # products transposed: cache tokens in the MMA's M (kernel.py)
 
     def label(self) -> str:
-        return f"H{self.block_h} r{self.r_split} N{self.block_n} w{self.num_warps} st{self.num_stages}"
+        layout = " tokens-major" if self.tokens_major else ""
+        return f"H{self.block_h} r{self.r_split} N{self.block_n} w{self.num_warps} st{self.num_stages}{layout}"
 
 
 def pow2_at_least(value: int, minimum: int = 16) -> int:
@@ -167,11 +184,11 @@ def row_blocks(rank: int, rope_dim: int) -> RowBlocks:
 def cache_buffers(tile: TileConfig, element_size: int) -> int:
     """Cache tiles the compiled loop keeps in shared memory (what `compile_check` reads from the compiler).
 
-    A 64-row fp16/bf16 tile multiplies with wgmma, which reads the cache tile from shared memory while
-    the next copies land, so it needs one buffer per stage; mma.sync (and fp32 FMA) tiles copy each tile
+    A 64-row or tokens-major fp16/bf16 tile multiplies with wgmma, which reads the cache tile from shared
+    memory while the next copies land, so it needs one buffer per stage; mma.sync (and fp32 FMA) tiles copy each tile
     into registers before the next copy overwrites its buffer, so one stage needs no buffer of its own.
     """
-    uses_wgmma = tile.block_h >= 64 and element_size < 4
+    uses_wgmma = (tile.block_h >= 64 or tile.tokens_major) and element_size < 4
     return tile.num_stages if uses_wgmma else max(1, tile.num_stages - 1)
 
 
@@ -203,21 +220,26 @@ def candidate_tiles(rank: int, rope_dim: int, rows: int, cache_dtype: torch.dtyp
     num_warps = 8 if block_h * blocks.accumulator_width(rank) // r_split >= WARPS_8_AT else 4
     preferred = next((n for n in BLOCK_N_CHOICES if n * width * element_size <= TILE_BYTES_PREFERRED),
                      BLOCK_N_CHOICES[-1])
-    shapes = [(block_h, r_split, num_warps, BLOCK_N_CHOICES, STAGE_CHOICES)]
+    # (rows per program, R split, warps, BLOCK_N choices, stage choices, tokens-major)
+    shapes = [(block_h, r_split, num_warps, BLOCK_N_CHOICES, STAGE_CHOICES, False)]
     if WIDE_BLOCK_N * width * element_size <= WIDE_TILE_BYTES:  # narrow rows: fewer, larger tiles
-        shapes.append((block_h, r_split, num_warps, (WIDE_BLOCK_N,), STAGE_CHOICES))
+        shapes.append((block_h, r_split, num_warps, (WIDE_BLOCK_N,), STAGE_CHOICES, False))
     if r_split == 2:  # the alternatives: whole R, no duplicated score products (see module doc)
         # fewer rows per program, whole R: measured fastest, so first (the default)
-        shapes.insert(0, (max(16, ACCUMULATOR_BUDGET // block_r), 1, 8, BLOCK_N_CHOICES, STAGE_CHOICES))
+        shapes.insert(0, (max(16, ACCUMULATOR_BUDGET // block_r), 1, 8, BLOCK_N_CHOICES, STAGE_CHOICES, False))
         if block_h == MAX_BLOCK_H and block_h * block_r <= WHOLE_ACCUMULATOR_LIMIT:
             # pipelined only: new tiles need no single-buffered comparison point (the others give it)
-            shapes.append((block_h, 1, 8, (WHOLE_ACCUMULATOR_BLOCK_N,), (3, 4)))
+            shapes.append((block_h, 1, 8, (WHOLE_ACCUMULATOR_BLOCK_N,), (3, 4), False))
+    if not cut and block_r >= TOKENS_MAJOR_MIN_R:  # the transposed kernel, after the others (see module doc)
+        rows_tm = min(pow2_at_least(rows), MAX_BLOCK_H, pow2_at_most(ACCUMULATOR_BUDGET // block_r))
+        shapes.append((rows_tm, 1, 8 if rows_tm * block_r >= WARPS_8_AT else 4, (TOKENS_MAJOR_BLOCK_N,),
+                       TOKENS_MAJOR_STAGES, True))
     tiles = []
-    for rows_per_program, split, warps, block_n_choices, stage_choices in shapes:
+    for rows_per_program, split, warps, block_n_choices, stage_choices, tokens_major in shapes:
         group = []
         for num_stages in stage_choices:
             for block_n in block_n_choices:
-                tile = TileConfig(rows_per_program, split, block_n, warps, num_stages)
+                tile = TileConfig(rows_per_program, split, block_n, warps, num_stages, tokens_major)
                 if shared_bytes_estimate(rank, rope_dim, tile, element_size) <= SHARED_BUDGET:
                     group.append(tile)
         group.sort(key=lambda tile: (tile.block_n != preferred or tile.num_stages != DEFAULT_STAGES))  # stable

@@ -23,6 +23,16 @@ both programs compute the scores (1.5x the tensor-core work at 512+64), which is
 offers whole-R tiles for these shapes (32 rows, or 64 rows with 16-token tiles) and lets the autotuner
 choose.
 
+Tokens-major (`mla_decode_split_tokens_major_kernel`, added 2026-12-06, not yet timed on a GPU).
+Hopper's wgmma needs 64 rows in M per warpgroup; the row-major kernel puts query rows there, so its
+16- and 32-row tiles multiply with mma.sync, and 128 heads at 512+64 ran at 16 % of the H200's
+tensor-core peak.  The second split kernel computes the same thing transposed - scores as K Q^T with
+64 cache tokens in M, the output as V^T P^T with the 512 latent columns in M - so both products run
+on wgmma at 16 or 32 rows per program.  Shared helpers (`first_page_ids`, `tile_row_offsets`,
+`online_softmax_step`) keep the page gather and the softmax the same in both.  The rest (split range,
+final normalisation) is written out in each kernel on purpose: moved into a helper it changed how
+ptxas allocated the row-major kernel's registers (an fp32 tile started to spill), see BENCHMARKS.md.
+
 Row blocks.  tl.dot wants power-of-two block widths, so a cache row of R + D columns is read as two
 blocks (`configs.row_blocks`): a main block of latent columns [0, BLOCK_R) and a tail of BLOCK_T columns
 from min(R, BLOCK_R).  With a power-of-two R the tail is the rope key; otherwise the row may be cut
@@ -96,6 +106,78 @@ def split_extent(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
     per_split = tl.maximum(tl.cdiv(seq_len, num_splits), min_split_tokens)
     per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
     return per_split, tl.cdiv(seq_len, per_split)
+
+
+@triton.jit
+def first_page_ids(page_row, split_start, split_end, stride_pt_p, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page ids of a split's first tile (see "Gather through the page table" in the split kernel).
+
+    A scalar when a tile lies in one page, one id per page when it holds whole pages, else one per
+    token; masked past the split like every load, so unused page-table entries are never read.
+    """
+    ONE_PAGE_PER_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    WHOLE_PAGES_PER_TILE: tl.constexpr = (BLOCK_N % PAGE_SIZE == 0) and (PAGE_SIZE >= 8)
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if WHOLE_PAGES_PER_TILE else 1
+    if ONE_PAGE_PER_TILE:
+        first = tl.load(page_row + (split_start // PAGE_SIZE) * stride_pt_p, mask=split_start < split_end,
+                        other=0)  # scalar
+    elif WHOLE_PAGES_PER_TILE:
+        first_pages = split_start // PAGE_SIZE + tl.arange(0, PAGES)  # (PAGES,)
+        first = tl.load(page_row + first_pages * stride_pt_p, mask=first_pages * PAGE_SIZE < split_end, other=0)
+    else:
+        first_tokens = split_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        first = tl.load(page_row + (first_tokens // PAGE_SIZE) * stride_pt_p, mask=first_tokens < split_end,
+                        other=0)  # (BLOCK_N,)
+    return first
+
+
+@triton.jit
+def tile_row_offsets(page_row, page_ids, tile_start, split_end, stride_pt_p, stride_kv_page, stride_kv_tok,
+                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    """Offsets of a tile's BLOCK_N cache rows from this tile's page ids, and the next tile's page ids.
+
+    The next tile's ids are read here, one iteration ahead (module docstring, "Pipelining"), so the
+    cache load of a tile depends only on a value carried over from the previous iteration.
+    """
+    ONE_PAGE_PER_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    WHOLE_PAGES_PER_TILE: tl.constexpr = (BLOCK_N % PAGE_SIZE == 0) and (PAGE_SIZE >= 8)
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if WHOLE_PAGES_PER_TILE else 1
+    tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
+    physical_page = page_ids.to(tl.int64)  # scalar, (PAGES,) or (BLOCK_N,)
+    if ONE_PAGE_PER_TILE:
+        ahead = tile_start + BLOCK_N  # the next tile's first token; masked past the split like every load
+        next_ids = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
+        row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+    elif WHOLE_PAGES_PER_TILE:
+        ahead_pages = (tile_start + BLOCK_N) // PAGE_SIZE + tl.arange(0, PAGES)  # (PAGES,)
+        next_ids = tl.load(page_row + ahead_pages * stride_pt_p, mask=ahead_pages * PAGE_SIZE < split_end, other=0)
+        in_page = tl.arange(0, PAGE_SIZE).to(tl.int64) * stride_kv_tok  # (PAGE_SIZE,)
+        # (PAGES, PAGE_SIZE) -> (BLOCK_N,): page-major, i.e. token order within the tile
+        row_offset = tl.reshape(physical_page[:, None] * stride_kv_page + in_page[None, :], (BLOCK_N,))
+    else:
+        ahead = tokens + BLOCK_N  # (BLOCK_N,) the next tile's tokens
+        next_ids = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
+        row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+    # The launcher guarantees both strides are multiples of ROW_ALIGN; saying so lets the compiler
+    # use vector loads for rows whose width is not a multiple of 16 elements.
+    return tl.multiple_of(row_offset, ROW_ALIGN), next_ids
+
+
+@triton.jit
+def online_softmax_step(scores, running_max, running_sum, TOKEN_AXIS: tl.constexpr):
+    """Fold one tile of base-2 scores into the running max and sum of each query row.
+
+    `scores` holds -inf where a token is not visible; TOKEN_AXIS is its token dimension (1 when rows
+    are the first dimension, 0 in the tokens-major kernel).  Returns the probabilities (exactly 0 where
+    not visible), the factor the accumulator must be rescaled by, and the new max and sum.
+    """
+    new_max = tl.maximum(running_max, tl.max(scores, axis=TOKEN_AXIS))
+    # A row with nothing visible yet keeps max = -inf; shifting by 0 instead avoids -inf - -inf.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(running_max - shift)  # (rows,)
+    probs = tl.exp2(scores - tl.expand_dims(shift, TOKEN_AXIS))
+    running_sum = running_sum * rescale + tl.sum(probs, axis=TOKEN_AXIS)
+    return probs, rescale, new_max, running_sum
 
 
 @triton.jit
@@ -205,41 +287,13 @@ def mla_decode_split_kernel(
     # fewer loads and a row offset the compiler sees as page base + contiguous rows: compiled for sm_90
     # this saves tens of registers per thread (BENCHMARKS.md, compile check).  The ids are read one tile
     # ahead (see "Pipelining" in the module docstring): this tile's come from the previous iteration.
-    ONE_PAGE_PER_TILE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    WHOLE_PAGES_PER_TILE: tl.constexpr = (BLOCK_N % PAGE_SIZE == 0) and (PAGE_SIZE >= 8)
-    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE if WHOLE_PAGES_PER_TILE else 1
     page_row = page_table_ptr + seq * stride_pt_b
-    if ONE_PAGE_PER_TILE:
-        next_page = tl.load(page_row + (split_start // PAGE_SIZE) * stride_pt_p, mask=split_start < split_end,
-                            other=0)  # scalar
-    elif WHOLE_PAGES_PER_TILE:
-        first_pages = split_start // PAGE_SIZE + tl.arange(0, PAGES)  # (PAGES,)
-        next_page = tl.load(page_row + first_pages * stride_pt_p, mask=first_pages * PAGE_SIZE < split_end, other=0)
-    else:
-        first_tokens = split_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        next_page = tl.load(page_row + (first_tokens // PAGE_SIZE) * stride_pt_p, mask=first_tokens < split_end,
-                            other=0)  # (BLOCK_N,)
+    next_page = first_page_ids(page_row, split_start, split_end, stride_pt_p, PAGE_SIZE, BLOCK_N)
     for tile_start in range(split_start, split_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
         token_ok = tokens < split_end
-        physical_page = next_page.to(tl.int64)  # scalar, (PAGES,) or (BLOCK_N,)
-        if ONE_PAGE_PER_TILE:
-            ahead = tile_start + BLOCK_N  # the next tile's first token; masked past the split like every load
-            next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
-            row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
-        elif WHOLE_PAGES_PER_TILE:
-            ahead_pages = (tile_start + BLOCK_N) // PAGE_SIZE + tl.arange(0, PAGES)  # (PAGES,)
-            next_page = tl.load(page_row + ahead_pages * stride_pt_p, mask=ahead_pages * PAGE_SIZE < split_end, other=0)
-            in_page = tl.arange(0, PAGE_SIZE).to(tl.int64) * stride_kv_tok  # (PAGE_SIZE,)
-            # (PAGES, PAGE_SIZE) -> (BLOCK_N,): page-major, i.e. token order within the tile
-            row_offset = tl.reshape(physical_page[:, None] * stride_kv_page + in_page[None, :], (BLOCK_N,))
-        else:
-            ahead = tokens + BLOCK_N  # (BLOCK_N,) the next tile's tokens
-            next_page = tl.load(page_row + (ahead // PAGE_SIZE) * stride_pt_p, mask=ahead < split_end, other=0)
-            row_offset = physical_page * stride_kv_page + (tokens % PAGE_SIZE).to(tl.int64) * stride_kv_tok
-        # The launcher guarantees both strides are multiples of ROW_ALIGN; saying so lets the compiler
-        # use vector loads for rows whose width is not a multiple of 16 elements.
-        row_offset = tl.multiple_of(row_offset, ROW_ALIGN)
+        row_offset, next_page = tile_row_offsets(page_row, next_page, tile_start, split_end, stride_pt_p,
+                                                 stride_kv_page, stride_kv_tok, PAGE_SIZE, BLOCK_N, ROW_ALIGN)
         row_ptr = kv_cache_ptr + row_offset[:, None]  # (BLOCK_N, 1)
         latent = tl.load(
             row_ptr + cols_own[None, :] * stride_kv_c, mask=token_ok[:, None] & own_ok[None, :], other=0.0
@@ -261,19 +315,13 @@ def mla_decode_split_kernel(
         visible = token_ok[None, :] & (tokens[None, :] < key_limit[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # A row with nothing visible yet keeps max = -inf; shifting by 0 instead avoids -inf - -inf.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(running_max - shift)  # (BLOCK_H,)
-        probs = tl.exp2(scores - shift[:, None])  # (BLOCK_H, BLOCK_N), exactly 0 where not visible
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None]
+        probs, rescale, running_max, running_sum = online_softmax_step(scores, running_max, running_sum, 1)
+        acc = acc * rescale[:, None]  # probs: (BLOCK_H, BLOCK_N); rescale: (BLOCK_H,)
         # probs are rounded to the cache dtype first, exactly as the tensor-core path does.
         probs_rounded = probs.to(cache_dtype).to(DOT_DTYPE)
         acc = tl.dot(probs_rounded, latent, acc, input_precision=DOT_PRECISION)
         if TAIL_HAS_LATENT:
             acc_tail = tl.dot(probs_rounded, tail, acc_tail * rescale[:, None], input_precision=DOT_PRECISION)
-        running_max = new_max
 
     if LAUNCH_DEPENDENTS:
         # The merge's programs may now be scheduled and do their setup; they wait in gdc_wait until
@@ -292,6 +340,108 @@ def mla_decode_split_kernel(
                  mask=row_ok[:, None] & t_latent[None, :])
     if r_part == 0:  # every R part computed the same lse; one of them stores it
         tl.store(part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r + split * stride_pl_s, lse, mask=row_ok)
+
+
+@triton.jit
+def mla_decode_split_tokens_major_kernel(
+    q_latent_ptr, q_rope_ptr, kv_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, num_rows, heads, q_len, min_split_tokens,
+    stride_qlat_b, stride_qlat_r, stride_qlat_c,
+    stride_qrope_b, stride_qrope_r, stride_qrope_c,
+    stride_kv_page, stride_kv_tok, stride_kv_c,
+    stride_pt_b, stride_pt_p,
+    stride_po_b, stride_po_r, stride_po_s, stride_po_c,
+    stride_pl_b, stride_pl_r, stride_pl_s,
+    KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    R_SPLIT: tl.constexpr, ROW_ALIGN: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
+):
+    """The split kernel with its products transposed: cache tokens in the MMA's M, query rows in its N.
+
+    Same arguments, grid, outputs and masking as `mla_decode_split_kernel` (the launcher swaps one for
+    the other by the tile's `tokens_major`), so the merge and every caller are shared.  Why it exists:
+    Hopper's warpgroup MMA (wgmma) needs M = 64 per warpgroup, and with fewer than 64 query rows per
+    program the row-major kernel's products run on mma.sync; 128 heads at 512+64 are bound by those
+    products (the H200 of 2026-12-04: 142-164 TFLOP/s, 16 % of the tensor-core peak).  Transposed, the
+    scores are S^T = K Q^T, (BLOCK_N, R + D) x (R + D, BLOCK_H), with 64 cache tokens filling M, and the
+    output is O^T = V^T P^T, (R, BLOCK_N) x (BLOCK_N, BLOCK_H), with the R = 512 latent columns in M:
+    both products go to wgmma for any BLOCK_H from 16, and the queries become wgmma's B operand, which
+    lives in shared memory instead of the registers a row-major A operand takes.  Compiled for sm_90
+    (`compile_check`), 32 rows at 512+64 with 64-token tiles use HGMMA only, without spills.  The
+    online softmax then reduces over the first (token) axis.  Only for latents held whole in the main
+    block (power-of-two R, no R split): `configs.candidate_tiles` offers it only there.
+    """
+    pid_rows = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)  # 64-bit so batch offsets into large buffers cannot overflow
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    tokens_per_split, used_splits = split_extent(seq_len, tl.num_programs(1), min_split_tokens, BLOCK_N)
+    if (split > 0) & (split >= used_splits):
+        return  # as in the row-major kernel: split 0 always runs
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, seq_len)
+    tl.static_assert((R_SPLIT == 1) and (BLOCK_R >= KV_LORA_RANK), "tokens-major tiles need the whole latent")
+
+    rows = pid_rows * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+    row_ok = rows < num_rows
+    key_limit = seq_len - q_len + rows // heads + 1  # (BLOCK_H,): row sees tokens t < key_limit
+    cols_r = tl.arange(0, BLOCK_R)  # (BLOCK_R,) latent columns
+    r_ok = cols_r < KV_LORA_RANK
+    cols_t = KV_LORA_RANK + tl.arange(0, BLOCK_T)  # (BLOCK_T,) rope-key columns of the row
+    t_ok = cols_t < KV_LORA_RANK + ROPE_DIM
+
+    cache_dtype = kv_cache_ptr.dtype.element_ty
+    q_latent_t = tl.load(
+        q_latent_ptr + seq * stride_qlat_b + rows[None, :] * stride_qlat_r + cols_r[:, None] * stride_qlat_c,
+        mask=r_ok[:, None] & row_ok[None, :], other=0.0,
+    ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_R, BLOCK_H): the latent queries, transposed
+    q_rope_t = tl.load(
+        q_rope_ptr + seq * stride_qrope_b + rows[None, :] * stride_qrope_r
+        + (cols_t - KV_LORA_RANK)[:, None] * stride_qrope_c,
+        mask=t_ok[:, None] & row_ok[None, :], other=0.0,
+    ).to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_T, BLOCK_H)
+
+    running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # base-2 max score per row
+    running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # sum of exp2(score - running_max)
+    acc_t = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)  # unnormalised sum of c_t p_t, transposed
+
+    page_row = page_table_ptr + seq * stride_pt_b
+    next_page = first_page_ids(page_row, split_start, split_end, stride_pt_p, PAGE_SIZE, BLOCK_N)
+    for tile_start in range(split_start, split_end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical token positions
+        token_ok = tokens < split_end
+        row_offset, next_page = tile_row_offsets(page_row, next_page, tile_start, split_end, stride_pt_p,
+                                                 stride_kv_page, stride_kv_tok, PAGE_SIZE, BLOCK_N, ROW_ALIGN)
+        row_ptr = kv_cache_ptr + row_offset[:, None]  # (BLOCK_N, 1)
+        latent = tl.load(
+            row_ptr + cols_r[None, :] * stride_kv_c, mask=token_ok[:, None] & r_ok[None, :], other=0.0
+        ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_R): keys (nope side) and values at once
+        rope_key = tl.load(
+            row_ptr + cols_t[None, :] * stride_kv_c, mask=token_ok[:, None] & t_ok[None, :], other=0.0
+        ).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_T)
+
+        scores_t = tl.dot(latent, q_latent_t, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_H) fp32
+        scores_t = tl.dot(rope_key, q_rope_t, scores_t, input_precision=DOT_PRECISION)
+        scores_t = scores_t * scale_log2
+        visible = token_ok[:, None] & (tokens[:, None] < key_limit[None, :])
+        scores_t = tl.where(visible, scores_t, float("-inf"))
+
+        probs_t, rescale, running_max, running_sum = online_softmax_step(scores_t, running_max, running_sum, 0)
+        # probs rounded to the cache dtype first, as in the row-major kernel
+        probs_t = probs_t.to(cache_dtype).to(DOT_DTYPE)  # (BLOCK_N, BLOCK_H)
+        acc_t = tl.dot(tl.trans(latent), probs_t, acc_t * rescale[None, :], input_precision=DOT_PRECISION)
+
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()  # as in the row-major kernel: only a scheduling hint for the merge
+    has_tokens = running_sum > 0.0
+    safe_sum = tl.where(has_tokens, running_sum, 1.0)
+    out_t = acc_t / safe_sum[None, :]  # (BLOCK_R, BLOCK_H)
+    lse = tl.where(has_tokens, (running_max + tl.log2(safe_sum)) * LN2, float("-inf"))
+    part_row = part_out_ptr + seq * stride_po_b + rows[None, :] * stride_po_r + split * stride_po_s  # (1, BLOCK_H)
+    tl.store(part_row + cols_r[:, None] * stride_po_c, out_t.to(part_out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & row_ok[None, :])
+    tl.store(part_lse_ptr + seq * stride_pl_b + rows * stride_pl_r + split * stride_pl_s, lse, mask=row_ok)
 
 
 @triton.jit

@@ -58,7 +58,12 @@ import triton.language as tl
 from mla_decode_triton.configs import TileConfig, choose_tile, pow2_at_least, row_blocks
 from mla_decode_triton.errors import MLADecodeInputError
 from mla_decode_triton.inputs import DecodeShape, check_decode_inputs
-from mla_decode_triton.kernel import LOG2E, mla_decode_merge_kernel, mla_decode_split_kernel
+from mla_decode_triton.kernel import (
+    LOG2E,
+    mla_decode_merge_kernel,
+    mla_decode_split_kernel,
+    mla_decode_split_tokens_major_kernel,
+)
 
 MIN_TOKENS_PER_SPLIT = 128
 PARTIAL_TRAFFIC_FRACTION = 0.5
@@ -83,7 +88,8 @@ class DecodeConfig:
     """Launch parameters of one decode call (see the module docstring for how they are chosen).
 
     `r_split` = 2 splits the output accumulator's R columns over two programs (see kernel.py);
-    `min_split_tokens` is the shortest chunk a split may get (1: any whole tile).
+    `min_split_tokens` is the shortest chunk a split may get (1: any whole tile); `tokens_major` runs
+    the split kernel with its products transposed (`mla_decode_split_tokens_major_kernel`).
     """
 
     block_h: int
@@ -93,10 +99,17 @@ class DecodeConfig:
     num_stages: int
     r_split: int = 1
     min_split_tokens: int = 1
+    tokens_major: bool = False
 
     @property
     def tile(self) -> TileConfig:
-        return TileConfig(self.block_h, self.r_split, self.block_n, self.num_warps, self.num_stages)
+        return TileConfig(self.block_h, self.r_split, self.block_n, self.num_warps, self.num_stages,
+                          self.tokens_major)
+
+    @classmethod
+    def from_tile(cls, tile: TileConfig, num_splits: int, min_split_tokens: int = 1) -> DecodeConfig:
+        return cls(tile.block_h, tile.block_n, num_splits, tile.num_warps, tile.num_stages, tile.r_split,
+                   min_split_tokens, tile.tokens_major)
 
 
 @functools.cache
@@ -238,9 +251,7 @@ def choose_config(
             num_splits = min(CPU_MAX_SPLITS, max(1, math.ceil(longest / 16)))
     if int(num_splits) < 1:
         raise MLADecodeInputError(f"num_splits must be at least 1, got {num_splits}")
-    return DecodeConfig(block_h=tile.block_h, block_n=tile.block_n, num_splits=int(num_splits),
-                        num_warps=tile.num_warps, num_stages=tile.num_stages, r_split=tile.r_split,
-                        min_split_tokens=min_tokens)
+    return DecodeConfig.from_tile(tile, int(num_splits), min_tokens)
 
 
 def _dot_dtype(cache_dtype: torch.dtype):
@@ -295,6 +306,9 @@ def _check_config(config: DecodeConfig, shape: DecodeShape) -> None:
     elif config.r_split == 2 and blocks.tail_has_latent(shape.kv_lora_rank):
         problems.append(f"r_split=2 needs a power-of-two latent width (R={shape.kv_lora_rank} is cut into "
                         f"{blocks.main} + a tail of {blocks.tail} columns)")
+    if config.tokens_major and (config.r_split != 1 or blocks.tail_has_latent(shape.kv_lora_rank)):
+        problems.append(f"tokens_major needs r_split=1 and the whole latent in one block (R={shape.kv_lora_rank}, "
+                        f"r_split={config.r_split}, main block {blocks.main} columns)")
     if config.num_splits < 1 or config.min_split_tokens < 1:
         problems.append("num_splits and min_split_tokens must be at least 1")
     if problems:
@@ -376,7 +390,7 @@ def plan_launches(
     blocks = row_blocks(rank, rope_dim)
     launches = [
         KernelLaunch(
-            kernel=mla_decode_split_kernel,
+            kernel=mla_decode_split_tokens_major_kernel if config.tokens_major else mla_decode_split_kernel,
             # ceil divisions as -(-a // b): triton.cdiv is a jit function, slow to call on the host
             grid=(-(-rows // config.block_h) * config.r_split, splits, batch),
             args=[
