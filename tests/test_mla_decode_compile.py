@@ -5,7 +5,8 @@ every candidate tile of every project shape (`mla_decode_triton.compile_check.CA
 launcher and the autotuner may pick): that it compiles for sm_90, keeps its registers (no stack frame,
 no local loads/stores), uses tensor cores for fp16/bf16 caches - wgmma (HGMMA) where a program holds
 64 query rows, mma.sync (HMMA) below that -, software-pipelines the cache loads (cp.async), fits its
-shared memory, and reads aligned cache rows with vector loads.  The compile runs in a subprocess
+shared memory, and reads aligned cache rows with vector loads.  The tokens-major split kernel (cache
+tokens in the MMA's M) uses wgmma for every row count it is offered with.  The compile runs in a subprocess
 because the kernels must be JIT functions there, while this test session has TRITON_INTERPRET=1.
 """
 
@@ -35,9 +36,12 @@ def reports():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+SPLIT_KERNELS = {"mla_decode_split_kernel", "mla_decode_split_tokens_major_kernel"}
+
+
 def _split(reports, shipped_only=True):
-    """Split-kernel reports; without the demonstration cases (ROW_ALIGN forced off) unless asked."""
-    return [r for r in reports if r["kernel"] == "mla_decode_split_kernel"
+    """Split-kernel reports (both layouts); without the demonstration cases (ROW_ALIGN forced off) unless asked."""
+    return [r for r in reports if r["kernel"] in SPLIT_KERNELS
             and not (shipped_only and r["case"].endswith("no-hint"))]
 
 
@@ -46,7 +50,7 @@ def test_every_candidate_tile_compiles_for_sm90_without_spills(reports):
     from mla_decode_triton.compile_check import CASES
     from mla_decode_triton.configs import candidate_tiles
 
-    assert {r["kernel"] for r in reports} == {"mla_decode_split_kernel", "mla_decode_merge_kernel"}
+    assert {r["kernel"] for r in reports} == SPLIT_KERNELS | {"mla_decode_merge_kernel"}
     expected = sum(len(candidate_tiles(c.rank, c.rope_dim, c.heads, c.dtype)) for c in CASES)
     assert len(_split(reports, shipped_only=False)) == expected  # every tile of every case was compiled
     for report in reports:
@@ -62,7 +66,7 @@ def test_split_kernel_uses_tensor_cores_and_pipelined_loads(reports):
         assert report["async_copies"] > 0, report  # cache tiles are prefetched with cp.async
         if "float32" in report["case"]:
             assert report["wgmma_ops"] == report["mma_sync_ops"] == 0, report  # exact fp32 FMAs
-        elif "BLOCK_H=64" in report["config"]:
+        elif "BLOCK_H=64" in report["config"] or _tile(report).tokens_major:
             assert report["wgmma_ops"] > 0 and report["mma_sync_ops"] == 0, report  # Hopper's warpgroup MMA
         else:
             assert report["mma_sync_ops"] > 0, report
@@ -74,7 +78,7 @@ def _tile(report):
 
     values = dict(re.findall(r"(\w+)=(\d+)", report["config"]))
     return TileConfig(int(values["BLOCK_H"]), int(values["R_SPLIT"]), int(values["BLOCK_N"]), int(values["warps"]),
-                      int(values["stages"]))
+                      int(values["stages"]), tokens_major=report["kernel"] == "mla_decode_split_tokens_major_kernel")
 
 
 @pytest.mark.slow
@@ -109,6 +113,26 @@ def test_many_heads_share_one_row_block(reports):
         tiles = [_tile(r) for r in cases]
         assert {(tile.block_h, tile.r_split) for tile in tiles} == {(64, 2), (32, 1), (64, 1)}
         assert all(tile.block_n == 16 for tile in tiles if (tile.block_h, tile.r_split) == (64, 1))
+
+
+@pytest.mark.slow
+def test_tokens_major_tiles_put_the_many_head_products_on_wgmma(reports):
+    """The transposed split kernel is compiled for the 16-bit 512+64 shapes only (whole power-of-two
+    latents of at least 256 columns; configs.py): 16 rows at 16 heads, 32 rows from 32 heads, 64-token
+    tiles, 2 stages (3 do not fit at 512+64).  Every product is wgmma - where the row-major kernel's
+    16- and 32-row tiles use mma.sync - without spills, one program per multiprocessor."""
+    from mla_decode_triton.compile_check import programs_per_sm
+
+    transposed = [r for r in _split(reports) if _tile(r).tokens_major]
+    assert sorted(r["case"] for r in transposed) == sorted(f"512+64 x{heads} page 64 {dtype}" for heads, dtype in
+                                                          [(16, "bfloat16"), (32, "bfloat16"), (64, "bfloat16"),
+                                                           (128, "float16")])
+    for report in transposed:
+        tile = _tile(report)
+        heads = int(report["case"].split(" ")[1].removeprefix("x"))
+        assert (tile.block_h, tile.block_n, tile.num_stages) == (min(heads, 32), 64, 2), report
+        assert report["wgmma_ops"] > 0 and report["mma_sync_ops"] == 0 and report["stack_bytes"] == 0, report
+        assert programs_per_sm(report) == 1, report
 
 
 @pytest.mark.slow
