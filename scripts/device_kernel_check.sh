@@ -60,7 +60,7 @@ part bench_kernel 130 python scripts/bench_mla_decode.py --time-budget 105 --rep
 
 part pytest_gpu 100 python -m pytest -v -p no:cacheprovider -o addopts="" --junitxml "$OUT/pytest_gpu.xml" \
   tests/test_mla_decode_kernel.py tests/test_runtime_decode_path.py tests/test_mla_decode_tiling.py \
-  -k "gpu or mixed_lengths_with_a_preallocated_table or empty_splits or idle_slots or cannot_see or heads_share or padded_rows or autotune or cut_into" \
+  -k "gpu or mixed_lengths_with_a_preallocated_table or empty_splits or idle_slots or cannot_see or heads_share or padded_rows or autotune or cut_into or tokens_major" \
   -rs
 
 part bench_runtime 75 python scripts/bench_runtime_decode.py --batches 1 16 --prompt 512 --new-tokens 32 \
