@@ -22,8 +22,6 @@ from mla_decode_triton.testing import LSE_TOLERANCE, TOLERANCE, make_decode_inpu
 pytestmark = NEEDS_KERNEL_DEVICE
 
 
-
-
 # ------------------------------------------------------------------------------------- many heads
 @pytest.mark.parametrize("heads, block_h, r_split", [(1, 16, 1), (16, 16, 1), (64, 32, 1), (128, 32, 1)])
 def test_heads_share_one_tile_at_512_plus_64(heads, block_h, r_split):

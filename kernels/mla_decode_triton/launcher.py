@@ -108,6 +108,7 @@ class DecodeConfig:
 
     @classmethod
     def from_tile(cls, tile: TileConfig, num_splits: int, min_split_tokens: int = 1) -> DecodeConfig:
+        """The launch of `tile` (configs.candidate_tiles) with this split count and chunk floor."""
         return cls(tile.block_h, tile.block_n, num_splits, tile.num_warps, tile.num_stages, tile.r_split,
                    min_split_tokens, tile.tokens_major)
 
