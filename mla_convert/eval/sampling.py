@@ -68,6 +68,7 @@ def sample_from_model(
     batch_size: int = 64,
     device: torch.device | str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    candidates: int | None = NUCLEUS_CANDIDATES,
 ) -> torch.Tensor:
     """`num` sequences of `seq_len` tokens sampled from a transformers causal LM (KV-cached, seeded): (num, seq_len).
 
@@ -75,6 +76,8 @@ def sample_from_model(
     (for TinyStories-style models: the next story), so every row is a full window of the teacher's
     own distribution.  The seeded generator makes the samples independent of the global RNG; they
     depend on (seed, batch_size), which is why both are part of the cached samples' description.
+    `candidates`: the nucleus is drawn from that many most likely tokens (`top_p_sample`); None sorts the whole
+    vocabulary, which on SmolLM2 (49K tokens, 64 rows) took 0.23 s a step beside the model's 0.8 s.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
@@ -89,7 +92,7 @@ def sample_from_model(
             out = model(input_ids=ids[:, :1].to(device), use_cache=True)
             for position in range(1, seq_len):
                 logits = out.logits[:, -1].float().cpu()  # (count, vocab)
-                ids[:, position] = top_p_sample(logits, temperature, top_p, generator)
+                ids[:, position] = top_p_sample(logits, temperature, top_p, generator, candidates)
                 if position < seq_len - 1:
                     out = model(input_ids=ids[:, position : position + 1].to(device), cache=out.cache, use_cache=True)
             rows.append(ids)
