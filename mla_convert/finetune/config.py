@@ -25,7 +25,7 @@ from ..errors import MLAConvertError
 from ..io.paths import absolute_path, folder_to_create_problems, real_path
 from ..io.writer import parse_shard_size
 
-TRAIN_CHOICES = ("attention", "all")
+TRAIN_CHOICES = ("auto", "all", "attention")
 MIXED_PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 SAVE_DTYPE_CHOICES = ("auto", "fp32", "float32", "bf16", "bfloat16")
@@ -59,14 +59,16 @@ class FinetuneConfig:
     text_column: str = setting("text", "text field of a jsonl file or datasets dataset")
     split: Optional[str] = setting(None, "datasets split when `data` names none")
     max_chars: Optional[int] = setting(None, "read only this much of `data`")
-    teacher_samples: int = setting(512, "sequences sampled from the teacher when `data` is None")
+    teacher_samples: int = setting(1024, "sequences sampled from the teacher when `data` is None")
     sample_temperature: float = setting(1.0, "sampling temperature of the teacher text")
     sample_top_p: float = setting(0.95, "nucleus of the teacher text")
     sample_batch_size: int = setting(64, "sequences sampled at once (the samples depend on it)")
     seq_len: int = setting(256, "tokens per packed training window")
     # --- optimisation
-    train: str = setting("attention", "attention: only self_attn.* parameters; all: every parameter")
-    max_steps: int = setting(100, "optimizer steps; the cosine schedule spans exactly these")
+    train: str = setting("auto", "all: every parameter (heals more per step: BENCHMARKS.md, 'Quality levers'); attention: "
+                                 "only self_attn.* parameters; auto: all up to 2B parameters, the attention above (every "
+                                 "parameter's AdamW state, 16 bytes each, stays under 32 GB)")
+    max_steps: int = setting(300, "optimizer steps; the cosine schedule spans exactly these")
     micro_batch_size: int = setting(8, "windows per process per forward")
     grad_accum: int = setting(1, "forwards per optimizer step")
     lr: float = setting(1e-3, "peak learning rate (AdamW)")

@@ -30,7 +30,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from ..convert.report import hub_dataset, source_label
 from ..errors import MLAConvertError
-from ..eval.sampling import sample_from_model
+from ..eval.sampling import NUCLEUS_CANDIDATES, sample_from_model
 from ..io.paths import absolute_path, command_line, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
@@ -226,9 +226,23 @@ def load_tokenizer(folder: Path):
         return None
 
 
+# `train: auto` trains every parameter up to this many: on stories260K 8x it closed 85 % of the gap where the attention
+# alone closed 77 % (same 300 steps, data and rate; BENCHMARKS.md, 'Quality levers'), but every trained parameter carries 16 bytes of fp32
+# weight, gradient and AdamW moments (an 8B model: 128 GB), so larger models train their attention alone
+AUTO_TRAIN_ALL_MAX_PARAMETERS = 2_000_000_000
+
+
+def train_scope(model, train: str) -> str:
+    """`train` with "auto" resolved for this model: "all" or "attention"."""
+    if train != "auto":
+        return train
+    count = sum(parameter.numel() for parameter in model.parameters())
+    return "all" if count <= AUTO_TRAIN_ALL_MAX_PARAMETERS else "attention"
+
+
 def trainable_names(model, train: str) -> list[str]:
     names = [name for name, _ in model.named_parameters()]
-    if train == "all":
+    if train_scope(model, train) == "all":
         return names
     return [name for name in names if ATTENTION_MARKER in name]
 
@@ -442,7 +456,8 @@ class Finetuner:
         # --- student: stock DeepseekV3, latents unfolded to a trainable scale
         student = load_causal_lm(self.converted, dtype=torch.float32, pickle_flag=False)
         self.sites: list[LatentSite] = unfold_latent_scales(student, stored_latent_sites(self.report))
-        self.trained = trainable_names(student, config.train)
+        self.scope = train_scope(student, config.train)  # what "auto" means for this model
+        self.trained = trainable_names(student, self.scope)
         trained = set(self.trained)
         for name, parameter in student.named_parameters():
             parameter.requires_grad_(name in trained)
@@ -523,7 +538,7 @@ class Finetuner:
         path = self.checkpoint_root / SAMPLES_FILE
         description = {"teacher": self.teacher_name, "num": config.teacher_samples, "seq_len": config.seq_len,
                        "seed": config.seed, "temperature": config.sample_temperature, "top_p": config.sample_top_p,
-                       "batch_size": config.sample_batch_size}
+                       "batch_size": config.sample_batch_size, "nucleus_candidates": NUCLEUS_CANDIDATES}
 
         def make() -> torch.Tensor:
             self.log(f"sampling {config.teacher_samples} x {config.seq_len} tokens from the teacher ...")
@@ -706,7 +721,8 @@ class Finetuner:
                     self.config.checkpoint_path.rmdir()
             raise
         config, state, accelerator = self.config, self.state, self.accelerator
-        self.log(f"training {len(self.trained)} tensors ({config.train}) on {self.data_on_console}; "
+        scope = self.scope if config.train == self.scope else f"{config.train}: {self.scope}"
+        self.log(f"training {len(self.trained)} tensors ({scope}) on {self.data_on_console}; "
                  f"{accelerator.num_processes} process(es), mixed precision {accelerator.mixed_precision}")
         if note := fp16_save_note(config.save_dtype, self.converted):
             self.log(note)
@@ -824,7 +840,7 @@ class Finetuner:
             "data": self.data_description,
             # the card's `datasets:` lists what a model was trained on: the evaluation text is not one of them
             "datasets": [name for name in (hub_dataset(config.data),) if name],
-            "trained": config.train,
+            "trained": self.scope,
             "trained_tensors": len(self.trained),
             "steps": state.step,
             "tokens": state.tokens,
