@@ -97,8 +97,9 @@ class ConvertOptions:
     sequential: bool = option(True, "Calibrate each layer on the outputs of the already converted layers "
                               "(--no-sequential: on the source's).", flag="--sequential")
     effort: str = option("default", "How much measured search a conversion spends (costs and gains in BENCHMARKS.md): fast "
-                         "(closed form, no K/V balance search, the RoPE grid of best estimate), default (refinement only where "
-                         "a layer's refinement is cheap, K/V balance search, up to two RoPE grids), thorough (200 refinement "
+                         "(closed form, no K/V balance search, the RoPE grid of best estimate), default (40 one-window "
+                         "refinement steps on layers where a step is cheap, up to SmolLM2's width; K/V balance search; up to "
+                         "two RoPE grids), thorough (200 refinement "
                          "steps on every layer, up to four RoPE grids; a runner-up grid is measured only when its estimate is "
                          "within 1.5x of the best's).  --refine-steps, --kv-balance-search and "
                          "--rope-finalists override it.", flag="--effort", choices=("fast", "default", "thorough"))

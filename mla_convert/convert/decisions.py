@@ -34,31 +34,35 @@ METHOD_NAMES = {"output": "activation-aware", "input": "input", "weight": "svd"}
 # per layer.  SmolLM2 layers mostly chose the top of (0.25 .. 4), so the search spans 1/8 .. 32.
 KV_BALANCE_COARSE = (0.25, 1.0, 4.0, 16.0)
 # Layer refinement is Adam on each layer's attention-output error, kept where a held-out window improves.
-# What it buys and costs, measured on stories260K 2x (process CPU seconds, 1 thread; 60-window perplexity):
-# closed form 9.8 s 6.78, 30 steps 13.7 s 6.44, 50 steps 17.1 s 6.43, 200 steps with patience 2 33.5 s 6.44;
-# at 8x: 50 steps 50.2, 100 steps 48.0, 200 with patience 44.5.  SmolLM2-135M (3.6 GFLOP per step per layer):
-# 200 steps 2x 41.5 -> 38.1 on 10 windows at twice the conversion time.  With the K/V balance search on (while
-# another job shared the 2 cores): 12 steps 14.7 s 6.448, 20 steps 16.3 s 6.467, 32 steps 16.5 s 6.442; without
-# it, 12 steps 6.620.  The default keeps a first conversion of a tiny model near 15 CPU seconds; thorough buys
-# the rest at 4x / 8x (BENCHMARKS.md, `--effort`).  Hence the efforts below.
+# thorough: AUTO_REFINE_STEPS steps of REFINE_BATCH_WINDOWS windows on every layer, stopping early (stories260K 8x:
+# 46.4 against 54.5 closed form).  default: DEFAULT_REFINE_STEPS steps of DEFAULT_REFINE_WINDOWS window each, on every
+# layer whose step costs at most DEFAULT_REFINE_MAX_STEP_FLOPS.  Measured (perplexity; process CPU s, 1 thread): with the
+# former default (16 steps of 2 windows where 2.25 GFLOP per layer fit them, none elsewhere) stories260K 2x/4x/8x gave
+# 6.4512/13.8844/54.4518, with this one 6.4366/13.6369/51.8375 for about 1 s more; SmolLM2-135M 2x, which refined
+# nothing before (3.6 GFLOP a 2-window step), 41.56 -> 38.84 on 10 WikiText-2 windows for 50 s more of a 196 s
+# conversion (calibration included).  One window a step: noisier steps, but 40 of them cost what 20 of two windows
+# would, and the held-out check every 10 steps keeps the best.
 AUTO_REFINE_STEPS = 200  # thorough: every layer
 AUTO_REFINE_PATIENCE = 2  # held-out checks (25 steps each) without a new best before a layer stops
-DEFAULT_REFINE_FLOPS = 2.25e9  # default: the steps a layer gets within this budget (stories260K: 16) ...
-DEFAULT_REFINE_MIN_STEPS = 12  # ... or none, when fewer would fit (SmolLM2: 0)
+DEFAULT_REFINE_STEPS = 40
+DEFAULT_REFINE_WINDOWS = 1
+DEFAULT_REFINE_CHECK_EVERY = 10
+# SmolLM2-135M: 1.6 GFLOP a one-window step of 256 tokens; Llama-3-8B's layers (about 70) are left to thorough
+DEFAULT_REFINE_MAX_STEP_FLOPS = 4e9
 
 
 @dataclass(frozen=True)
 class Effort:
     """How much measured search one `--effort` level spends."""
 
-    refine: str  # "off", "budget" (DEFAULT_REFINE_FLOPS per layer) or "all" (AUTO_REFINE_STEPS, every layer)
+    refine: str  # "off", "cheap" (DEFAULT_REFINE_STEPS where a step is cheap) or "all" (AUTO_REFINE_STEPS, every layer)
     kv_balance_search: bool
     rope_finalists: int
 
 
 EFFORTS = {
     "fast": Effort("off", False, 1),
-    "default": Effort("budget", True, 2),
+    "default": Effort("cheap", True, 2),
     "thorough": Effort("all", True, 4),
 }
 
@@ -307,6 +311,8 @@ class RefinePolicy:
     steps: int
     patience: int | None
     decision: str
+    batch_windows: int = REFINE_BATCH_WINDOWS  # calibration windows per step
+    check_every: int = 25  # steps between held-out checks
 
     @classmethod
     def of(cls, options: ConvertOptions, source: SourceConfig, windows: int | None = None) -> RefinePolicy:
@@ -325,19 +331,19 @@ class RefinePolicy:
         if effort.refine == "all":
             return cls(AUTO_REFINE_STEPS, AUTO_REFINE_PATIENCE, f"{AUTO_REFINE_STEPS} steps per layer, stopping early "
                        f"(--effort {options.effort})")
-        per_step = refine_flops(source, options.calibration.seq_len, 1)
-        steps = min(AUTO_REFINE_STEPS, int(DEFAULT_REFINE_FLOPS // per_step))
-        if steps >= DEFAULT_REFINE_MIN_STEPS:
-            return cls(steps, None, f"{steps} steps per layer ({per_step / 1e9:.2f} GFLOP each within "
-                                    f"{DEFAULT_REFINE_FLOPS / 1e9:g} per layer; --effort thorough: {AUTO_REFINE_STEPS})")
-        return cls(0, None, f"off ({per_step / 1e9:.2f} GFLOP per step: fewer than {DEFAULT_REFINE_MIN_STEPS} steps fit "
-                            f"{DEFAULT_REFINE_FLOPS / 1e9:g} GFLOP per layer; --effort thorough or --refine-steps N turn it on)")
+        per_step = refine_flops(source, options.calibration.seq_len, 1, DEFAULT_REFINE_WINDOWS)
+        if per_step <= DEFAULT_REFINE_MAX_STEP_FLOPS:
+            return cls(DEFAULT_REFINE_STEPS, None, f"{DEFAULT_REFINE_STEPS} steps per layer of {DEFAULT_REFINE_WINDOWS} "
+                       f"window ({per_step / 1e9:.2f} GFLOP each; --effort thorough: {AUTO_REFINE_STEPS})",
+                       DEFAULT_REFINE_WINDOWS, DEFAULT_REFINE_CHECK_EVERY)
+        return cls(0, None, f"off ({per_step / 1e9:.2f} GFLOP per step, more than the {DEFAULT_REFINE_MAX_STEP_FLOPS / 1e9:g} "
+                            "the default spends; --effort thorough or --refine-steps N turn it on)")
 
 
-def refine_flops(source: SourceConfig, seq_len: int, steps: int) -> float:
+def refine_flops(source: SourceConfig, seq_len: int, steps: int, windows: int = REFINE_BATCH_WINDOWS) -> float:
     """Rough cost of refining one layer: forward + backward (3x forward) of its attention on the step's tokens."""
     projections = 2 * source.hidden_size * source.head_dim * (source.num_heads + source.num_kv_heads)  # q, o + k, v
-    tokens = REFINE_BATCH_WINDOWS * seq_len
+    tokens = windows * seq_len
     per_token = 2 * projections + 4 * source.num_heads * source.head_dim * seq_len  # matmuls + scores/values
     return 3.0 * per_token * tokens * steps
 
@@ -411,6 +417,7 @@ def convert_layer(layer, stats: LayerInputStats, mla: MLAShape, plan: SlotPlan, 
         weights, report = best
         result = refine_layer(weights, x, reference, source.num_heads, source.head_dim, mla.rope_dim, source.head_dim,
                               plan.slot_inv_freq, steps=refine.steps, lr=options.refine_lr, patience=refine.patience,
+                              batch_windows=refine.batch_windows, check_every=refine.check_every,
                               latent_scale_fn=lambda down: T.latent_scale_for(down, layer.weights["input_norm"]))
         out = converted_attention_output({k: v.float() for k, v in result.weights.items()}, x, source, mla, plan.slot_inv_freq)
         report.extra["closed_form_attention_error"] = report.attention_error

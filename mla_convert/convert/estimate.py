@@ -38,7 +38,7 @@ from ..source.model import WIDENED_BLOCK_BYTES
 from ..source.shapes import MLAShape, pick_target_shape
 from ..units import dtype_bytes, human_bytes
 from .calibration import SAMPLING_CACHE_BYTES
-from .decisions import METHOD_ALIASES, REFINE_BATCH_WINDOWS, RefinePolicy, effort_of, refine_flops, rope_grid_candidates
+from .decisions import METHOD_ALIASES, RefinePolicy, effort_of, refine_flops, rope_grid_candidates
 from .preflight import OUTPUT_OVERHEAD_BYTES, estimated_output_bytes, estimated_statistics_bytes, expected_tensor_shapes, export_dtype
 from .target import target_of
 
@@ -200,6 +200,11 @@ class Sizes:
         return RefinePolicy.of(self.options, self.source).steps if self.kept_windows >= 2 else 0
 
     @property
+    def refine_windows(self) -> int:
+        """Calibration windows per refinement step."""
+        return RefinePolicy.of(self.options, self.source).batch_windows
+
+    @property
     def statistics_bytes_per_layer(self) -> int:
         return estimated_statistics_bytes(self.source, self.options.calibration) // self.source.num_layers
 
@@ -336,7 +341,7 @@ def phase_work(z: Sizes, f64: float, resident_bytes: int = 0) -> dict[str, Work]
         per_layer = per_layer + statistics_work(z, move_hidden=False, f64=f64) + rope_stats + advance
     if z.refine_steps:
         per_layer = per_layer + Work(ops=REFINE_STEP_OPS * z.refine_steps,
-                                     flops=refine_flops(s, T, z.refine_steps) * REFINE_BATCH_WINDOWS / 2)
+                                     flops=refine_flops(s, T, z.refine_steps, z.refine_windows))
     written = (z.layer_params - z.attention_params) + attention_output_params(s, z.mla)
     per_layer = per_layer + Work(ops=40, bytes=written * (8 + out_bytes))  # float64 results cast and written
     # the first torch.optim.Adam imports torch._dynamo (about 1 s, once per process)
