@@ -504,3 +504,36 @@ def test_the_robustness_docs_bad_input_counts_are_the_suites():
     doc = script.DOC.read_text()
     recorded = doc[doc.index(script.START):doc.index(script.END) + len(script.END)]
     assert script.render(*script.count(script.collected())) == recorded
+
+
+# --------------------------------------------------------------------------- bench_quality.py
+@pytest.mark.parametrize("argv, says", [
+    (["--ratios", "2,x"], "--ratios: whole KV-cache ratios"),
+    (["--ratios", "1"], "--ratios: whole KV-cache ratios"),
+    (["--max-windows", "0"], "--max-windows: at least 1"),
+    (["--from-json", "missing.json"], "--from-json: missing.json is not a file"),
+])
+def test_bench_quality_refuses_bad_arguments(capsys, argv, says):
+    bench = load("bench_quality")
+    assert says in refused(capsys, lambda: bench.main(argv))
+
+
+def test_bench_quality_renders_its_rows_against_the_source_and_says_when_windows_are_cut(tmp_path):
+    bench = load("bench_quality")
+    stamp = {"command": "python scripts/bench_quality.py", "date": "2026-12-07", "machine": "x86_64"}
+    rows = [{"ratio": 1, "lever": "source", "shape": "GQA K+V", "cpu_seconds": 0.0, "perplexity": 5.0},
+            {"ratio": 2, "lever": "default", "shape": "24+8", "cpu_seconds": 9.0, "perplexity": 6.0}]
+    heal = [{"lever": "defaults", "tokens": 1000, "perplexity_after": 7.5, "gap_closed": 0.5, "wall_seconds": 10,
+             "cpu_seconds": 9, "tokens_per_second": 100}]
+    results = {"one_shot": {"smollm2": {**stamp, "windows": 10, "rows": rows}},
+               "heal": {**stamp, "rows": heal, "before": 10.0, "teacher": 5.0}}
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(results))
+    markdown = tmp_path / "BENCHMARKS.md"
+    assert bench.main(["--from-json", str(path), "--write-benchmarks", str(markdown)]) == 0
+    text = markdown.read_text()
+    assert "| 2x | default | 24+8 | 6.0000 | 1.200 | 9.0 |" in text
+    assert "**not the project protocol**: 10 windows, it has 40" in text
+    assert "| defaults | 1,000 | 7.5000 | 50.0 % | 10 | 9 | 100 |" in text
+    assert bench.neighbour_rope_dims(48, 192, 64) == [32, 64] and bench.neighbour_rope_dims(4, 8, 8) == [2, 6]
+    assert bench.neighbour_rope_dims(2, 8, 8) == [4] and bench.neighbour_rope_dims(8, 32, 8) == [6]
