@@ -47,7 +47,7 @@ AUTO_REFINE_PATIENCE = 2  # held-out checks (25 steps each) without a new best b
 DEFAULT_REFINE_STEPS = 40
 DEFAULT_REFINE_WINDOWS = 1
 DEFAULT_REFINE_CHECK_EVERY = 10
-# SmolLM2-135M: 1.6 GFLOP a one-window step of 256 tokens; Llama-3-8B's layers (about 70) are left to thorough
+# SmolLM2-135M: 1.8 GFLOP a one-window step of 256 tokens; Llama-3-8B's layers (about 68) are left to thorough
 DEFAULT_REFINE_MAX_STEP_FLOPS = 4e9
 
 
