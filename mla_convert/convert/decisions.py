@@ -36,12 +36,12 @@ KV_BALANCE_COARSE = (0.25, 1.0, 4.0, 16.0)
 # Layer refinement is Adam on each layer's attention-output error, kept where a held-out window improves.
 # thorough: AUTO_REFINE_STEPS steps of REFINE_BATCH_WINDOWS windows on every layer, stopping early (stories260K 8x:
 # 46.4 against 54.5 closed form).  default: DEFAULT_REFINE_STEPS steps of DEFAULT_REFINE_WINDOWS window each, on every
-# layer whose step costs at most DEFAULT_REFINE_MAX_STEP_FLOPS.  Measured (perplexity; process CPU s, 1 thread): with the
-# former default (16 steps of 2 windows where 2.25 GFLOP per layer fit them, none elsewhere) stories260K 2x/4x/8x gave
-# 6.4512/13.8844/54.4518, with this one 6.4366/13.6369/51.8375 for about 1 s more; SmolLM2-135M 2x, which refined
-# nothing before (3.6 GFLOP a 2-window step), 41.56 -> 38.84 on 10 WikiText-2 windows for 50 s more of a 196 s
-# conversion (calibration included).  One window a step: noisier steps, but 40 of them cost what 20 of two windows
-# would, and the held-out check every 10 steps keeps the best.
+# layer whose step costs at most DEFAULT_REFINE_MAX_STEP_FLOPS.  Measured (perplexity; process CPU s, 1 thread): a
+# 2.25 GFLOP budget per layer of 2-window steps (16 on stories260K, none on SmolLM2's 3.6 GFLOP steps) gave stories260K
+# 2x/4x/8x 6.4512/13.8844/54.4518, this rule 6.4366/13.6369/51.8375 for about 1 s more; SmolLM2-135M 2x, no refinement
+# against this rule: 41.56 -> 38.84 on 10 WikiText-2 windows for 50 s more of a 196 s conversion (calibration included).
+# One window a step: noisier steps, but 40 of them cost what 20 of two windows would, and the held-out check every 10
+# steps keeps the best.
 AUTO_REFINE_STEPS = 200  # thorough: every layer
 AUTO_REFINE_PATIENCE = 2  # held-out checks (25 steps each) without a new best before a layer stops
 DEFAULT_REFINE_STEPS = 40
