@@ -31,6 +31,7 @@ from mla_convert.convert.target import LATENT_NORM_EPS, LINEARITY_MARGIN, latent
 from mla_convert.errors import MLAConvertError
 from mla_convert.eval.perplexity import evaluate_perplexity, plan_windows
 from mla_convert.eval.sampling import sample_from_model as sample_from_teacher
+from mla_convert.finetune.checkpoint import OWNER_MARKER
 from mla_convert.finetune.config import (
     FinetuneConfig,
     FinetuneConfigError,
@@ -1093,7 +1094,8 @@ def test_a_fresh_run_refuses_an_earlier_runs_checkpoints_and_starts_its_log_empt
     # a run that failed before its first checkpoint left only a log: the next run's log is its own
     failed = tmp_path / "failed.ckpt"
     failed.mkdir()
-    shutil.copy(earlier / "train_log.jsonl", failed / "train_log.jsonl")
+    for name in ("train_log.jsonl", OWNER_MARKER):  # (the marker says the folder is mla-convert's)
+        shutil.copy(earlier / name, failed / name)
     run_finetune(_tiny_run_config(converted, tmp_path, "fresh", checkpoint_dir=str(failed), max_steps=2,
                                   checkpoint_every=0), log=lambda text: None)
     assert logged_steps(failed) == [1, 2]

@@ -5,9 +5,10 @@ student and its optimizer go through `accelerator.prepare`; the teacher stays ou
 replicated, in bf16 on GPU), so checkpoints hold only what training changes.
 
 Exact resume: a checkpoint is `accelerator.save_state` (student weights, optimizer, RNG states) plus
-three registered objects: the LR scheduler, the data cursor (epoch + position of a seeded
-permutation) and the trainer history.  Loading all of them puts the run in the same state as an
-uninterrupted one; a test checks the final weights are bit-identical on CPU.
+the LR scheduler, the data cursor (epoch + position of a seeded permutation) and the trainer history
+as JSON (`checkpoint.py`: written like an export, verified and loaded without running code).  Loading
+all of them puts the run in the same state as an uninterrupted one; a test checks the final weights
+are bit-identical on CPU.
 """
 
 from __future__ import annotations
@@ -35,15 +36,27 @@ from ..io.paths import absolute_path, command_line, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from ..units import dtype_name
+from .checkpoint import (
+    COMPLETE_MARKER,
+    OWNER_MARKER,
+    WRITE_ERRORS,
+    CheckpointError,
+    checkpoints_held,
+    claim_root,
+    complete_checkpoints,
+    disk_problems,
+    read_trainer_states,
+    remove_partial_checkpoints,
+    verify_checkpoint,
+    write_checkpoint,
+)
 from .config import FinetuneConfig, FinetuneConfigError
 from .data import WindowCursor, cached_teacher_samples, process_slice, text_fingerprint, text_windows
 from .evaluate import EvalWindows, evaluate_perplexity_distributed
 from .latent import LatentSite, stored_latent_sites, unfold_latent_scales
 from .loss import distillation_loss
-from .saving import REPORT_FILE, fp16_save_note, save_finetuned, write_report
+from .saving import REPORT_FILE, fp16_save_note, resolve_save_dtype, save_finetuned, write_report
 
-CHECKPOINT_PREFIX = "step-"
-COMPLETE_MARKER = "checkpoint_complete.json"
 SAMPLES_FILE = "teacher_samples.safetensors"
 LOG_FILE = "train_log.jsonl"
 # attention-only training: the parameters of every layer's self_attn block (MLA projections and norms)
@@ -258,14 +271,6 @@ def optimizer_groups(model, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
-def checkpoint_folders(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith(CHECKPOINT_PREFIX) and (p / COMPLETE_MARKER).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-
-
 # the last steps' mean loss this many times the first steps': the run made the model worse, not better
 LOSS_RISE_FACTOR = 1.5
 # ... over windows of at least this many steps; shorter windows (a run under 6 steps) need a rise batch noise does not
@@ -416,10 +421,14 @@ class Finetuner:
         self.checkpoint_root = config.checkpoint_path
         if accelerator.is_main_process:
             try:  # (the config's checks name the usual reasons first: a file, a broken link, a file above it)
-                self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+                problems = claim_root(self.checkpoint_root)
             except OSError as error:
                 raise FinetuneConfigError(f"checkpoint_dir {self.checkpoint_root}: cannot be created "
                                           f"({error.strerror or error})") from error
+            if problems:
+                raise FinetuneConfigError("\n".join(problems))
+            for name in remove_partial_checkpoints(self.checkpoint_root):
+                self.log(f"removed {self.checkpoint_root / name}, left behind by a checkpoint that was not finished")
         accelerator.wait_for_everyone()
         self.report = load_converted_report(self.converted)
         converted_config = load_config(self.converted)
@@ -465,6 +474,7 @@ class Finetuner:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             student.config.use_cache = False
         self.tokenizer = load_tokenizer(self.converted)
+        self._refuse_what_the_disk_cannot_hold(student, converted_config)
 
         # --- teacher
         self.teacher = None
@@ -501,7 +511,23 @@ class Finetuner:
             optimizer, config.warmup_steps, config.max_steps, min_lr_rate=config.min_lr_ratio)
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
         self.state = TrainerState(settings=settings)
-        accelerator.register_for_checkpointing(self.scheduler, self.cursor, self.state)
+
+    def _refuse_what_the_disk_cannot_hold(self, student, converted_config) -> None:
+        """Checkpoints and the output, sized from the student, against the free space where they go: a full disk used
+        to be found at the save, after the last step, with the trained weights lost."""
+        if not self.accelerator.is_main_process:
+            return
+        config = self.config
+        parameters = [parameter for parameter in student.parameters()]
+        weights = sum(p.numel() * p.element_size() for p in parameters)  # fp32: what save_state writes
+        adam = sum(2 * p.numel() * 4 for p in parameters if p.requires_grad)  # exp_avg + exp_avg_sq
+        held = checkpoints_held(config.max_steps, config.checkpoint_every, config.keep_checkpoints)
+        saved = sum(p.numel() for p in parameters) * resolve_save_dtype(config.save_dtype, converted_config).itemsize
+        problems = disk_problems([
+            (self.checkpoint_root, held * (weights + adam), f"{held} checkpoint(s)"),
+            (self.output.parent, saved, "the output")])
+        if problems:
+            raise FinetuneConfigError("\n".join(problems))
 
     def _refuse_output_over_inputs(self) -> None:
         """With overwrite, the output is deleted at the save: it must not be (or contain) the model, the teacher or a
@@ -576,18 +602,21 @@ class Finetuner:
         self.log(f"eval step {self.state.step}: perplexity {perplexity:.4f} ({self.state.tokens:,} tokens trained)")
         self._append_log({"step": self.state.step, "tokens": self.state.tokens, "eval_perplexity": perplexity})
 
+    def training_states(self) -> dict:
+        """What a checkpoint holds besides accelerate's tensors: plain JSON (nothing of it is unpickled on resume)."""
+        return {"scheduler": self.scheduler.state_dict(), "cursor": self.cursor.state_dict(),
+                "trainer": self.state.state_dict()}
+
     def save_checkpoint(self) -> Path:
         accelerator = self.accelerator
-        folder = self.checkpoint_root / f"{CHECKPOINT_PREFIX}{self.state.step:07d}"
         self.state.seconds += time.time() - self.started
         self.started = time.time()
-        with quiet_shared_tensor_warning():
-            accelerator.save_state(str(folder))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:  # the settings in the marker are checked before a resume loads anything
-            (folder / COMPLETE_MARKER).write_text(json.dumps({"step": self.state.step, "tokens": self.state.tokens,
-                                                              "settings": self.state.settings}) + "\n")
-            for old in checkpoint_folders(self.checkpoint_root)[: -self.config.keep_checkpoints]:
+        with quiet_shared_tensor_warning():  # the settings in the marker are checked before a resume loads anything
+            folder = write_checkpoint(accelerator, self.checkpoint_root, self.state.step, self.training_states(),
+                                      {"step": self.state.step, "tokens": self.state.tokens,
+                                       "settings": self.state.settings})
+        if accelerator.is_main_process:
+            for old in complete_checkpoints(self.checkpoint_root)[: -self.config.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
         self.log(f"checkpoint {folder}")
@@ -598,7 +627,7 @@ class Finetuner:
         a fresh start over an earlier run's checkpoints is refused (they would be mixed with this run's, and
         `--resume auto` would later pick whichever is newest)."""
         config = self.config
-        found = checkpoint_folders(self.checkpoint_root)
+        found = complete_checkpoints(self.checkpoint_root)
         if not config.resume:
             if found:
                 raise FinetuneConfigError(f"{self.checkpoint_root}: holds checkpoints of an earlier run (latest "
@@ -609,17 +638,14 @@ class Finetuner:
             if not found:
                 self.log(f"resume=auto: no checkpoint in {self.checkpoint_root}; starting fresh")
                 return None
-            folder = found[-1]
+            folder, marker = self._latest_sound_checkpoint(found)
         else:
             folder = Path(config.resume)
             if not folder.is_dir():
                 raise FinetuneConfigError(f"resume {folder}: no such checkpoint folder")
             if not (folder / COMPLETE_MARKER).is_file():
                 raise FinetuneConfigError(f"{folder}: not a complete checkpoint (no {COMPLETE_MARKER})")
-        try:
-            marker = json.loads((folder / COMPLETE_MARKER).read_text())
-        except (OSError, ValueError):
-            marker = {}
+            marker = verify_checkpoint(folder)
         self._check_resume_settings(folder, marker.get("settings") or {}, settings)  # before loading: shapes may differ
         step = marker.get("step")
         if config.stop_after is not None and isinstance(step, int) and config.stop_after <= step < config.max_steps:
@@ -628,6 +654,21 @@ class Finetuner:
                                       "later stop_after, or none to train to max_steps")
         return folder
 
+    def _latest_sound_checkpoint(self, found: list[Path]) -> tuple[Path, dict]:
+        """`--resume auto`: the newest checkpoint that verifies; a damaged newer one is named and passed over (the
+        run then trains its steps again), and none that verifies stops the run."""
+        problems = []
+        for folder in reversed(found):
+            try:
+                marker = verify_checkpoint(folder)
+            except CheckpointError as error:
+                problems.append(str(error))
+                continue
+            for problem in problems:
+                self.log(f"warning: {problem}; resuming from the earlier {folder.name} instead")
+            return folder, marker
+        raise CheckpointError("no checkpoint in {} can be resumed:\n{}".format(self.checkpoint_root, "\n".join(problems)))
+
     def maybe_resume(self) -> None:
         folder = self.resume_from
         if folder is None:
@@ -635,7 +676,12 @@ class Finetuner:
                 (self.checkpoint_root / LOG_FILE).unlink(missing_ok=True)
             return
         expected = dict(self.state.settings)
-        self.accelerator.load_state(str(folder))
+        # accelerate's tensors (weights_only=True; the files were verified as plain data), then the JSON states
+        self.accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
+        states = read_trainer_states(folder)
+        self.scheduler.load_state_dict(states["scheduler"])
+        self.cursor.load_state_dict(states["cursor"])
+        self.state.load_state_dict(states["trainer"])
         self._check_resume_settings(folder, self.state.settings, expected)
         self.state.settings = expected
         self.state.resumed_from.append(str(folder))
@@ -663,7 +709,14 @@ class Finetuner:
         path = self.checkpoint_root / LOG_FILE
         if not self.accelerator.is_main_process or not path.is_file():
             return
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line a crash cut short: the steps it logged are trained and logged again
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
         path.write_text("".join(line + "\n" for line in kept))
 
     def train_step(self) -> tuple[float, float, float]:
@@ -718,7 +771,10 @@ class Finetuner:
         except BaseException:
             if created:  # a refused run leaves no empty checkpoint folder behind (teacher samples already drawn stay)
                 with contextlib.suppress(OSError):
-                    self.config.checkpoint_path.rmdir()
+                    root = self.config.checkpoint_path
+                    if [path.name for path in root.iterdir()] == [OWNER_MARKER]:
+                        (root / OWNER_MARKER).unlink()
+                    root.rmdir()
             raise
         config, state, accelerator = self.config, self.state, self.accelerator
         scope = self.scope if config.train == self.scope else f"{config.train}: {self.scope}"
@@ -898,10 +954,13 @@ class Finetuner:
         state_dict = accelerator.get_state_dict(self.student)
         path, report = None, None
         if accelerator.is_main_process:
-            path = save_finetuned(
-                {k: v.detach().cpu() for k, v in state_dict.items()}, self.sites, self.converted, self.output,
-                self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite,
-                config.force)
+            try:
+                path = save_finetuned(
+                    {k: v.detach().cpu() for k, v in state_dict.items()}, self.sites, self.converted, self.output,
+                    self.report, self.finetuning_section(), config.save_dtype, config.max_shard_size, config.overwrite,
+                    config.force)
+            except WRITE_ERRORS as error:  # (a full disk: safetensors reports it in its own error type)
+                raise FinetuneError(self._save_failure(error)) from None
             self._written_output = path
             save_check = self._verify_saved(path, probe, reference) if config.verify_save else None
             report = json.loads((path / REPORT_FILE).read_text())
@@ -913,6 +972,19 @@ class Finetuner:
             self.log(f"saved {path}")
         accelerator.wait_for_everyone()
         return FinetuneResult(path, self.state, report["finetuning"] if report else self.finetuning_section(), report=report)
+
+    def _save_failure(self, error: BaseException) -> str:
+        """The message for an output that could not be written (a full disk): the trained state is kept as a
+        checkpoint where one can be written, so freeing space and resuming loses nothing."""
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+        kept = "no checkpoint could be kept"
+        if self.accelerator.num_processes == 1:  # (several processes would have to write it together)
+            try:
+                kept = f"the trained state is kept as the checkpoint {self.save_checkpoint()}"
+            except CheckpointError as failure:
+                kept = f"no checkpoint could be kept either ({failure})"
+        return (f"the fine-tuned model could not be written to {self.output} ({reason}); {kept}; free space and run "
+                "the same command with --resume auto")
 
     def _probe_ids(self) -> torch.Tensor:
         """A short fixed input for the saved-vs-trained logit check: (1, <= 64) token ids."""
