@@ -41,6 +41,19 @@ def print_plain(text: str) -> None:
     console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
+def undecodable_arguments(values: dict) -> list[str]:
+    """Every argument that is not valid UTF-8 (a path or a prompt typed in another encoding), one line each."""
+    from .io.paths import not_utf8_problem
+
+    problems = []
+    for name, value in values.items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            problem = not_utf8_problem(name.replace("_", "-"), item)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
 def user_errors(command):
     """Print `MLAConvertError`s as `error: ...` lines and exit 2 instead of a traceback.
 
@@ -59,6 +72,9 @@ def user_errors(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
+            undecodable = undecodable_arguments(kwargs)
+            if undecodable:  # before anything reads a path or writes a report with it
+                raise PreflightError(undecodable)
             problems = take_unparsed(kwargs, signature)
             if collects and problems:
                 kwargs[FLAG_PROBLEMS] = problems

@@ -25,6 +25,8 @@ DOC = REPO / "docs" / "robustness.md"
 START, END = "<!-- bad-input-counts:start -->", "<!-- bad-input-counts:end -->"
 COMMANDS = ("inspect", "convert", "eval", "generate", "push", "sweep", "finetune", "demo")
 HOSTILE = "tests/test_cli_hostile.py"
+# a test parametrized over commands: its case ids start with the command ("[eval-fifo-shard]")
+BY_COMMAND_PARAMETER = {("tests/test_model_folder_faults.py", "test_every_command_refuses_every_folder_fault_before_any_work")}
 # hostile sweep test -> command (each is run for SETTINGS["max_examples"] drawn examples)
 HOSTILE_TESTS = {"test_inspect": "inspect", "test_convert": "convert", "test_eval": "eval", "test_generate": "generate",
                  "test_push_dry_run": "push", "test_sweep": "sweep", "test_finetune": "finetune",
@@ -46,7 +48,12 @@ RULES = [
     ("tests/test_journey.py", r"refuse|never_run_code", "eval"),
     ("tests/test_perplexity.py", r"bad_settings|never_replaces|before_any_model|script_refuses|special_data_path", "eval"),
     ("tests/test_hub_push.py", r"update_card", "eval"),
-    ("tests/test_runtime.py", r"bad_settings|clear_errors|refused", "generate"),
+    ("tests/test_runtime.py", r"bad_settings|clear_errors|refused|never_ends", "generate"),
+    ("tests/test_model_folder_faults.py", r"eval_update_card|loader_refuses", "eval"),
+    ("tests/test_model_folder_faults.py", r"teacher", "finetune"),
+    ("tests/test_model_folder_faults.py", r"^test_generate_", "generate"),
+    ("tests/test_model_folder_faults.py", r"^test_sweep_", "sweep"),
+    ("tests/test_finetune_checkpoints.py", r"refused|truncated|damaged|torn|cannot|disk|planted|replaced|not_json", "finetune"),
     ("tests/test_hub_push.py", r"refuse|invalid|wrong_token|rejected|problems", "push"),
     ("tests/test_sweep.py", r"refused|user_error", "sweep"),
     ("tests/test_finetune.py", r"errors|refuses|interrupt", "finetune"),
@@ -84,6 +91,11 @@ def count(node_ids: list[str]) -> tuple[dict[str, int], dict[str, list[str]]]:
             command = HOSTILE_TESTS[name]
             counts[command] += examples
             tests[command].add(f"{Path(file).name}::{name} ({examples} examples)")
+            continue
+        if (file, name) in BY_COMMAND_PARAMETER:
+            command = rest.split("[", 1)[1].split("-", 1)[0]
+            counts[command] += 1
+            tests[command].add(f"{Path(file).name}::{name}")
             continue
         for rule_file, pattern, command in RULES:
             if file == rule_file and re.search(pattern, name):

@@ -190,6 +190,20 @@ def test_inspect_estimate_prints_every_phase_and_the_totals(smollm2_config_folde
     assert format_seconds(expected.total_seconds) in total_row
 
 
+def test_core_counts_beyond_the_fitted_runs_are_named_or_refused(smollm2_config_folder):
+    """The CPU constants come from 2-core runs: a prediction for more cores is printed as an extrapolation, and a
+    count no machine has (it printed a confident 0.1 s for 100000 cores) is refused with the other problems."""
+    source = SourceConfig.from_dict(SMOLLM2)
+    assert not any("extrapolated" in note for note in estimate(source, cores=2).notes)
+    assert any("extrapolated: the CPU constants were fitted on 2-core runs; 16 cores" in note
+               for note in estimate(source, cores=16).notes)
+    printed = run_cli("inspect", smollm2_config_folder, "--estimate", "--cpu-cores", "16")
+    assert printed.returncode == 0 and "extrapolated" in printed.stdout + printed.stderr
+    absurd = run_cli("inspect", smollm2_config_folder, "--estimate", "--cpu-cores", "100000")
+    assert absurd.returncode == 2 and "--cpu-cores 100000: more than any one machine's 1024" in absurd.stderr
+    assert "Traceback" not in absurd.stderr
+
+
 def test_inspect_estimate_cuda_reports_device_memory_and_options_change_it(smollm2_config_folder):
     result = run_cli("inspect", smollm2_config_folder, "--estimate", "--device", "cuda")
     assert result.returncode == 0, result.stderr

@@ -842,6 +842,30 @@ def test_chat_is_refused_where_it_cannot_act(chat_folder, tiny_folder):
         generate_text(tiny_folder, ["Hi"], 2, device="cpu", chat=True)
 
 
+def test_a_chat_template_that_never_ends_is_stopped_and_named(chat_folder, tmp_path, monkeypatch):
+    """jinja2's sandbox bounds what a template may call, not how long it loops: 10^10 empty iterations hung
+    `generate --chat`.  Rendering is bounded in time (shortened here) and the refusal says what to do."""
+    import json
+    import time
+
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+    from mla_convert.runtime import generate as generate_module
+
+    folder = Path(shutil.copytree(chat_folder, tmp_path / "model"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(generate_module, "CHAT_TEMPLATE_SECONDS", 0.5)
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["generate", str(folder), "Hi", "--chat", "--device", "cpu"])
+    assert time.monotonic() - started < 60
+    assert result.exit_code == 2, result.output
+    assert "--chat: the folder's chat template did not finish within 0.5 s" in " ".join(result.stderr.split())
+    assert "Traceback" not in result.output
+
+
 def test_generate_chat_prints_the_reply_on_its_own_line(chat_folder):
     from typer.testing import CliRunner
 

@@ -485,6 +485,10 @@ def estimate(source: SourceConfig, options: ConvertOptions | None = None, device
         scale = cores / rates["reference_cores"]
         describe = f"cpu, {cores} core{'s' if cores != 1 else ''}"
         resident = 0
+        if cores > rates["reference_cores"]:
+            notes.append(f"extrapolated: the CPU constants were fitted on {rates['reference_cores']}-core runs; {cores} cores "
+                         "are assumed to multiply their throughput, which memory bandwidth caps at some count not measured "
+                         "here, so the time may be well under-predicted")
     else:
         scale = 1.0
         budget = int(rates["device_memory_bytes"] * rates["resident_weight_share"])

@@ -25,7 +25,7 @@ import torch
 
 from ..devices import device_problems
 from ..errors import MLAConvertError, NonFiniteError, PreflightError
-from ..io.paths import special_file_problems, within
+from ..io.paths import not_utf8_problem, special_file_problems, within
 from ..io.reader import CheckpointReader, split_row_view
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
@@ -132,6 +132,10 @@ def tensor_problems(reader: CheckpointReader, shape: SourceConfig) -> list[str]:
     if len(problems) > MAX_TENSOR_LINES:
         problems = problems[:MAX_TENSOR_LINES] + [f"{reader.folder}: ... and {len(problems) - MAX_TENSOR_LINES} more tensor problems"]
     stored_layers = {int(m.group(1)) for m in map(_LAYER_INDEX.match, infos) if m}
+    beyond = sorted(name for name in infos if (m := _LAYER_INDEX.match(name)) and int(m.group(1)) >= shape.num_layers)
+    if beyond:  # (transformers drops them when it loads the source: this is a checkpoint of another model)
+        problems.append(f"{reader.folder}: {len(beyond)} tensor(s) of layers config.json does not have (num_hidden_layers "
+                        f"{shape.num_layers}; e.g. {beyond[0]!r}): the weights and config.json come from different models")
     if problems and stored_layers and len(stored_layers) != shape.num_layers:
         problems.insert(0, f"config.json: num_hidden_layers is {shape.num_layers}, but the checkpoint holds {len(stored_layers)} layers")
     return problems
@@ -406,6 +410,10 @@ def storage_problems(output: Path, shape: SourceConfig, mla: MLAShape, dtype: to
 
 def output_path_problems(output: Path, overwrite: bool, source: Path | None = None, force: bool = False) -> list[str]:
     """Output-path problems found without touching anything (reported even when the source is broken)."""
+    undecodable = [problem for what, path in (("output", output), ("source", source))
+                   if (problem := not_utf8_problem(what, path)) is not None]
+    if undecodable:  # (the model card's writer failed on it after the whole conversion)
+        return undecodable
     if source is not None and Path(source).exists():
         clash = output_problems(output, Path(source), overwrite)
         if clash:  # the one thing to say: --force would not make this safe

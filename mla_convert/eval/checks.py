@@ -93,13 +93,18 @@ def load_tokenizers(facts: list[ModelFacts | None]) -> dict[Path, object]:
     return tokenizers
 
 
-def tokenizer_problems(facts: list[ModelFacts | None], tokenizers: dict[Path, object]) -> list[str]:
-    """Every model is scored on the ids of one tokenizer (the model's, else the baseline's), so each must embed all
-    of its ids and a baseline with its own tokenizer must have the same one.
+def tokenizer_problems(facts: list[ModelFacts | None], tokenizers: dict[Path, object],
+                       flags: tuple[str, str] = ("model", "--baseline"),
+                       consequence: str = "both models are scored on the ids of one tokenizer, so the perplexities "
+                                          "would not be comparable") -> list[str]:
+    """The one rule for two models that are compared (`eval --baseline`) or distilled (`finetune --teacher`): both
+    read the ids of one tokenizer (the first model's, else the second's), so each must embed all of its ids, and a
+    second model with its own tokenizer must have the same one.
 
     A baseline with a smaller vocabulary crashed in the embedding after both models had loaded; one with another
-    tokenizer of the same size was scored on ids that meant other words to it, and compared as if comparable.
-    `tokenizers`: what `load_tokenizers(facts)` returned.
+    tokenizer of the same size was scored on ids that meant other words to it, and compared as if comparable; a
+    teacher with another tokenizer was distilled from anyway.  `tokenizers`: what `load_tokenizers(facts)` returned;
+    `flags`: how the command names the two models.
     """
     known = [fact for fact in facts if fact is not None]
     if not known or not tokenizers:
@@ -108,15 +113,14 @@ def tokenizer_problems(facts: list[ModelFacts | None], tokenizers: dict[Path, ob
     vocabulary = tokenizers[used_from].get_vocab()
     largest_id = max(vocabulary.values())
     problems = []
-    for flag, fact in zip(("model", "--baseline"), facts):
+    for flag, fact in zip(flags, facts):
         if fact is None:
             continue
         if fact.vocab_size is not None and largest_id >= fact.vocab_size:
             problems.append(f"{flag} {fact.path}: embeds {fact.vocab_size} token ids, but the tokenizer of {used_from} "
-                            f"has ids up to {largest_id}; both models are scored on that tokenizer's ids")
+                            f"has ids up to {largest_id}; both models read that tokenizer's ids")
         elif fact.path != used_from and fact.path in tokenizers and tokenizers[fact.path].get_vocab() != vocabulary:
-            problems.append(f"{flag} {fact.path}: its tokenizer differs from that of {used_from}; both models are scored "
-                            "on the ids of one tokenizer, so the perplexities would not be comparable")
+            problems.append(f"{flag} {fact.path}: its tokenizer differs from that of {used_from}; {consequence}")
     return problems
 
 

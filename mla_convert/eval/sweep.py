@@ -44,7 +44,7 @@ from ..convert.preflight import estimated_statistics_bytes
 from ..convert.target import TARGETS, target_of
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
-from ..io.paths import absolute_path, portable_path
+from ..io.paths import absolute_path, portable_path, real_path
 from ..io.resolve import needs_download
 from ..io.writer import STATS_SCRATCH_PREFIX, SWEEP_SCRATCH_PREFIX, ScratchFolder, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, evaluation_number_arguments, optional_argument, path_argument
@@ -775,6 +775,10 @@ def run_sweep(
             problems.append(f"--out-dir {out}: exists and is not a folder")
         elif not out.exists() and not out.parent.is_dir():
             problems.append(f"--out-dir {out}: its parent {out.parent} is not a folder")
+        source_folder = absolute_path(source) if isinstance(source, (str, os.PathLike)) else None
+        if source_folder is not None and source_folder.is_dir() and real_path(out).is_relative_to(real_path(source_folder)):
+            problems.append(f"--out-dir {out}: is the source folder {source} or inside it; the sweep would write its "
+                            "table, plot and kept models among the model's files; choose a folder outside it")
         earlier_files = [path.name for path in SweepFiles.at(out, stem).paths() if path.exists() or path.is_symlink()]
         if earlier_files and not overwrite:
             problems.append(f"--out-dir {out}: holds an earlier sweep's results ({', '.join(earlier_files)}); give --overwrite "

@@ -13,6 +13,13 @@ def main(argv: list[str] | None = None, prog: str = "mla-convert finetune") -> i
     from .trainer import run_finetune
 
     args = list(sys.argv[1:] if argv is None else argv)
+    from ..io.paths import not_utf8_problem
+
+    undecodable = [problem for arg in args if (problem := not_utf8_problem("argument", arg)) is not None]
+    if undecodable:  # the rule of every command (cli.undecodable_arguments): refused before anything is read
+        for problem in undecodable:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     positional = []  # MODEL OUTPUT before the flags, as the usage line says (the recipe script takes them too)
     while args and not args[0].startswith("-") and len(positional) < 2:
         positional.append(args.pop(0))

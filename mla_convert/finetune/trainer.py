@@ -58,6 +58,9 @@ from .loss import distillation_loss
 from .saving import REPORT_FILE, fp16_save_note, resolve_save_dtype, save_finetuned, write_report
 
 SAMPLES_FILE = "teacher_samples.safetensors"
+# a teacher whose log-probabilities are this close to the student's on a probe is a copy of it (fp32 and bf16 copies
+# of one model differ by ~1e-2; a source and its 2x conversion by ~1)
+SAME_MODEL_LOGPROB_TOLERANCE = 1e-4
 LOG_FILE = "train_log.jsonl"
 # attention-only training: the parameters of every layer's self_attn block (MLA projections and norms)
 ATTENTION_MARKER = ".self_attn."
@@ -453,6 +456,8 @@ class Finetuner:
         # earlier checkpoints): decided before any model loads or the teacher samples text
         self.teacher_name = teacher_path(config, self.report) if config.needs_teacher else None
         self._refuse_output_over_inputs()
+        if self.teacher_name:
+            self._refuse_an_incompatible_teacher()
         settings = {key: getattr(config, key) for key in RESUME_SETTINGS} | {
             key: _local_identity(getattr(config, key)) for key in TEXT_SETTINGS} | {
             fingerprint_key(key): text_fingerprint(getattr(config, key)) for key in TEXT_SETTINGS} | {
@@ -485,6 +490,8 @@ class Finetuner:
                 raise FinetuneError(f"teacher vocabulary ({self.teacher.config.vocab_size}) differs from the student's ({student.config.vocab_size})")
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(teacher_folder)
+            if config.distills:
+                self._refuse_a_teacher_that_is_the_student(student)
 
         # --- data
         if config.data and config.eval_data and _same_source(config.data, config.eval_data):
@@ -511,6 +518,44 @@ class Finetuner:
             optimizer, config.warmup_steps, config.max_steps, min_lr_rate=config.min_lr_ratio)
         self.student, self.optimizer = accelerator.prepare(student, optimizer)
         self.state = TrainerState(settings=settings)
+
+    def _refuse_an_incompatible_teacher(self) -> None:
+        """The rule `eval --baseline` applies to two models, before either loads: the teacher must not be the model
+        being trained (a loss of 0 from the first step), and both must read the same tokenizer's ids (a teacher with
+        another tokenizer was distilled from anyway: its distribution over other words)."""
+        from ..eval.checks import load_tokenizers, model_facts, tokenizer_problems
+
+        problems: list[str] = []
+        student = model_facts(self.converted, None, False, problems, flag="--model", pickle_flag=False)
+        teacher = model_facts(self.teacher_name, None, False, problems, flag="--teacher", pickle_flag=False)
+        if student is not None and teacher is not None:
+            if real_path(student.path) == real_path(teacher.path):
+                problems.append(f"--teacher {self.teacher_name}: is the model being trained; distilling a model into "
+                                "itself trains on a loss of 0. Give the source model (leave --teacher out: the one "
+                                f"{REPORT_FILE} names)")
+            else:
+                tokenizers = load_tokenizers([student, teacher])
+                if tokenizers:  # (weights-only folders: the vocabulary sizes are compared once both load)
+                    problems += tokenizer_problems(
+                        [student, teacher], tokenizers, flags=("--model", "--teacher"),
+                        consequence="the student learns the teacher's next-token distribution, id for id, so both "
+                                    "must read the same tokenizer's ids")
+        if problems:
+            raise FinetuneConfigError("\n".join(problems))
+
+    def _refuse_a_teacher_that_is_the_student(self, student) -> None:
+        """A teacher folder that is a copy of the student computes the same distribution: refused like the student
+        itself (one forward over a few ids; a source and its conversion differ far beyond the bound)."""
+        vocab = student.config.vocab_size
+        probe = torch.arange(min(16, vocab)).view(1, -1)  # (1, <= 16)
+        with torch.no_grad():
+            mine = torch.log_softmax(student(input_ids=probe, use_cache=False).logits.float(), dim=-1)
+            theirs = torch.log_softmax(self.teacher(input_ids=probe.to(self.device), use_cache=False).logits.float().cpu(),
+                                       dim=-1)
+        if (mine - theirs).abs().max().item() <= SAME_MODEL_LOGPROB_TOLERANCE:
+            raise FinetuneConfigError(f"--teacher {self.teacher_name}: computes the same next-token distribution as the "
+                                      f"model being trained (within {SAME_MODEL_LOGPROB_TOLERANCE:g} in log-probability): "
+                                      "a copy of it; distillation would train on a loss of 0. Give the source model")
 
     def _refuse_what_the_disk_cannot_hold(self, student, converted_config) -> None:
         """Checkpoints and the output, sized from the student, against the free space where they go: a full disk used
@@ -564,13 +609,15 @@ class Finetuner:
         path = self.checkpoint_root / SAMPLES_FILE
         description = {"teacher": self.teacher_name, "num": config.teacher_samples, "seq_len": config.seq_len,
                        "seed": config.seed, "temperature": config.sample_temperature, "top_p": config.sample_top_p,
-                       "batch_size": config.sample_batch_size, "nucleus_candidates": NUCLEUS_CANDIDATES}
+                       "batch_size": config.sample_batch_size, "nucleus_candidates": NUCLEUS_CANDIDATES,
+                       "kv_cache": "static"}
 
         def make() -> torch.Tensor:
             self.log(f"sampling {config.teacher_samples} x {config.seq_len} tokens from the teacher ...")
             began = time.time()
             ids = sample_from_model(self.teacher, config.teacher_samples, config.seq_len, config.seed,
-                                      config.sample_temperature, config.sample_top_p, config.sample_batch_size, self.device)
+                                    config.sample_temperature, config.sample_top_p, config.sample_batch_size, self.device,
+                                    static_cache=True)
             self.log(f"sampled in {time.time() - began:.1f} s")
             return ids
 

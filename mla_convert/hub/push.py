@@ -152,6 +152,15 @@ def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], str | N
     return {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}, None
 
 
+def _dtype_problems(folder: Path) -> list[str]:
+    """The loader's rule: every stored tensor is floating point (`io.hf_loading.non_floating_problems`)."""
+    from ..io.hf_loading import non_floating_problems
+    from ..io.reader import CheckpointReader
+
+    with CheckpointReader(folder) as reader:
+        return [problem.replace(f"{folder}/", "") for problem in non_floating_problems(reader)]
+
+
 def _weight_problems(folder: Path, files: list[str], tensors: dict[str, tuple[int, ...]]) -> list[str]:
     """Why the safetensors files are not one complete checkpoint; fills `tensors` (name -> shape) with what they hold."""
     index_path = folder / SAFETENSORS_INDEX_FILE
@@ -264,6 +273,7 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     problems += weight_problems
     if not config_problem and not weight_problems:  # complete weights: are they the model config.json describes?
         problems += config_tensor_problems(folder, tensors)
+        problems += _dtype_problems(folder)
     if problems:
         raise NotPushableError("\n".join(f"{folder}: cannot push: {problem}" for problem in problems))  # a line each
     return [UploadFile(name, (folder / name).stat().st_size) for name in files]

@@ -7,6 +7,10 @@ never runs such code, so it always passes `trust_remote_code=False` (transformer
 own message).  Pickled `*.bin` weights are loaded only with `allow_pickle` (and then with
 `weights_only=True`, which transformers uses by default); without it a folder that holds nothing else is
 refused before transformers sees it.
+
+Weights that do not match the config are refused too: transformers initialises a tensor the checkpoint lacks at
+random and drops one the model has no place for, with a printed table and nothing else, so `eval` scored (and wrote
+into a card) a model that was partly random noise, and `finetune` trained one.
 """
 
 from __future__ import annotations
@@ -48,7 +52,27 @@ def weights_problems(folder: str | os.PathLike, allow_pickle: bool = False, pick
         reader = CheckpointReader(folder, allow_pickle=allow_pickle, pickle_flag=pickle_flag)
     except CheckpointError as error:
         return [str(error)]
-    return reader.header_problems()
+    problems = reader.header_problems()
+    if problems or reader.format != "safetensors":
+        return problems
+    return non_floating_problems(reader)
+
+
+def non_floating_problems(reader) -> list[str]:
+    """A stored tensor that is not floating point (one line; [] when all are).  transformers casts an integer tensor
+    to the model's dtype without a word: a weight saved as int32 loaded as its rounded values, and was scored, trained
+    and pushed so."""
+    try:
+        infos = reader.tensor_infos()
+    except CheckpointError as error:
+        return [str(error)]
+    integral = sorted(name for name, info in infos.items() if not info.dtype.is_floating_point)
+    if not integral:
+        return []
+    name = integral[0]
+    return [f"{Path(reader.folder) / infos[name].file}: {len(integral)} tensor(s) of a non-floating-point dtype (e.g. "
+            f"{name!r}: {str(infos[name].dtype).removeprefix('torch.')}); a model's weights are floating point, so the "
+            "file is damaged or not a model checkpoint"]
 
 
 def config_json_problem(folder: str | os.PathLike) -> str | None:
@@ -136,8 +160,47 @@ def load_causal_lm(folder: str | os.PathLike, dtype: torch.dtype | str = "auto",
     if problems:
         raise CheckpointError("\n".join(problems))
     try:
-        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, trust_remote_code=False,
-                                                    use_safetensors=None if allow_pickle else True, **kwargs)
+        with _load_report_silenced():
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, trust_remote_code=False, use_safetensors=None if allow_pickle else True,
+                output_loading_info=True, **kwargs)
     except (*_refusals(), RuntimeError) as error:
         raise ModelLoadError(config_json_problem(folder)
                              or f"{Path(folder)}: cannot load as a causal LM ({_first_line(error)})") from error
+    problem = loading_problem(folder, loading)
+    if problem:
+        raise CheckpointError(problem)
+    return model
+
+
+def loading_problem(folder: str | os.PathLike, loading: dict) -> str | None:
+    """Why a model transformers built from `folder` is not the checkpoint's model (None: every tensor it needs came
+    from the checkpoint and every stored tensor found its place), from transformers' own loading report (which
+    already leaves out what a model class declares ignorable, e.g. old Llama checkpoints' rotary `inv_freq`)."""
+    missing = sorted(loading.get("missing_keys") or ())
+    unexpected = sorted(loading.get("unexpected_keys") or ())
+    mismatched = sorted(str(entry[0] if isinstance(entry, tuple) else entry) for entry in loading.get("mismatched_keys") or ())
+    parts = []
+    for names, what in ((missing, "the model config.json describes needs, not in the weights (transformers would "
+                                  "initialise them at random)"),
+                        (unexpected, "in the weights that the model config.json describes has no place for"),
+                        (mismatched, "whose stored shape differs from the model's")):
+        if names:
+            parts.append(f"{len(names)} tensor(s) {what}: {', '.join(names[:3])}" + (" ..." if len(names) > 3 else ""))
+    if not parts:
+        return None
+    return (f"{Path(folder)}: the weights do not match config.json: {'; '.join(parts)}. The weights and config.json "
+            "come from different models or conversions, or a file was edited: nothing was run on this model")
+
+
+@contextlib.contextmanager
+def _load_report_silenced():
+    """transformers prints a MISSING/UNEXPECTED table as a warning; `loading_problem` says the same as one error."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -18,11 +18,32 @@ from pathlib import Path
 def special_kind(path: Path) -> str:
     """What a path that is neither a regular file nor a folder is: 'a FIFO', 'a character device', ..."""
     mode = path.stat().st_mode
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
         if test(mode):
             return name
     return "a special file"
+
+
+class NotARegularFile(OSError):
+    """`open_regular_file` was given a FIFO, socket or device."""
+
+
+def open_regular_file(path: str | os.PathLike):
+    """`path` opened for binary reading, refused unless it is a regular file: the one opener for files read from a
+    model folder.  The kind is checked on the opened descriptor (opened non-blocking, so opening a FIFO with no
+    writer returns at once instead of hanging, and a path swapped between a check and the open is still caught)."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(f"{path}: is {special_kind(Path(path))}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
 
 
 def special_file_problems(folder: str | os.PathLike) -> list[str]:
@@ -137,3 +158,23 @@ def portable_path(arg: str) -> str:
         relative = os.path.relpath(value)
         value = relative if not relative.startswith("..") else Path(value).name
     return f"{flag}{equals}{value}"
+
+
+def shown(text: str) -> str:
+    """`text` printable whatever bytes it came from (an undecodable byte of a path shows as \\xff)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def not_utf8_problem(what: str, value) -> str | None:
+    """Why `value` (a path or text from the command line) cannot be used: it is not valid UTF-8 (Python keeps such
+    bytes as lone surrogates, which fail only when written into a report, card or JSON, after the work was done).
+    The rule for every command: refused up front, named as the user typed it."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"{what} {shown(text)!r}: is not valid UTF-8; mla-convert writes paths and text into reports, model "
+                "cards and JSON, which hold UTF-8 only: rename it, or pass the text as UTF-8")
+    return None

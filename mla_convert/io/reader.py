@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, PickleRefusedError
-from .paths import within
+from .paths import NotARegularFile, open_regular_file, within
 from .safetensors_stream import TORCH_DTYPES
 from .signals import signals_deferred
 
@@ -105,8 +105,8 @@ def read_safetensors_header(path: Path) -> dict:
     the library itself would fail later with an offset error.
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
+        with open_regular_file(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
             raw_len = handle.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
@@ -114,6 +114,8 @@ def read_safetensors_header(path: Path) -> dict:
             if header_len > size - 8 or header_len > 100_000_000:
                 raise CheckpointError(f"{path}: corrupt safetensors file (header length {header_len} exceeds the file size {size})")
             header_bytes = handle.read(header_len)
+    except NotARegularFile as error:
+        raise CheckpointError(str(error)) from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from error
     try:
@@ -250,7 +252,8 @@ class CheckpointReader:
 
     def _read_index(self, index_path: Path) -> dict[str, str]:
         try:
-            index = json.loads(index_path.read_text())
+            with open_regular_file(index_path) as handle:
+                index = json.loads(handle.read())
             weight_map = index["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(f"{index_path}: unreadable shard index ({error})") from error

@@ -19,7 +19,7 @@ from ..eval.checks import ModelFacts, dtype_problems, model_facts, positive_prob
 from ..io.hf_loading import load_config, load_tokenizer
 from .generate import chat_template_problems, prompt_token_ids, system_turn_problems
 from .generation_settings import GenerationSettings
-from .loading import RUNTIME_DTYPES
+from .loading import RUNTIME_DTYPES, config_eos_ids
 from .paged_cache import PagedLatentCache
 
 SEED_MAX = 2**63 - 1  # as `convert --seed`; torch generators take 64-bit seeds
@@ -48,6 +48,31 @@ def _is_fp16(dtype: str | None) -> bool:
     except MLAConvertError:
         return False
 
+
+
+def weights_config_problems(folder) -> list[str]:
+    """The rule `push` and the loader of the other commands apply: the stored tensors are exactly those config.json's
+    model has (the runtime reads the tensors it knows by name and ignored a layer config.json does not have)."""
+    from ..convert.target import config_tensor_problems
+    from ..io.reader import CheckpointReader
+
+    try:
+        with CheckpointReader(folder) as reader:
+            shapes = {name: info.shape for name, info in reader.tensor_infos().items()}
+    except MLAConvertError as error:
+        return [str(error)]
+    return [f"{folder}: {problem}" for problem in config_tensor_problems(folder, shapes)]
+
+
+def eos_problems(eos_ids: tuple[int, ...], vocab_size: int | None, folder) -> list[str]:
+    """An end-of-sequence id the model cannot emit: generation would never stop on it (a negative one is refused where
+    the ids are read; one past the vocabulary passed)."""
+    outside = [token for token in eos_ids if vocab_size is not None and token >= vocab_size]
+    if not outside:
+        return []
+    return [f"{folder}: eos_token_id {', '.join(map(str, outside))} is outside the vocabulary (ids 0..{vocab_size - 1}): "
+            "the model can never produce it, so generation would never stop at an end of text; fix eos_token_id in "
+            "generation_config.json / config.json"]
 
 def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_tokens: int | None, temperature: float | None,
                         top_p: float | None, device: str | None, dtype: str, page_size: int,
@@ -78,13 +103,18 @@ def generation_problems(model: str | os.PathLike, prompts: list[str], max_new_to
         return problems, facts
     if problems:
         return problems, facts
+    problems += weights_config_problems(facts.path)
+    if problems:
+        return problems, facts
     try:
         tokenizer = load_tokenizer(facts.path)
         config = load_config(facts.path)
         settings = GenerationSettings.from_folder(facts.path)  # its generation_config.json, read as the run applies it
+        eos_ids = settings.eos_token_ids if settings.eos_token_ids is not None else config_eos_ids(config)
     except MLAConvertError as error:
         return problems + [str(error)], facts
     problems += chat_template_problems(tokenizer, facts.path, chat, system)
+    problems += eos_problems(eos_ids, facts.vocab_size, facts.path)
     if problems:
         return problems, facts
     # None: the file's max_new_tokens (named as such in a refusal), else the default

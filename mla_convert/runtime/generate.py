@@ -32,6 +32,8 @@ from .model import AbsorbedMLAModel
 from .paged_cache import PagedLatentCache
 
 DEFAULT_PAGE_SIZE = 16
+# wall-clock bound on rendering one prompt with a model folder's chat template (real templates take milliseconds)
+CHAT_TEMPLATE_SECONDS = 5.0
 
 
 @dataclass
@@ -245,9 +247,18 @@ def prompt_token_ids(tokenizer, prompts: Sequence[str], chat: bool = False, syst
     """
     if not chat:
         return [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    from ..io.signals import time_limit
+
     head = [] if system is None else [{"role": "system", "content": system}]
-    return [list(tokenizer.apply_chat_template(head + [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]) for prompt in prompts]
+    # transformers renders the folder's template in jinja2's sandbox, which bounds what it may call, not how long it
+    # loops (two nested range(100000) hung `generate`): each rendering gets CHAT_TEMPLATE_SECONDS
+    ids = []
+    for prompt in prompts:
+        with time_limit(CHAT_TEMPLATE_SECONDS):
+            ids.append(list(tokenizer.apply_chat_template(head + [{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]))
+    return ids
 
 
 def system_turn_problems(chat: bool, system: str | None) -> list[str]:
@@ -262,8 +273,13 @@ def chat_template_problems(tokenizer, folder, chat: bool, system: str | None) ->
     if not getattr(tokenizer, "chat_template", None):
         return [f"--chat: {folder} has no chat template (tokenizer_config.json chat_template, chat_template.jinja); "
                 "give the prompts as plain text without --chat"]
+    from ..io.signals import TimeLimitExceeded
+
     try:
         prompt_token_ids(tokenizer, ["test"], chat, system)
+    except TimeLimitExceeded as error:
+        return [f"--chat: the folder's chat template {error} rendering a one-word message (a template loops that long "
+                "only by mistake or by design); fix the template, or give the prompts as plain text without --chat"]
     except Exception as error:  # jinja2's TemplateError (e.g. a template that raises on a system turn), or a bad render
         return [f"--chat: the folder's chat template refused the messages ({type(error).__name__}: {error})"]
     return []

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, MLAConvertError, PreflightError
+from ..io.paths import NotARegularFile, open_regular_file
 from .architectures import ArchitectureSpec, architecture_for_config, supported_family_names
 
 REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -315,10 +316,12 @@ def read_config_json(folder: str | os.PathLike) -> dict:
     """The parsed `config.json` of a model folder, with a clear error when absent, unreadable or broken."""
     path = Path(folder) / "config.json"
     try:
-        if path.exists() and not path.is_file():
-            raise CheckpointError(f"{path}: not a regular file")
-        with open(path, "rb") as handle:  # bounded read: a huge or endless "config" is not a config
+        with open_regular_file(path) as handle:  # bounded read: a huge or endless "config" is not a config
             data = handle.read(MAX_CONFIG_BYTES + 1)
+    except NotARegularFile as error:
+        raise CheckpointError(str(error)) from None
+    except IsADirectoryError as error:
+        raise CheckpointError(f"{path}: not a regular file") from error
     except FileNotFoundError as error:
         raise CheckpointError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from error
     except OSError as error:

@@ -351,6 +351,8 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype | None = None, c
 
 
 ESTIMATE_DEVICES = ("cpu", "cuda")
+# beyond this a core count is no machine's (the largest two-socket servers have ~512 cores)
+MAX_ESTIMATE_CORES = 1024
 
 
 def estimate_problems(estimate: bool, device: str | None, cpu_cores: int | None, options) -> list[str]:
@@ -362,6 +364,9 @@ def estimate_problems(estimate: bool, device: str | None, cpu_cores: int | None,
         problems.append(f"--device {device!r}: the estimate knows cpu and cuda (cuda: one NVIDIA H200, the GPU it was fitted on)")
     if cpu_cores is not None and cpu_cores < 1:
         problems.append(f"--cpu-cores {cpu_cores}: must be at least 1")
+    if cpu_cores is not None and cpu_cores > MAX_ESTIMATE_CORES:
+        problems.append(f"--cpu-cores {cpu_cores}: more than any one machine's {MAX_ESTIMATE_CORES}; the CPU constants were "
+                        "fitted on 2-core runs and a prediction that far out would mean nothing")
     if cpu_cores is not None and device == "cuda":
         problems.append("--cpu-cores: only with --device cpu (the cuda estimate is for the fitted GPU machine)")
     if not estimate:
