@@ -537,3 +537,16 @@ def test_bench_quality_renders_its_rows_against_the_source_and_says_when_windows
     assert "| defaults | 1,000 | 7.5000 | 50.0 % | 10 | 9 | 100 |" in text
     assert bench.neighbour_rope_dims(48, 192, 64) == [32, 64] and bench.neighbour_rope_dims(4, 8, 8) == [2, 6]
     assert bench.neighbour_rope_dims(2, 8, 8) == [4] and bench.neighbour_rope_dims(8, 32, 8) == [6]
+
+
+# --------------------------------------------------------------------------- bench_sampling.py
+def test_bench_sampling_times_both_caches_and_says_they_drew_the_same_tokens(tmp_path, capsys):
+    """On a tiny fp32 model the two caches' logits agree to rounding, so the table's last line reports equal draws."""
+    from tiny_models import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", vocab_size=128, num_layers=1)
+    assert load("bench_sampling").main([str(model), "--rows", "4", "--length", "12", "--dtype", "fp32",
+                                        "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| growing (DynamicCache) |" in out and "| static (StaticCache) |" in out
+    assert "same tokens: True (100.0 % of positions agree" in out
