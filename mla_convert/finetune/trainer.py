@@ -563,7 +563,7 @@ class Finetuner:
         if not self.accelerator.is_main_process:
             return
         config = self.config
-        parameters = [parameter for parameter in student.parameters()]
+        parameters = list(student.parameters())
         weights = sum(p.numel() * p.element_size() for p in parameters)  # fp32: what save_state writes
         adam = sum(2 * p.numel() * 4 for p in parameters if p.requires_grad)  # exp_avg + exp_avg_sq
         held = checkpoints_held(config.max_steps, config.checkpoint_every, config.keep_checkpoints)
