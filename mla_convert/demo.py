@@ -19,6 +19,7 @@ import torch
 from .convert.pipeline import ConversionResult, ConvertOptions, Progress, convert
 from .errors import MLAConvertError, PreflightError
 from .io.assets import SMOLLM2_HUB_ID, SMOLLM2_LICENSE, default_cache_dir, fetch_smollm2
+from .io.paths import read_model_text
 from .io.writer import prepare_output_path
 from .options import CalibrationOptions
 
@@ -80,7 +81,7 @@ def earlier_demo_output(folder: Path) -> bool:
     import json
 
     try:
-        report = json.loads((folder / "mla_convert.json").read_text(encoding="utf-8"))
+        report = json.loads(read_model_text(folder / "mla_convert.json"))
     except (OSError, ValueError):
         return False
     return (not folder.is_symlink() and isinstance(report, dict) and report.get("finetuning") is None

@@ -13,12 +13,11 @@ This script
 
 What "peak RSS" means here: `ru_maxrss` from wait4() for the copying child alone, i.e. the kernel's
 VmHWM, exact (no sampling) and counting everything resident in the process, mapped file pages included.
-That is the headline number and the one the < 25 % target is checked against.  safetensors memory-maps
-shards and hands out tensors that point into the mapping, so the source pages a copy touches count as
-RSS (RssFile) for as long as the mapping lives; the copy therefore closes the reader after each layer
-(as `StreamedSourceModel.release` does), and the writer keeps nothing of a tensor after `add` returns
-(its bytes go straight to disk).  Pages of the files *written* are page cache, not RSS.  The peaks of
-RssAnon and RssFile, sampled from /proc/<pid>/status every few ms by the parent, show the split.
+That is the headline number and the one the < 25 % target is checked against.  The reader copies each
+tensor out of its shard with positioned reads (no memory map: `mla_convert/io/shard_file.py`), so a layer's
+tensors are anonymous memory until the copy drops them after the layer, and the writer keeps nothing of a tensor
+after `add` returns (its bytes go straight to disk).  Pages of the files read and written are page cache, not
+RSS.  The peaks of RssAnon and RssFile, sampled from /proc/<pid>/status every few ms by the parent, show the split.
 
 A child started with posix_spawn (vfork: it runs on the parent's memory until exec) inherits the
 parent's peak RSS as a floor of its ru_maxrss.  So the synthetic checkpoint is made in a process of its
@@ -247,7 +246,7 @@ torch {torch.__version__}, safetensors {safetensors.__version__}; the source was
 | cross-check: VmHWM read by the copying process at exit | {measured["own_vm_hwm_kib"] / 1024:.0f} MiB (the measuring parent's own peak, a floor of the child's `ru_maxrss`: {measured["parent_ru_maxrss_kib"] / 1024:.0f} MiB) |
 | of which before the first read (interpreter + torch, VmRSS) | {measured["baseline_vm_rss_kib"] / 1024:.0f} MiB |
 | peak anonymous RSS (RssAnon, sampled every {measured["sample_interval_s"] * 1000:.0f} ms) | {anon / 2**20:.0f} MiB ({base / 2**20:.0f} MiB before the first read) |
-| peak file-backed RSS (RssFile: mapped source pages, sampled) | {file_backed / 2**20:.0f} MiB |
+| peak file-backed RSS (RssFile: mapped files, sampled) | {file_backed / 2**20:.0f} MiB |
 | largest layer read at once | {measured["largest_read_bytes"] / 2**20:.0f} MiB |
 | copy time (read + write + fsync) | {measured["seconds"]:.1f} s ({size / measured["seconds"] / 1e9:.2f} GB/s; plain sequential write + fsync on the same disk: {measured["disk_write_bytes_per_s"] / 1e9:.2f} GB/s) |
 | shard opens by the reader | {measured["files_opened"]} |
@@ -256,10 +255,9 @@ torch {torch.__version__}, safetensors {safetensors.__version__}; the source was
 Command: `{command}`
 
 What is measured: `ru_maxrss` from `wait4()` for the copying child alone, the kernel's exact peak of
-everything resident in it. safetensors memory-maps each shard and returns tensors that point into the
-mapping, so the source pages a copy touches count as resident (RssFile) until the mapping goes; the copy
-closes the reader after each layer, so at most about one layer of the source is mapped at a time (the
-largest layer read bounds it). The writer keeps nothing of a tensor once `add` returns: its bytes are
+everything resident in it. The reader copies each tensor out of its shard with positioned reads (no memory map,
+so a shard cut short while it is read is an error naming it, not SIGBUS); the copy holds one layer's tensors at a
+time (the largest layer read bounds it). The writer keeps nothing of a tensor once `add` returns: its bytes are
 appended to a spool file in the partial folder, and a finished shard is laid out from the spool with
 `copy_file_range` (page cache, not RSS), so the shard limit does not enter these numbers; tensors a
 conversion *computes* cost their own size only until they are added.

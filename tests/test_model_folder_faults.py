@@ -1,7 +1,8 @@
 """Every command that reads a model folder, against a catalogue of folder faults: it fails cleanly before doing work.
 
 The catalogue: a tensor missing, a tensor the config has no place for, a weight of a non-float dtype, a truncated
-shard, a FIFO where the shard should be, and a folder whose name is not valid UTF-8.  For each (command, fault) the
+shard, a FIFO where the shard, config.json or tokenizer_config.json should be, and a folder whose name is not valid
+UTF-8.  For each (command, fault) the
 command must exit 2 with `error:` lines naming the problem, print no traceback, and write nothing.  The commands
 run in a subprocess with a time limit (a FIFO read without a check blocks forever).
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_journey import BAIT
 from tiny_models import save_tiny_model, save_tiny_tokenizer
 from typer.testing import CliRunner
 
@@ -29,11 +31,16 @@ from mla_convert import cli
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--calib-samples", "2", "--calib-seq-len", "16", "--refine-steps", "0", "--no-kv-balance-search",
         "--rope-finalists", "1"]
-FAULTS = ["missing-tensor", "extra-tensor", "integer-weight", "truncated-shard", "fifo-shard", "non-utf8-name"]
+FAULTS = ["missing-tensor", "extra-tensor", "integer-weight", "truncated-shard", "fifo-shard", "fifo-config",
+          "fifo-tokenizer-settings", "non-utf8-name"]
+# a FIFO in place of one of these files (reading it blocks until something writes into the FIFO)
+FIFO_FILES = {"fifo-shard": "model.safetensors", "fifo-config": "config.json",
+              "fifo-tokenizer-settings": "tokenizer_config.json"}
 # what each command's error says for each fault (a fragment of the message)
 SAYS = {"missing-tensor": "model.layers.0.mlp.up_proj.weight", "extra-tensor": "model.layers.9.mlp.up_proj.weight",
         "integer-weight": "model.layers.0.mlp.up_proj.weight", "truncated-shard": "model.safetensors",
-        "fifo-shard": "model.safetensors", "non-utf8-name": "is not valid UTF-8"}
+        "fifo-shard": "model.safetensors", "fifo-config": "config.json: is a FIFO",
+        "fifo-tokenizer-settings": "tokenizer_config.json: is a FIFO", "non-utf8-name": "is not valid UTF-8"}
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +73,9 @@ def damaged_copy(folder: Path, fault: str, base: Path) -> Path:
     elif fault == "truncated-shard":
         data = shard.read_bytes()
         shard.write_bytes(data[: len(data) // 2])
-    elif fault == "fifo-shard":
-        shard.unlink()
-        os.mkfifo(shard)
+    elif fault in FIFO_FILES:
+        (copy / FIFO_FILES[fault]).unlink()
+        os.mkfifo(copy / FIFO_FILES[fault])
     return copy
 
 
@@ -91,9 +98,10 @@ READS = {"inspect": "source", "convert": "source", "eval": "converted", "generat
          "push": "converted"}
 
 
-# commands that answer from config.json and never read the weights (a weights fault is not theirs to find)
+# commands that answer from config.json and never read the weights or the tokenizer (their faults are not theirs to find)
 CONFIG_ONLY = {"inspect"}
-WEIGHT_FAULTS = {"missing-tensor", "extra-tensor", "integer-weight", "truncated-shard", "fifo-shard"}
+BEYOND_CONFIG_FAULTS = {"missing-tensor", "extra-tensor", "integer-weight", "truncated-shard", "fifo-shard",
+                 "fifo-tokenizer-settings"}
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -109,7 +117,7 @@ def test_every_command_refuses_every_folder_fault_before_any_work(world, tmp_pat
     out = tmp_path / "out"
     result = run_cli(command_line(command, model, world, out), tmp_path)
     stderr = result.stderr.decode("utf-8", "replace")
-    if command in CONFIG_ONLY and fault in WEIGHT_FAULTS:  # documented: inspect answers from config.json alone
+    if command in CONFIG_ONLY and fault in BEYOND_CONFIG_FAULTS:  # documented: inspect answers from config.json alone
         assert result.returncode == 0 and "Traceback" not in stderr, stderr[-2500:]
         assert "KV cache" in result.stdout.decode("utf-8", "replace")
         return
@@ -198,3 +206,33 @@ def test_sweep_refuses_an_out_dir_inside_the_source_folder(world, tmp_path):
         assert result.exit_code == 2, result.output
         assert "is the source folder" in " ".join(result.stderr.split())
     assert sorted(path.name for path in source.iterdir()) == before
+
+
+# --------------------------------------------------------------------------- no code from a model folder
+def baited_copy(folder: Path, copy: Path, marker: Path) -> Path:
+    """A copy whose config and tokenizer config point `auto_map` at a module beside them that writes `marker` when
+    imported (transformers would import it under trust_remote_code)."""
+    copy = Path(shutil.copytree(folder, copy))
+    (copy / "bait.py").write_text(BAIT.format(marker=str(marker)))
+    for name, entry in (("config.json", {"AutoConfig": "bait.Config", "AutoModelForCausalLM": "bait.Model"}),
+                        ("tokenizer_config.json", {"AutoTokenizer": ["bait.Tokenizer", None]})):
+        config = json.loads((copy / name).read_text())
+        config["auto_map"] = entry
+        (copy / name).write_text(json.dumps(config))
+    return copy
+
+
+def test_finetune_and_push_never_run_code_from_a_model_folder(world, tmp_path):
+    """The bait test of eval and generate (test_journey) for the other two commands that load a model folder: the
+    student and the teacher of finetune, and the folder push checks and lists."""
+    marker = tmp_path / "IMPORTED"
+    student = baited_copy(world["converted"], tmp_path / "student", marker)
+    teacher = baited_copy(world["source"], tmp_path / "teacher", marker)
+    trained = run_in_process(["finetune", student, tmp_path / "out", "--teacher", teacher, "--max-steps", "2",
+                              "--warmup-steps", "0", "--teacher-samples", "4", "--sample-batch-size", "4", "--seq-len", "16",
+                              "--micro-batch-size", "2", "--num-threads", "1"])
+    assert trained.exit_code == 0, trained.output
+    assert "auto_map" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    listed = run_in_process(["push", student, "someone/model", "--dry-run"])
+    assert listed.exit_code == 0, listed.output
+    assert not marker.exists(), marker.read_text()

@@ -24,10 +24,12 @@ import math
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -606,23 +608,33 @@ def _(ws):
     return []
 
 
-class FillDiskWhen(Progress):
-    """A progress callback that fills `disk` (a filler file written until ENOSPC) when phase `when` starts."""
+class ActWhen(Progress):
+    """A progress callback that runs `act()` once, when phase `when` starts."""
 
-    def __init__(self, when: str, disk: Path):
+    def __init__(self, when: str, act: Callable[[], None]):
         super().__init__()
-        self.when, self.disk = when, disk
+        self.when, self.act = when, act
 
     def phase(self, name, total=None):
         if name == self.when:
-            filler = os.open(self.disk / "filler", os.O_WRONLY | os.O_CREAT)  # unbuffered: nothing left to flush
-            try:
-                while True:
-                    os.write(filler, b"\0" * 4096)
-            except OSError:
-                pass
-            finally:
-                os.close(filler)
+            self.act()
+
+
+def quick_convert_with(ws, progress: Progress):
+    return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
+                                                          max_shard_size="20KB"), progress)
+
+
+def fill_disk(disk: Path) -> None:
+    """Take all free space of `disk` with a filler file written until ENOSPC."""
+    filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # unbuffered: nothing left to flush
+    try:
+        while True:
+            os.write(filler, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(filler)
 
 
 @case("disk-fills-while-writing", "disk fills up while writing",
@@ -634,8 +646,7 @@ def _(ws):
     ws.ignore.update({"disk", "disk/filler"})  # the filler, and the folder whose entries the run changes
 
 
-    return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
-                                                          max_shard_size="20KB"), FillDiskWhen("converting layers", disk))
+    return quick_convert_with(ws, ActWhen("converting layers", lambda: fill_disk(disk)))
 
 
 @case("temp-fills-while-calibrating", "the temp folder fills up while the calibration statistics are written",
@@ -650,8 +661,7 @@ def _(ws):
     ws.ignore.update({"tempdisk", "tempdisk/filler", "tempdisk/tmp"})
 
 
-    return lambda: convert(ws.src, ws.out, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16),
-                                                          max_shard_size="20KB"), FillDiskWhen("calibration statistics", disk))
+    return quick_convert_with(ws, ActWhen("calibration statistics", lambda: fill_disk(disk)))
 
 
 @case("output-larger-than-disk", "output and statistics larger than the free disk",
@@ -660,6 +670,39 @@ def _(ws):
     shutil.rmtree(ws.src)
     write_sparse_llama(ws.src, layers=1200, layers_per_shard=100)
     return []
+
+
+@case("shard-truncated-mid-run", "a shard cut short while the conversion reads it",
+      "when layer conversion starts, the shard holding layer 1's k_proj is truncated to half (convert() API with a "
+      "progress callback)",
+      "changed size from", "nothing was written", api=True)
+def _(ws):
+    shard = ws.shard_of(K_PROJ)
+    ws.ignore.add(shard.relative_to(ws.root).as_posix())
+    return quick_convert_with(ws, ActWhen("converting layers", lambda: os.truncate(shard, shard.stat().st_size // 2)))
+
+
+@case("shard-rewritten-after-scan", "a shard rewritten in place after the NaN/Inf scan passed",
+      "when layer conversion starts, the shard holding layer 1's k_proj is overwritten in place with the same bytes "
+      "but NaN in k_proj (same size; convert() API with a progress callback)",
+      "was rewritten", "nothing was written", api=True)
+def _(ws):
+    shard = ws.shard_of(K_PROJ)
+    ws.ignore.add(shard.relative_to(ws.root).as_posix())
+    tensors = load_file(shard)
+    tensors[K_PROJ] = torch.full_like(tensors[K_PROJ], float("nan"))
+    poisoned = ws.root / "poisoned.safetensors"
+    save_file(tensors, str(poisoned), metadata={"format": "pt"})
+    payload = poisoned.read_bytes()
+    poisoned.unlink()
+    assert len(payload) == shard.stat().st_size
+
+    def rewrite():
+        time.sleep(0.01)  # a modification time the shard did not have (coarse-clock file systems)
+        with open(shard, "r+b") as handle:  # the same file (inode), the same size: only the bytes and the time change
+            handle.write(payload)
+
+    return quick_convert_with(ws, ActWhen("converting layers", rewrite))
 
 
 @case("nan-in-result", "NaN in the conversion result",
@@ -1009,3 +1052,26 @@ class MessageLog(Progress):
 
     def message(self, text: str) -> None:
         self.lines.append(text)
+
+
+def test_a_shard_cut_short_under_an_open_reader_is_named_not_a_bus_error(tmp_path):
+    """Class "sources that change under the tool": the reader holds a shard open (one layer's tensors are read from it
+    in turn) and the file is truncated between two reads.  Read through a memory map, the second read touched pages
+    past the new end and the process died of SIGBUS with no message; positioned reads name the file.  In a
+    subprocess, so that the old failure kills a child, not the test run."""
+    save_file({"a": torch.ones(256, 1024), "b": torch.ones(256, 1024)}, str(tmp_path / "model.safetensors"))
+    script = (
+        "import os, sys\n"
+        "from mla_convert.errors import CheckpointError\n"
+        "from mla_convert.io.reader import CheckpointReader\n"
+        "reader = CheckpointReader(sys.argv[1])\n"
+        "assert float(reader.get('a').sum()) == 256 * 1024  # the shard is open now\n"
+        "os.truncate(os.path.join(sys.argv[1], 'model.safetensors'), 4096)\n"
+        "try:\n"
+        "    reader.get('b')\n"
+        "except CheckpointError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode} (SIGBUS is {-signal.SIGBUS}): {done.stderr[-2000:]}"
+    assert "model.safetensors: changed size from 2,097," in done.stdout and "nothing was written" in done.stdout, done.stdout

@@ -21,6 +21,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from ..io.paths import read_model_text
 from ..source.shapes import MLAShape
 from . import target as T
 
@@ -179,7 +180,7 @@ def sentencepiece_vocabulary(folder: str | Path | None) -> bool:
     if (folder / "tokenizer.model").is_file():
         return True
     try:
-        model = json.loads((folder / "tokenizer.json").read_text()).get("model") or {}
+        model = json.loads(read_model_text(folder / "tokenizer.json")).get("model") or {}
     except (OSError, ValueError, AttributeError):
         return False
     return bool(isinstance(model, dict) and model.get("byte_fallback"))

@@ -350,14 +350,12 @@ class Converter:
         return ConversionResult(result_path, report, layer_reports)
 
     def _copy_table(self, writer: CheckpointWriter, source_name: str, target_name: str, dtype: torch.dtype) -> None:
-        """Copy a carried-over tensor (embeddings, head, final norm, large MLP matrices) in row blocks, releasing each
-        block's mapping."""
+        """Copy a carried-over tensor (embeddings, head, final norm, large MLP matrices) in row blocks: one block is in
+        memory at a time."""
         info = self.reader.info(source_name)
 
         def rows(start: int, stop: int) -> torch.Tensor:
-            block = self.reader.get_rows(source_name, start, stop).to(dtype)
-            self.reader.close()
-            return block
+            return self.reader.get_rows(source_name, start, stop).to(dtype)
 
         row_bytes = max(1, info.nbytes // max(1, info.shape[0]))
         writer.add_rows(target_name, info.shape, dtype, rows, rows_per_chunk=max(1, COPY_BLOCK_BYTES // row_bytes))

@@ -25,7 +25,7 @@ import torch
 
 from ..devices import device_problems
 from ..errors import MLAConvertError, NonFiniteError, PreflightError
-from ..io.paths import not_utf8_problem, special_file_problems, within
+from ..io.paths import not_utf8_problem, read_model_text, special_file_problems, within
 from ..io.reader import CheckpointReader, split_row_view
 from ..io.writer import SIDECAR_FILES, clean_stale_partial, parse_shard_size, prepare_output_path
 from ..options import ConvertOptions, option_problems
@@ -165,8 +165,7 @@ def source_finite_problems(reader: CheckpointReader, names: list[str], progress:
 def _non_finite_count(reader: CheckpointReader, name: str, shape: tuple[int, ...], chunk: int) -> tuple[int, int]:
     """(NaN/Inf count, element count) of one tensor, read in row blocks of about `chunk` elements.
 
-    Each block is read and the shard closed again: tensors are views of a memory mapping, and the pages
-    scanned would otherwise stay in this process's resident memory (the whole checkpoint, in the end).
+    Each block is a copy read from the shard and freed before the next: the scan holds one block, never the tensor.
     """
     numel = math.prod(shape)
     rows = shape[0] if shape else 1
@@ -180,7 +179,6 @@ def _non_finite_count(reader: CheckpointReader, name: str, shape: tuple[int, ...
         if not bool(finite.all()):
             bad += int((~finite).sum())
         del part, finite
-        reader.close()
     return bad, numel
 
 
@@ -236,7 +234,7 @@ def tokenizer_code_problems(folder: Path) -> list[str]:
 
     path = folder / "tokenizer_config.json"
     try:
-        settings = json.loads(path.read_text())
+        settings = json.loads(read_model_text(path))
     except (OSError, ValueError):
         return []
     auto_map = settings.get("auto_map") if isinstance(settings, dict) else None

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..io.paths import read_model_text
+
 if TYPE_CHECKING:
     from ..source.config import SourceConfig
     from ..source.shapes import MLAShape
@@ -324,7 +326,7 @@ def report_config_differences(folder: str | os.PathLike, report: dict) -> list[s
     """The facts folder/config.json states otherwise than the report records, e.g. 'kv_lora_rank 16 (the report: 24)'
     (empty: they agree, or config.json cannot be read, which its own check reports)."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(read_model_text(Path(folder) / "config.json"))
     except (OSError, ValueError):
         return []  # reported by the config check
     if not isinstance(config, dict):
@@ -392,7 +394,7 @@ def export_config_problem(folder: str | os.PathLike) -> str | None:
     if not path.is_file():
         return "config.json is missing"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(read_model_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return f"config.json is not valid JSON ({' '.join(str(error).split())})"
     model_type = config.get("model_type") if isinstance(config, dict) else None

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..convert import target as T
 from ..errors import MLAConvertError
 from ..io.hf_loading import load_config, weights_problems
-from ..io.paths import model_folder_problems
+from ..io.paths import model_folder_problems, read_model_text
 from ..io.resolve import resolve_model_path
 from ..units import parse_dtype
 
@@ -73,7 +73,7 @@ def _serving_export(folder: Path) -> bool:
     from ..convert.report import REPORT_FILE
 
     try:
-        report = json.loads((folder / REPORT_FILE).read_text(encoding="utf-8"))
+        report = json.loads(read_model_text(folder / REPORT_FILE))
     except (OSError, ValueError):
         return False
     return isinstance(report, dict) and isinstance(report.get("serving"), dict)

@@ -218,6 +218,8 @@ def save_finetuned(
         for name in names:
             writer.add(name, folded[name].detach().to(device="cpu", dtype=dtype))
         config.dtype = dtype
+        if getattr(config, "auto_map", None) is not None:  # code the folder pointed at: never loaded, not copied either
+            del config.auto_map
         config.save_pretrained(writer.partial)
         writer.copy_sidecars(converted)
         if write_curves(writer.partial / CURVES_FILE, finetuning):

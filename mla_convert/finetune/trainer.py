@@ -32,7 +32,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from ..convert.report import hub_dataset, source_label
 from ..errors import MLAConvertError
 from ..eval.sampling import NUCLEUS_CANDIDATES, sample_from_model
-from ..io.paths import absolute_path, command_line, real_path, within
+from ..io.paths import absolute_path, command_line, model_folder_problems, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
 from ..units import dtype_name
@@ -416,8 +416,11 @@ class Finetuner:
         set_seed(config.seed)
         self.device = accelerator.device
         self.converted = Path(config.model)
-        if not (self.converted / "config.json").is_file():
-            raise FinetuneConfigError(f"{self.converted}: not a model folder (no config.json)")
+        found = model_folder_problems(self.converted, "--model")  # a FIFO among its files: named, not read
+        if not found and not (self.converted / "config.json").is_file():
+            found = [f"{self.converted}: not a model folder (no config.json)"]
+        if found:
+            raise FinetuneConfigError("\n".join(found))
         # the output is checked as `convert` checks its own (a file, a foreign folder or a link need --force too),
         # so that a run is not refused only at the save, after training
         self.output = prepare_output_path(config.output, config.overwrite, config.force)

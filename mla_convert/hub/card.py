@@ -36,6 +36,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..convert.report import REPORT_FILE
 from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, LATENT_NORM_EPS
 from ..errors import MLAConvertError
+from ..io.paths import read_model_text
 from ..source.config import ExportConfig, read_config_json
 from ..units import DTYPE_NAMES, dtype_bytes, human_bytes
 
@@ -221,7 +222,7 @@ def load_report(folder: str | Path) -> dict:
     """Read `mla_convert.json` from a converted folder; a missing or unreadable report is a user error."""
     path = Path(folder) / REPORT_FILE
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        report = json.loads(read_model_text(path))
     except FileNotFoundError as error:
         raise CardValidationError(f"{path}: not found; this folder was not produced by mla-convert") from error
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -1129,7 +1130,7 @@ def card_edit_problems(folder: Path) -> list[str]:
     if not readme.is_file():
         return []
     try:
-        text = readme.read_text(encoding="utf-8")
+        text = read_model_text(readme)
     except (OSError, UnicodeDecodeError):
         text = ""
     if card_is_unedited(text):

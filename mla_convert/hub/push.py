@@ -35,7 +35,7 @@ from huggingface_hub.utils import (
 
 from ..convert.target import config_tensor_problems, export_config_problem, export_report_mismatches
 from ..errors import CheckpointError, MLAConvertError
-from ..io.paths import absolute_path
+from ..io.paths import absolute_path, read_model_text, special_file_problems
 from ..io.reader import read_safetensors_header
 from ..io.writer import BACKUP_SUFFIX, OWNER_FILE, PARTIAL_SUFFIX
 from ..units import human_bytes
@@ -138,7 +138,7 @@ def _folder_files(folder: Path) -> list[str]:
 
 def _read_json(path: Path) -> tuple[object | None, str | None]:
     try:
-        return json.loads(path.read_text(encoding="utf-8")), None
+        return json.loads(read_model_text(path)), None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return None, f"{path.name} is not valid JSON ({' '.join(str(error).split())})"
 
@@ -235,6 +235,9 @@ def check_pushable(folder: str | Path) -> list[UploadFile]:
     folder = absolute_path(folder)  # `.` (run from inside the model folder) has no name to look beside
     if not folder.is_dir():
         raise NotPushableError(f"{folder}: not a folder")
+    special = special_file_problems(folder, recursive=True)
+    if special:  # read by the checks below or by the upload, a FIFO or device blocks the command for good
+        raise NotPushableError("\n".join(f"{folder}: cannot push: {problem.replace(f'{folder}/', '')}" for problem in special))
     problems: list[str] = []
     if folder.name.endswith(PARTIAL_SUFFIX) or folder.name.endswith(BACKUP_SUFFIX):
         problems.append(f"{folder.name} is the working folder of an unfinished or interrupted conversion")
@@ -302,7 +305,7 @@ def _card_for(folder: Path, repo_id: str) -> tuple[str, bool]:
     readme = folder / CARD_FILE
     report, config = load_report(folder), export_config(folder)
     if readme.is_file():
-        text = readme.read_text(encoding="utf-8")
+        text = read_model_text(readme)
         if not card_is_unedited(text) and text != str(build_model_card(report, config=config)):
             validate_card(text, ours=False)  # the user's card: only what the Hub would refuse is refused
             return text, False

@@ -46,12 +46,20 @@ def open_regular_file(path: str | os.PathLike):
         raise
 
 
-def special_file_problems(folder: str | os.PathLike) -> list[str]:
-    """Entries of a model folder that are neither regular files nor folders (reading them can hang)."""
+def read_model_text(path: str | os.PathLike, encoding: str = "utf-8") -> str:
+    """A text file of a model folder (config, report, card, tokenizer settings), read through `open_regular_file`: a
+    FIFO or device raises `NotARegularFile` (an OSError) instead of blocking, like every other model file."""
+    with open_regular_file(path) as handle:
+        return handle.read().decode(encoding)
+
+
+def special_file_problems(folder: str | os.PathLike, recursive: bool = False) -> list[str]:
+    """Entries of a model folder that are neither regular files nor folders (reading them can hang); `recursive`: in
+    its subfolders too (what an upload of the whole folder would read)."""
     folder = Path(folder)
     problems = []
     try:
-        entries = sorted(folder.iterdir())
+        entries = sorted(folder.rglob("*") if recursive else folder.iterdir())
     except OSError as error:
         return [f"{folder}: cannot list the folder ({error.strerror or error})"]
     for entry in entries:

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError, PickleRefusedError
 from .paths import NotARegularFile, open_regular_file, within
 from .safetensors_stream import TORCH_DTYPES
-from .signals import signals_deferred
+from .shard_file import FileState, ShardFile, changed_error, open_shard
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -106,18 +105,23 @@ def read_safetensors_header(path: Path) -> dict:
     """
     try:
         with open_regular_file(path) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            raw_len = handle.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > size - 8 or header_len > 100_000_000:
-                raise CheckpointError(f"{path}: corrupt safetensors file (header length {header_len} exceeds the file size {size})")
-            header_bytes = handle.read(header_len)
+            return safetensors_header_of(handle, path)[0]
     except NotARegularFile as error:
         raise CheckpointError(str(error)) from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from error
+
+
+def safetensors_header_of(handle, path: Path) -> tuple[dict, int]:
+    """(checked header, byte offset of the data section) of the safetensors file open as `handle` (read from its start)."""
+    size = os.fstat(handle.fileno()).st_size
+    raw_len = os.pread(handle.fileno(), 8, 0)
+    if len(raw_len) < 8:
+        raise CheckpointError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
+    (header_len,) = struct.unpack("<Q", raw_len)
+    if header_len > size - 8 or header_len > 100_000_000:
+        raise CheckpointError(f"{path}: corrupt safetensors file (header length {header_len} exceeds the file size {size})")
+    header_bytes = os.pread(handle.fileno(), header_len, 8)
     try:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -160,7 +164,7 @@ def read_safetensors_header(path: Path) -> dict:
     if data_end != data_size:  # bytes beyond the last tensor: a file of another (longer) copy, or garbage
         raise CheckpointError(f"{path}: corrupt safetensors file ({size:,} bytes on disk, its header describes "
                               f"{8 + header_len + data_end:,})")
-    return header
+    return header, 8 + header_len
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -216,7 +220,10 @@ class CheckpointReader:
         self.files_opened = 0
         # stored tensor name -> how every read of it is changed (`fold`)
         self.folds: dict[str, Fold] = {}
-        self._validated_headers: set[tuple[str, int, int]] = set()  # how many times a shard was opened; lets tests check read planning
+        # shard -> the state it was in when this reader first checked its header, and (header, data offset): a shard
+        # that changes after that is an error, not a header to check again (`shard_file`)
+        self._shard_states: dict[str, FileState] = {}
+        self._headers: dict[str, tuple[dict, int]] = {}
 
     # ----------------------------------------------------------------- discovery
     def _discover(self) -> tuple[str, dict[str, str]]:
@@ -313,8 +320,9 @@ class CheckpointReader:
             self.stray_copies = {}
             for file in self.files:
                 if self.format == "safetensors":
-                    header = read_safetensors_header(_inside(self.folder, file))
-                    for name, entry in header.items():
+                    shard = self._open_shard(file)
+                    shard.close()
+                    for name, entry in shard.header.items():
                         if name != "__metadata__" and self.weight_map.get(name, file) != file:
                             self.stray_copies.setdefault(name, []).append(file)
                         if name == "__metadata__" or self.weight_map.get(name) != file:
@@ -428,8 +436,7 @@ class CheckpointReader:
 
     def _raw(self, handle, stored: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         if self.format == "safetensors":
-            with signals_deferred():
-                return handle.get_tensor(stored) if start is None else handle.get_slice(stored)[start:stop]
+            return handle.read(stored, start, stop)
         tensor = handle[stored]
         return (tensor if start is None else tensor[start:stop]).clone()
 
@@ -456,27 +463,32 @@ class CheckpointReader:
         if self._open_file == file:
             return self._open_handle
         self.close()
-        path = _inside(self.folder, file)
         if self.format == "safetensors":
-            # validate each shard's header once per (size, mtime): layer streaming re-opens shards often
-            try:
-                stat = path.stat()
-            except OSError as error:  # removed or made unreadable after the run started (pre-flight saw it)
-                raise CheckpointError(f"{path}: cannot read the shard any more ({error.strerror}); was it moved or "
-                                      "deleted while converting?") from error
-            key = (file, stat.st_size, stat.st_mtime_ns)
-            if key not in self._validated_headers:
-                read_safetensors_header(path)
-                self._validated_headers.add(key)
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as error:
-                raise CheckpointError(f"{path}: corrupt safetensors file ({error})") from error
+            handle = self._open_shard(file)
         else:
             handle = self._load_pickle(file)
         self._open_file, self._open_handle = file, handle
         self.files_opened += 1
         return handle
+
+    def _open_shard(self, file: str) -> ShardFile:
+        """The shard opened for positioned reads, pinned to the state it had when this reader first checked its header."""
+        path = _inside(self.folder, file)
+        handle, state = open_shard(path)
+        try:
+            change = state.change_from(self._shard_states.setdefault(file, state))
+            if change:
+                raise changed_error(path, change)
+            if file not in self._headers:
+                try:
+                    self._headers[file] = safetensors_header_of(handle, path)
+                except OSError as error:
+                    raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from error
+            header, data_start = self._headers[file]
+            return ShardFile(path, handle, state, header, data_start)
+        except BaseException:
+            handle.close()
+            raise
 
     def _load_pickle(self, file: str) -> dict[str, torch.Tensor]:
         """Load a pickled state dict with `weights_only=True`: tensors and plain containers, no code.
@@ -510,6 +522,8 @@ class CheckpointReader:
         return state
 
     def close(self) -> None:
+        if isinstance(self._open_handle, ShardFile):
+            self._open_handle.close()
         self._open_file, self._open_handle = None, None
 
     def __enter__(self) -> CheckpointReader:

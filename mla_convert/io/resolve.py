@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from .paths import read_model_text
 
 # What a conversion needs from a hub repository; pickled weights only on request.
 HUB_PATTERNS = [
@@ -181,9 +182,11 @@ def _cached_snapshot(hub_id: str, revision: str | None, allow_pickle: bool) -> P
 def _json_object(path: Path, what: str) -> dict:
     """An index file's JSON object; `what` names it in the error."""
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = json.loads(read_model_text(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{what} is not valid JSON ({error})") from error
+    except OSError as error:  # (a FIFO or device in its place: refused, not read)
+        raise CheckpointError(f"{what}: cannot read ({error.strerror or error})") from error
     if not isinstance(index, dict):
         raise CheckpointError(f"{what} is not a JSON object")
     return index

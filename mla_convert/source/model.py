@@ -94,11 +94,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @dataclass(frozen=True)
 class StreamedRows:
-    """A weight matrix left in its shard and read a block of rows at a time, each block's mapping closed after it.
+    """A weight matrix left in its shard and read a block of rows at a time, each block freed after use.
 
-    Why: the pages of a memory-mapped tensor stay in the process (file-backed resident memory) for as long as the
-    mapping lives, so a layer held as mapped tensors carried its whole MLP (0.33 GiB bf16 at Llama-3-8B width) into
-    every later peak of that layer.  Read as blocks, one block's pages are resident at a time.
+    Why: a layer held whole carried its MLP (0.33 GiB bf16 at Llama-3-8B width) into every later peak of that layer.
+    Read as blocks, one block is in memory at a time.
     """
 
     reader: CheckpointReader
@@ -106,13 +105,8 @@ class StreamedRows:
     shape: tuple[int, ...]  # (rows, columns)
 
     def read(self, start: int, stop: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Rows start:stop as an owned `dtype` tensor on `device` (never a view of the mapping, which is closed)."""
-        rows = self.reader.get_rows(self.name, start, stop)
-        try:
-            return rows.to(device=device, dtype=dtype, copy=True)
-        finally:
-            del rows
-            self.reader.close()
+        """Rows start:stop as a `dtype` tensor on `device` (safetensors only: the reader's rows are a copy it owns)."""
+        return self.reader.get_rows(self.name, start, stop).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -207,7 +201,7 @@ class StreamedSourceModel:
         self.shape = config
         self.arch = config.architecture
         self.dtype = dtype
-        # where the layers compute: weights stream from the (host) mapping, one layer on the device at a time ...
+        # where the layers compute: weights stream from the shards, one layer on the device at a time ...
         self.device = torch.device(device)
         self.inv_freq = rope_inv_freq(config.rope_parameters, config.head_dim).to(self.device)
         # ... unless a budget lets them stay there.  Sampling calibration text runs every layer and the head once per
@@ -223,7 +217,7 @@ class StreamedSourceModel:
         on_device = tensor.to(self.device)
         if self._resident_used + size <= self.resident_bytes:
             if on_device.data_ptr() == tensor.data_ptr():
-                on_device = on_device.clone()  # never keep a view of the (closed-on-release) mapping
+                on_device = on_device.clone()  # never keep a view into a pickled shard's memory map
             self._resident[name] = on_device
             self._resident_used += size
         return on_device
@@ -240,7 +234,7 @@ class StreamedSourceModel:
 
     # ------------------------------------------------------------------ weights
     def release(self) -> None:
-        """Close the shard handle; weights already returned keep their (memory-mapped) data alive only while used."""
+        """Close the shard handle (weights already returned are copies, or views that keep a pickled shard's map alive)."""
         self.reader.close()
 
     def load_layer(self, index: int) -> SourceLayer:
@@ -248,8 +242,8 @@ class StreamedSourceModel:
 
         The conversion reads the MLP only to run it (`mlp` widens a block of rows at a time) and to copy it to the
         output, so a bf16 checkpoint's MLP is never widened whole (0.66 GiB of the 0.81 GiB an fp32 Llama-3-8B layer
-        would hold), and a matrix larger than one block stays in its shard (`StreamedRows`): its pages are not
-        resident while the layer is converted.  The shard is closed before this returns.
+        would hold), and a matrix larger than one block stays in its shard (`StreamedRows`): it is not
+        in memory while the layer is converted.  The shard is closed before this returns.
         """
         names = self.shape.layer_weight_names(index)
         mlp_roles = self.shape.mlp_weight_names(index)
@@ -260,7 +254,7 @@ class StreamedSourceModel:
                  tensors[name].to(device=self.device, dtype=tensors[name].dtype if role in mlp_roles else self.dtype)
                  for role, name in names.items()}
         del tensors
-        self.release()  # what is left mapped (an fp32 or small MLP's views) keeps its own mapping alive
+        self.release()
         return SourceLayer(index, layer)
 
     def _streamed(self, name: str) -> StreamedRows | None:
@@ -285,7 +279,7 @@ class StreamedSourceModel:
             inside = (flat >= start) & (flat < stop)
             if inside.any():
                 out[inside.to(self.device)] = rows(start, stop).to(device=self.device, dtype=self.dtype)[(flat[inside] - start).to(self.device)]
-                self.release()  # the rows are views of the mapping: drop them before the next chunk
+                self.release()  # (a pickled shard's rows are views of its map: dropped before the next chunk)
         return out.view(*ids.shape, self.shape.hidden_size)
 
     def _row_slicer(self, name: str):
