@@ -539,6 +539,36 @@ def test_bench_quality_renders_its_rows_against_the_source_and_says_when_windows
     assert bench.neighbour_rope_dims(2, 8, 8) == [4] and bench.neighbour_rope_dims(8, 32, 8) == [6]
 
 
+# --------------------------------------------------------------------------- quality_summary.py
+def test_quality_summary_judges_each_default_against_its_target_and_numbers_the_commands():
+    summary = load("quality_summary")
+    sources = {"stories260K": 5.0, "SmolLM2-135M-Instruct": 20.0}
+    rows = [{"model": "stories260K", "ratio": 8, "stage": "one-shot", "setting": "--effort default", "perplexity": 30.0,
+             "cpu_seconds": 10.0, "commands": ["a"]},
+            {"model": "stories260K", "ratio": 8, "stage": "healed", "setting": "defaults (...)", "perplexity": 8.0,
+             "cpu_seconds": 200.0, "commands": ["b"]},
+            {"model": "stories260K", "ratio": 8, "stage": "healed", "setting": "lr 3e-3", "perplexity": 15.0,
+             "cpu_seconds": 200.0, "commands": ["b"]},
+            {"model": "SmolLM2-135M-Instruct", "ratio": 2, "stage": "one-shot", "setting": "default", "perplexity": 25.0,
+             "cpu_seconds": 300.0, "commands": ["c", "a"], "contended": True}]
+    text = summary.render(sources, rows)
+    assert "| stories260K | 8x | one-shot | --effort default | 30.0000 | 6.000 | <= 5x: missed | 10 | 1 |" in text
+    # (30 - 8) / (30 - 5) = 88 % closed: the recipe's row meets the 85 % target; a lever's row names no target
+    assert "| 88.0 % of the gap closed (>= 85% in 20 CPU-min: met) | 200 | 2 |" in text
+    assert "| 60.0 % of the gap closed | 200 | 2 |" in text
+    assert "| SmolLM2-135M-Instruct | 2x | one-shot | default | 25.0000 | 1.250 | <= 1.3x: met | 300* | 3, 1 |" in text
+    assert text.index("1. `a`") < text.index("2. `b`") < text.index("3. `c`")
+
+
+def test_benchmarks_quality_table_is_rendered_from_the_recorded_runs():
+    """The table is data: BENCHMARKS.md holds what the recorded runs render to (regenerate with the script)."""
+    summary = load("quality_summary")
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert summary.render(*summary.load_rows()) in text
+    for row in json.loads((REPO / "docs" / "bench" / "quality-runs.json").read_text())["runs"]:
+        assert row["commands"] and all(command.startswith("mla-convert ") for command in row["commands"])
+
+
 # --------------------------------------------------------------------------- bench_sampling.py
 def test_bench_sampling_times_both_caches_and_says_they_drew_the_same_tokens(tmp_path, capsys):
     """On a tiny fp32 model the two caches' logits agree to rounding, so the table's last line reports equal draws."""
