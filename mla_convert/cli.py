@@ -356,6 +356,7 @@ def convert(
     from .convert.preflight import output_path_problems
     from .io.paths import absolute_path, command_line
     from .io.resolve import needs_download
+    from .pause import pausing
 
     problems = list(flag_problems)  # flags that cannot act with the others
     if push_to_hub is not None:  # before the conversion: a typo here must not cost hours of work
@@ -372,7 +373,7 @@ def convert(
     install_sigterm_handler()
     progress = RichProgress(err_console, quiet=quiet, verbose=verbose)
     try:  # pre-flight runs even when the flags are refused, so that one run names every problem
-        result = run_convert(source, output, options, progress, command=command_line(), caller_problems=problems)
+        result = run_convert(source, output, options, pausing(progress), command=command_line(), caller_problems=problems)
     except KeyboardInterrupt as interrupt:  # Ctrl-C / kill; the with-blocks already cleaned up
         left = "left nothing at" if not output.exists() else "did not change"
         _interrupted(progress, interrupt, f"the conversion {left} {output}")

@@ -33,6 +33,7 @@ from mla_convert.convert import ConvertOptions, convert
 from mla_convert.errors import PreflightError
 from mla_convert.io.writer import BACKUP_SUFFIX, OWNER_FILE, partial_path_for
 from mla_convert.options import CalibrationOptions
+from mla_convert.pause import PAUSE_AT, PAUSE_FILE
 
 ARGS = ["--calib-samples", "8", "--calib-seq-len", "40", "--refine-steps", "6", "--max-shard-size", "100KB", "--seed", "1"]
 STATS_PREFIX = "mla-convert-stats-"
@@ -47,11 +48,18 @@ def slow_source(tmp_path_factory) -> Path:
 
 
 class Run:
-    """`python -m mla_convert convert` in a subprocess, its stderr collected line by line as it comes."""
+    """`python -m mla_convert convert` in a subprocess, its stderr collected line by line as it comes.
 
-    def __init__(self, source: Path, output: Path, scratch: Path):
+    `pause_at`: the phase (`"<phase>"` or `"<phase>@<layers done>"`) where the run stops and waits for the test's
+    signal (`mla_convert/pause.py`), so the signal lands in that phase however loaded the machine is."""
+
+    def __init__(self, source: Path, output: Path, scratch: Path, pause_at: str | None = None):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch), "NO_COLOR": "1", "HF_HUB_OFFLINE": "1",
                "COLUMNS": "200"}
+        self.marker = output.parent / f".paused-{output.name}"
+        self.marker.unlink(missing_ok=True)
+        if pause_at:
+            env |= {PAUSE_AT: pause_at, PAUSE_FILE: str(self.marker)}
         self.output, self.scratch, self.started = output, scratch, time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-m", "mla_convert", "convert", str(source), str(output), *ARGS],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -66,6 +74,13 @@ class Run:
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.01)
 
+    def paused(self) -> bool:
+        """The run waits where `pause_at` asked (its pid in the marker file)."""
+        try:
+            return self.marker.read_text() == str(self.process.pid)
+        except OSError:
+            return False
+
     def kill(self, signum: int) -> int:
         self.process.send_signal(signum)
         return self.finish()
@@ -73,6 +88,7 @@ class Run:
     def finish(self) -> int:
         code = self.process.wait(timeout=TIMEOUT)
         self._reader.join(timeout=10)
+        self.marker.unlink(missing_ok=True)
         return code
 
     @property
@@ -111,13 +127,15 @@ def assert_clean_after_catchable_signal(run: Run, code: int, signum: int) -> Non
 
 
 def test_each_phase_and_signal_then_the_next_run_succeeds(slow_source, tmp_path):
+    """Each signal sent while the run waits in the phase named (the pause hook), not after a sleep."""
     output, scratch = tmp_path / "out", tmp_path / "temp"
     scratch.mkdir()
     partial = partial_path_for(output)
 
     # 1. kill -9 while shards are being written: only the clearly named leftovers remain
-    run = Run(slow_source, output, scratch)
-    run.wait_for(run.writing, "the writing phase")
+    run = Run(slow_source, output, scratch, pause_at="converting layers@2")
+    run.wait_for(run.paused, "the writing phase")
+    assert run.writing(), "precondition: two layers converted, shards being written"
     assert run.kill(signal.SIGKILL) == -signal.SIGKILL
     assert not output.exists()
     assert partial.is_dir() and (partial / OWNER_FILE).read_text() == str(run.process.pid)
@@ -125,25 +143,26 @@ def test_each_phase_and_signal_then_the_next_run_succeeds(slow_source, tmp_path)
     assert len(leaked) == 1, "SIGKILL cannot clean up: the statistics folder stays (until the next run)"
 
     # 2. the next run removes both leftovers; SIGTERM during its statistics pass leaves nothing
-    run = Run(slow_source, output, scratch)
-    # one snapshot per check: two globs could see the leaked folder, then none, and call that "a new folder"
-    run.wait_for(lambda: set(run.statistics()) - set(leaked), "this run's statistics folder")
+    run = Run(slow_source, output, scratch, pause_at="calibration statistics@1")
+    run.wait_for(run.paused, "this run's statistics pass")
     assert not partial.exists(), "pre-flight removes the partial folder of the killed run"
     assert leaked[0] not in run.statistics(), "the killed run's statistics folder is removed"
+    assert len(run.statistics()) == 1, "precondition: this run's statistics folder is being written"
     assert_clean_after_catchable_signal(run, run.kill(signal.SIGTERM), signal.SIGTERM)
     assert f"removed {partial.name}" in run.stderr and f"removed {leaked[0].name}" in run.stderr
 
     # 3. Ctrl-C while sampling calibration text (right after pre-flight)
-    run = Run(slow_source, output, scratch)
-    run.wait_for(run.preflight_done, "the end of pre-flight")
-    time.sleep(0.3)
-    assert not run.statistics(), "precondition: still sampling, before the statistics pass"
+    run = Run(slow_source, output, scratch, pause_at="sampling calibration text from the source model")
+    run.wait_for(run.paused, "the sampling phase")
+    assert run.preflight_done() and not run.statistics(), "precondition: past pre-flight, before the statistics pass"
     assert_clean_after_catchable_signal(run, run.kill(signal.SIGINT), signal.SIGINT)
 
-    # 4. Ctrl-C while writing
-    run = Run(slow_source, output, scratch)
-    run.wait_for(run.writing, "the writing phase")
-    assert_clean_after_catchable_signal(run, run.kill(signal.SIGINT), signal.SIGINT)
+    # 4. Ctrl-C while writing, and a closed terminal (SIGHUP) there too
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        run = Run(slow_source, output, scratch, pause_at="converting layers@2")
+        run.wait_for(run.paused, "the writing phase")
+        assert run.writing(), "precondition: shards being written"
+        assert_clean_after_catchable_signal(run, run.kill(signum), signum)
 
     # 5. the next run succeeds and leaves nothing behind but the output
     run = Run(slow_source, output, scratch)
@@ -249,3 +268,22 @@ def test_overwrite_killed_after_swap_drops_the_old_copy(tmp_path):
     with pytest.raises(PreflightError, match="already exists"):
         convert(source, output, ConvertOptions(calibration=CalibrationOptions(num_samples=2, seq_len=16)))
     assert (output / "new.txt").exists() and not backup.exists()
+
+
+def test_the_pause_hook_is_inert_unless_both_variables_are_set(monkeypatch, tmp_path):
+    from mla_convert.convert.decisions import Progress
+    from mla_convert.pause import PausingProgress, pausing
+
+    plain = Progress()
+    monkeypatch.delenv(PAUSE_AT, raising=False)
+    monkeypatch.setenv(PAUSE_FILE, str(tmp_path / "marker"))
+    assert pausing(plain) is plain
+    monkeypatch.setenv(PAUSE_AT, "converting layers@3")
+    monkeypatch.delenv(PAUSE_FILE)
+    assert pausing(plain) is plain
+    monkeypatch.setenv(PAUSE_FILE, str(tmp_path / "marker"))
+    wrapped = pausing(plain)
+    assert isinstance(wrapped, PausingProgress) and (wrapped.pause_phase, wrapped.pause_steps) == ("converting layers", 3)
+    wrapped.phase("converting layers", 8)
+    wrapped.advance(2, 8)  # before the step asked for: no pause, no marker
+    assert not (tmp_path / "marker").exists()
