@@ -71,7 +71,9 @@ class ConvertOptions:
 
     kv_lora_rank: Optional[int] = option(None, "Latent rank R of the MLA cache.", flag="--kv-lora-rank", short="-r")
     rope_dim: Optional[int] = option(None, "Dimension D of the shared RoPE key (even).", flag="--rope-dim", short="-d")
-    compression: Optional[float] = option(None, "Target KV-cache ratio (source / MLA); picks R and D.", flag="--compression",
+    compression: Optional[float] = option(None, "Target KV-cache ratio (source / MLA); picks R and D.  With a serving "
+                                          "--target: the allowed shape nearest at or above it; a target with no shape "
+                                          "that shrinks this source's cache is refused, saying so.", flag="--compression",
                                           short="-c")
     target: str = option("transformers", "Where the export will run: transformers (any shape, as the source: tied "
                          "embeddings and biases kept), vllm (kv_lora_rank + rope_dim in 320/512/576: vLLM 0.32.0's allow-list; "

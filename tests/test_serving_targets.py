@@ -95,8 +95,27 @@ def test_explicit_shape_outside_the_target_names_the_allowed_set():
     assert line.startswith("--target vllm --kv-lora-rank 144 --rope-dim 48: 144 + 48 = 192 is not a width vllm serves")
     assert "one of 320, 512, 576" in line and "512 + 64 = 576" in line and "this model allows 256+64 (1.20x)" in line
     assert pick_target_shape(smollm2, "vllm", 256, 64) == MLAShape(256, 64)
-    with pytest.raises(PreflightError, match="no shape this target serves fits this source"):
+    with pytest.raises(PreflightError, match="every KV-cache width it serves .* is more than the 64 this source caches"):
         pick_target_shape(SourceConfig.from_dict(STORIES260K), "vllm", compression=2)
+
+
+def test_a_source_every_vllm_width_would_grow_is_told_so_and_sent_where_it_can_go():
+    """Qwen2.5-0.5B's shape (2 kv heads x 64: 256 values, q/k/v biases): the refusal listed kv_lora_rank <= 256 and
+    rope_dim <= 64, whose sum 320 is on vLLM's list, and advised llama.cpp without saying it may refuse the biases."""
+    qwen = SourceConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+                                   "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24,
+                                   "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768,
+                                   "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True})
+    for target in ("vllm", "all"):
+        with pytest.raises(PreflightError) as error:
+            pick_target_shape(qwen, target, compression=2)
+        (line,) = error.value.problems
+        assert f"--target {target}: every KV-cache width it serves (320, 512, 576 values per token and layer" in line
+        assert "is more than the 256 this source caches, so the export's cache would be larger than the source's" in line
+        assert "it pays off for sources caching more than 320 (7B-class models cache 1,024 or more)" in line
+        assert "kv_lora_rank <=" not in line
+        assert line.endswith("use --target transformers or llama.cpp (which removes this source's attention biases, and "
+                             "refuses where that costs too much)")
 
 
 def test_inspect_lists_the_shapes_of_every_target(smollm2_config_folder):
@@ -391,6 +410,11 @@ def test_engine_table_says_only_what_was_measured():
     assert "--target vllm has no shape that fits this model" in small["vllm"]["notes"]
     assert "convert with --target llama.cpp" in small["llama.cpp"]["notes"]
     assert not any("(or all)" in note for engine in ("vllm", "llama.cpp") for note in small[engine]["notes"])
+    # a biased export (a Qwen2 --target transformers): the advice says the serving target may refuse it
+    biased = engine_compatibility(MLAShape(24, 8), True, None, "transformers", tied=True, runs=(),
+                                  servable=frozenset({"transformers", "llama.cpp"}))
+    assert ("convert with --target llama.cpp, which removes the attention biases and refuses the model where that costs "
+            "too much (measured per layer during the conversion)") in biased["llama.cpp"]["notes"]
     # a run without a query latent says nothing about an export with one (llama.cpp needs the key)
     without_q = {**RUN, "target": "transformers", "q_lora_rank": None, "status": "load-failed", "error": "no q_lora_rank"}
     with_q = engine_compatibility(MLAShape(256, 64, 32), False, 32, "transformers", tied=True, runs=(without_q,))
@@ -695,5 +719,5 @@ def test_serving_targets_refuse_a_source_whose_rope_their_engines_compute_wrongl
 
     small = save_source(tmp_path / "small", rope_parameters={"rope_theta": 1e4, **rope}, max_position_embeddings=256,
                         head_dim=8, num_heads=4, num_kv_heads=2, hidden_size=32, num_layers=1)
-    with pytest.raises(PreflightError, match=r"no shape this target serves fits this source .*; use --target transformers$"):
+    with pytest.raises(PreflightError, match=r"every KV-cache width it serves .*; use --target transformers$"):
         pick_target_shape(SourceConfig.from_folder(small), "all")

@@ -218,7 +218,9 @@ def engine_compatibility(mla: MLAShape, attention_bias: bool, q_lora_rank: int |
             if engine in chosen.engines:
                 notes.append("this shape is outside what the target allows")
             elif servable is None or engine in servable:
-                notes.append(f"convert with --target {engine}" + (" (or all)" if servable is None or "all" in servable else ""))
+                notes.append(f"convert with --target {engine}" + (" (or all)" if servable is None or "all" in servable else "")
+                             + (", which removes the attention biases and refuses the model where that costs too much "
+                                "(measured per layer during the conversion)" if attention_bias else ""))
             else:
                 notes.append(f"--target {engine} has no shape that fits this model")
         elif (engine, rope_type) in ROPE_FAILURES:

@@ -191,11 +191,41 @@ def describe_shapes(source: SourceConfig, shapes: list[MLAShape]) -> str:
 
 def _any_shape_targets(source: SourceConfig) -> list[str]:
     """The targets that serve any shape and do not refuse this source's RoPE (the advice named llama.cpp for a linear
-    source that --target llama.cpp refuses)."""
+    source that --target llama.cpp refuses).  A serving target removes attention biases and refuses a layer where
+    that costs too much, which only the conversion measures: for a biased source it is named with that condition
+    (the advice sent a real Qwen2.5-0.5B to llama.cpp, which then refused it)."""
     from ..convert.engines import rope_problems
     from ..convert.target import TARGETS
 
-    return [t.name for t in TARGETS.values() if t.widths is None and not rope_problems(t, source.rope_parameters)]
+    names = []
+    for target in TARGETS.values():
+        if target.widths is None and not rope_problems(target, source.rope_parameters):
+            biased = target.serving and (source.qkv_bias or source.o_bias)
+            names.append(f"{target.name} (which removes this source's attention biases, and refuses where that costs "
+                         "too much)" if biased else target.name)
+    return names
+
+
+# what a source caches per token and layer at 7B scale (Qwen2.5-7B: 4 kv heads x 128 x 2; Llama-3-8B and Mistral-7B: 2,048)
+SEVEN_B_CLASS_VALUES = 1024
+
+
+def no_shape_fits_problem(source: SourceConfig, target: Target) -> str:
+    """Why none of a width-limited target's shapes serves this source, in its real terms.
+
+    Usually every width the target serves is wider than what the source caches: the export would cache more than the
+    source, which is no conversion.  (Listing the source's maximum kv_lora_rank and rope_dim instead read as a
+    contradiction: 256 + 64 = 320 is on vLLM's list, yet 320 values exceed the 256 a small Qwen2 caches.)"""
+    values, widths = source.kv_values_per_token_layer, sorted(target.widths)
+    advice = f"use --target {' or '.join(_any_shape_targets(source))}"
+    if widths[0] > values:
+        return (f"--target {target.name}: every KV-cache width it serves ({', '.join(map(str, widths))} values per token and "
+                f"layer{target.widths_note}) is more than the {values} this source caches, so the export's cache would be "
+                f"larger than the source's, not smaller; it pays off for sources caching more than {widths[0]} (7B-class "
+                f"models cache {SEVEN_B_CLASS_VALUES:,} or more); {advice}")
+    return (f"--target {target.name}: no shape this target serves fits this source (kv_lora_rank + rope_dim must be one of "
+            f"{', '.join(map(str, widths))}{target.widths_note}, at most the {values} values per token and layer the source "
+            f"caches, with kv_lora_rank <= {source.max_kv_lora_rank} and an even rope_dim <= {source.max_rope_dim}); {advice}")
 
 
 def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora_rank: int | None = None,
@@ -217,11 +247,7 @@ def pick_target_shape(source: SourceConfig, target: Target | str | None, kv_lora
         if compression is not None and explicit:
             raise PreflightError(["--compression picks --kv-lora-rank and --rope-dim; give either the ratio or the ranks"])
         if not allowed:
-            raise PreflightError([
-                f"--target {target.name}: no shape this target serves fits this source (kv_lora_rank + rope_dim must be one of "
-                f"{', '.join(map(str, target.widths))}{target.widths_note}; the source caches "
-                f"{source.kv_values_per_token_layer} values per token and layer, and allows kv_lora_rank <= "
-                f"{source.max_kv_lora_rank}, rope_dim <= {source.max_rope_dim}); use --target {' or '.join(_any_shape_targets(source))}"])
+            raise PreflightError([no_shape_fits_problem(source, target)])
         mla = pick_shape(source, kv_lora_rank, rope_dim, None, q_lora_rank)
         problem = target.width_problem(mla.kv_lora_rank, mla.rope_dim)
         if problem:
