@@ -128,11 +128,12 @@ def inspect(
     On an MLA export (DeepseekV3 config.json): what it caches, the source's cache and the --target it was made for
     (from its mla_convert.json, when it has one), and the recorded engine runs of exports like it.
     """
+    from .commands.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows, windowed_ratio
     from .console import print_table
     from .eval.checks import positive_problems
+    from .io.config_file import read_config_json
     from .io.resolve import resolve_config_path, revision_problems
-    from .source.config import SourceConfig, is_export_config, read_config_json
-    from .source.inspect import estimate_problems, estimate_source_problems, inspect_export, inspect_shapes, target_rows, windowed_ratio
+    from .source.config import SourceConfig, is_export_config
     from .units import parse_dtype
 
     # whether the model is an MLA export decides which flags can act, so its config.json (a hub id's from the hub or
@@ -308,7 +309,7 @@ def _print_export(model: str, found) -> None:
     else:
         change = f"{ratio:.2f}x smaller KV cache" if ratio >= 1 else \
             f"{ratio:.2f}x: the MLA cache is {1 / ratio:.2f}x larger than the source's"
-        from .source.inspect import windowed_ratio
+        from .commands.inspect import windowed_ratio
 
         print_plain(f"compression ratio: {change} (the source's cache from {report}, the export's from config.json)"
                     + windowed_ratio(found.source_cost, found.mla_cost, found.context, found.batch))

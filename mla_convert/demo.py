@@ -36,8 +36,8 @@ class DemoResult:
 
 def self_sampled_perplexity(models: dict, sampler, num: int = 4, length: int = 256, seed: int = EVAL_SEED) -> dict[str, float]:
     """Perplexity of each model on `num` x `length` tokens sampled (seeded) from `sampler`, one window per row."""
+    from .data.sampling import sample_from_model
     from .eval.perplexity import evaluate_perplexity
-    from .eval.sampling import sample_from_model
 
     sampled = sample_from_model(sampler, num=num, seq_len=length, seed=seed)  # (num, length)
     # the rows laid end to end with context = row length: each row is exactly one window
@@ -47,7 +47,7 @@ def self_sampled_perplexity(models: dict, sampler, num: int = 4, length: int = 2
 
 def demo_problems(compression: float, output: Path | None, eval_data: str | None = None) -> list[str]:
     """What would make the demo fail, found before the model is fetched and converted (minutes of work)."""
-    from .eval.textdata import TextDataError, load_text
+    from .data.textdata import TextDataError, load_text
 
     problems = []
     if eval_data is not None:
@@ -126,8 +126,8 @@ def compare_models(source: Path, converted: Path, eval_data: str | None = None,
     Announced as phases of their own: for SmolLM2 they took 50 s on a 2-core CPU, which the console
     otherwise counted into the conversion's last phase ("writing the output (50.4 s)").
     """
+    from .data.textdata import load_text, tokenize_with_offsets
     from .eval.perplexity import evaluate_perplexity
-    from .eval.textdata import load_text, tokenize_with_offsets
     from .io.hf_loading import load_causal_lm, load_tokenizer, without_load_progress_bars
 
     progress = progress or Progress()

@@ -120,7 +120,7 @@ MODEL_FLAGS = ("--source", "--converted", "--data")  # a local path or a hub id 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Everything is checked here, before the models load and the timing starts."""
-    from mla_convert.eval.textdata import looks_like_path
+    from mla_convert.data.textdata import looks_like_path
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -163,8 +163,8 @@ def prompt_ids(args, tokenizer_folder: Path, length: int, vocab_size: int) -> to
     if args.data is None:
         generator = torch.Generator().manual_seed(length)
         return torch.randint(0, vocab_size, (1, length), generator=generator)
+    from mla_convert.data.textdata import load_text, tokenize_text
     from mla_convert.eval.perplexity import load_tokenizer_for_eval
-    from mla_convert.eval.textdata import load_text, tokenize_text
 
     tokenizer = load_tokenizer_for_eval(tokenizer_folder)
     chars = length * 8

@@ -118,8 +118,8 @@ def saved_perplexity(folder: Path, config) -> float:
     """The saved folder, loaded by stock transformers, on the same windows as the run's evaluations."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mla_convert.data.textdata import load_text
     from mla_convert.eval.perplexity import evaluate_perplexity
-    from mla_convert.eval.textdata import load_text
 
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

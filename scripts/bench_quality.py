@@ -105,7 +105,8 @@ def neighbour_rope_dims(rope_dim: int, width: int, head_dim: int) -> list[int]:
 def one_shot(model: str, windows: int, ratios: list[int], calib_sizes: list[int], work: Path, log) -> list[dict]:
     """Per ratio: the shipped default, the same-width splits beside it, the shared-RoPE floor (one calibration for all
     of them), and the default at each further calibration size."""
-    from mla_convert.source.config import SourceConfig, read_config_json
+    from mla_convert.io.config_file import read_config_json
+    from mla_convert.source.config import SourceConfig
 
     folder = MODELS[model][0]()
     source = SourceConfig.from_dict(read_config_json(folder))

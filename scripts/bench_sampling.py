@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Teacher sampling speed: the growing KV cache against the static one, in one run on one model.
 
-`finetune` draws its training text from the teacher (`eval.sampling.sample_from_model`, `static_cache=True`); this
+`finetune` draws its training text from the teacher (`data.sampling.sample_from_model`, `static_cache=True`); this
 times both caches on the same rows and says whether they drew the same tokens.  Prints a markdown table.
 
     python scripts/bench_sampling.py MODEL [--rows 64] [--length 256] [--dtype bf16] [--threads 2]
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from mla_convert.eval.sampling import sample_from_model
+    from mla_convert.data.sampling import sample_from_model
     from mla_convert.io.hf_loading import load_causal_lm, without_load_progress_bars
 
     torch.set_num_threads(args.threads)

@@ -13,6 +13,7 @@ import torch
 from tiny_models import FAMILIES, tiny_config
 
 from mla_convert.errors import MLAConvertError, UnsupportedArchitectureError
+from mla_convert.io.config_file import read_config_json
 from mla_convert.io.reader import CheckpointReader, split_row_view
 from mla_convert.source.architectures import (
     LLAMA,
@@ -24,7 +25,6 @@ from mla_convert.source.architectures import (
     architecture_for_config,
     supported_architecture_names,
 )
-from mla_convert.source.config import read_config_json
 
 
 def save_family(folder, family: str, tie: bool, **overrides) -> None:

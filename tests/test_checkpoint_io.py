@@ -27,6 +27,7 @@ from tiny_models import mapped_files, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from mla_convert.errors import CheckpointError, OutputExistsError, PickleRefusedError
+from mla_convert.io.config_file import read_config_json
 from mla_convert.io.reader import CheckpointReader
 from mla_convert.io.resolve import looks_like_hub_id, resolve_config_path, resolve_model_path
 from mla_convert.io.writer import (
@@ -40,7 +41,6 @@ from mla_convert.io.writer import (
     parse_shard_size,
     partial_path_for,
 )
-from mla_convert.source.config import read_config_json
 
 INDEX = "model.safetensors.index.json"
 VOCAB = 128

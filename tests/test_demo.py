@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mla_convert.convert.pipeline import Progress
+from mla_convert.data.sampling import sample_from_model
+from mla_convert.data.textdata import tokenize_with_offsets
 from mla_convert.demo import compare_models, demo_problems, run_demo, self_sampled_perplexity
 from mla_convert.errors import PreflightError
-from mla_convert.eval.sampling import sample_from_model
-from mla_convert.eval.textdata import tokenize_with_offsets
 from mla_convert.io.hf_loading import load_tokenizer
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mla_convert.commands.inspect import inspect_shapes
 from mla_convert.eval.kv_cache import measure_kv_cache
 from mla_convert.hub.card import validate_card
 from mla_convert.source.config import SourceConfig
-from mla_convert.source.inspect import inspect_shapes
 
 pytestmark = pytest.mark.real_model
 

@@ -28,9 +28,9 @@ from tiny_models import pickled_copy, save_tiny_model, save_tiny_tokenizer, tiny
 
 from mla_convert.convert import ConvertOptions, convert
 from mla_convert.convert.target import LATENT_NORM_EPS, LINEARITY_MARGIN, latent_scale_of
+from mla_convert.data.sampling import sample_from_model as sample_from_teacher
 from mla_convert.errors import MLAConvertError
 from mla_convert.eval.perplexity import evaluate_perplexity, plan_windows
-from mla_convert.eval.sampling import sample_from_model as sample_from_teacher
 from mla_convert.finetune.checkpoint import OWNER_MARKER
 from mla_convert.finetune.config import (
     FinetuneConfig,

@@ -108,7 +108,7 @@ def test_inspect_on_an_export_prints_its_cache_and_its_sources_from_their_files(
 
 def test_without_dtype_the_cache_is_counted_in_the_exports_stored_dtype(exports, tmp_path):
     """inspect used to count an fp32 export's cache in bf16 (the source model's default) unless --dtype was typed."""
-    from mla_convert.source.inspect import inspect_export
+    from mla_convert.commands.inspect import inspect_export
 
     folder = exports["plain"]
     assert config_of(folder)["dtype"] == "float32"
@@ -143,8 +143,8 @@ def test_the_default_context_is_not_worded_as_a_typed_flag(exports):
 def test_the_api_gives_the_numbers_and_they_are_what_transformers_caches(exports):
     from transformers import AutoModelForCausalLM
 
+    from mla_convert.commands.inspect import inspect_export
     from mla_convert.eval.kv_cache import measure_kv_cache
-    from mla_convert.source.inspect import inspect_export
 
     folder = exports["plain"]
     found = inspect_export(folder, dtype=torch.float32, context=20, batch=2)
@@ -174,7 +174,7 @@ def test_an_export_without_its_report_has_an_unknown_source_never_a_guessed_one(
     assert "compression ratio: unknown (the source is unknown)" in out and "smaller" not in out
     assert "engine runs: none shown" in out
 
-    from mla_convert.source.inspect import inspect_export
+    from mla_convert.commands.inspect import inspect_export
 
     found = inspect_export(folder)
     assert (found.source, found.source_cost, found.ratio, found.target, found.runs) == (None, None, None, None, ())
@@ -474,7 +474,7 @@ def test_every_refused_flag_is_named_in_one_line_with_the_other_problems(exports
 
 
 def test_the_api_refuses_what_it_cannot_inspect(exports, tmp_path):
-    from mla_convert.source.inspect import inspect_export
+    from mla_convert.commands.inspect import inspect_export
 
     with pytest.raises(PreflightError, match=r"^context 0: must be at least 1\nbatch -1: must be at least 1$"):
         inspect_export(exports["plain"], context=0, batch=-1)
@@ -496,7 +496,7 @@ def test_a_local_source_is_shown_where_it_is_not_as_the_report_records_it(export
     """The report names a local source relative to the export folder (`../src`); inspect printed that as it was, which
     read from the working folder names another place.  It shows the source's real place from the working folder
     (absolute when that would climb out of it); a hub id, or a path that no longer exists, stays as recorded."""
-    from mla_convert.source.inspect import inspect_export
+    from mla_convert.commands.inspect import inspect_export
 
     plain, source = exports["plain"], exports["source"]
     assert json.loads((plain / "mla_convert.json").read_text())["source"]["name_or_path"] == "../src"

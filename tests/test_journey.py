@@ -246,18 +246,24 @@ Path({marker!r}).write_text("custom code from the model folder ran")
 """
 
 
-@pytest.mark.real_model
-def test_eval_and_generate_never_run_code_from_the_model_folder(converted, stories260k, tinystories_text, tmp_path):
-    """A folder whose config and tokenizer config point `auto_map` at a module that leaves a file when imported:
-    eval (model and baseline) and generate load the stock classes, and the module is never imported."""
-    folder = copy_of(converted, tmp_path)
-    marker = tmp_path / "IMPORTED"
+def plant_bait(folder: Path, marker: Path) -> Path:
+    """Point the config's and the tokenizer config's `auto_map` at a module beside them that writes `marker` when
+    imported (transformers would import it under trust_remote_code); returns `folder`."""
     (folder / "bait.py").write_text(BAIT.format(marker=str(marker)))
     for name, entry in (("config.json", {"AutoConfig": "bait.Config", "AutoModelForCausalLM": "bait.Model"}),
                         ("tokenizer_config.json", {"AutoTokenizer": ["bait.Tokenizer", None]})):
         config = json.loads((folder / name).read_text())
         config["auto_map"] = entry
         (folder / name).write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.real_model
+def test_eval_and_generate_never_run_code_from_the_model_folder(converted, stories260k, tinystories_text, tmp_path):
+    """A folder whose config and tokenizer config point `auto_map` at a module that leaves a file when imported:
+    eval (model and baseline) and generate load the stock classes, and the module is never imported."""
+    marker = tmp_path / "IMPORTED"
+    folder = plant_bait(copy_of(converted, tmp_path), marker)
     run("eval", folder, "--baseline", folder, "--data", tinystories_text, "--max-windows", "2", "--context", "64")
     run("generate", folder, "Once upon a time", "--max-new-tokens", "4", "--device", "cpu")
     assert not marker.exists()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_journey import BAIT
+from test_journey import plant_bait
 from tiny_models import save_tiny_model, save_tiny_tokenizer
 from typer.testing import CliRunner
 
@@ -209,25 +209,12 @@ def test_sweep_refuses_an_out_dir_inside_the_source_folder(world, tmp_path):
 
 
 # --------------------------------------------------------------------------- no code from a model folder
-def baited_copy(folder: Path, copy: Path, marker: Path) -> Path:
-    """A copy whose config and tokenizer config point `auto_map` at a module beside them that writes `marker` when
-    imported (transformers would import it under trust_remote_code)."""
-    copy = Path(shutil.copytree(folder, copy))
-    (copy / "bait.py").write_text(BAIT.format(marker=str(marker)))
-    for name, entry in (("config.json", {"AutoConfig": "bait.Config", "AutoModelForCausalLM": "bait.Model"}),
-                        ("tokenizer_config.json", {"AutoTokenizer": ["bait.Tokenizer", None]})):
-        config = json.loads((copy / name).read_text())
-        config["auto_map"] = entry
-        (copy / name).write_text(json.dumps(config))
-    return copy
-
-
 def test_finetune_and_push_never_run_code_from_a_model_folder(world, tmp_path):
     """The bait test of eval and generate (test_journey) for the other two commands that load a model folder: the
     student and the teacher of finetune, and the folder push checks and lists."""
     marker = tmp_path / "IMPORTED"
-    student = baited_copy(world["converted"], tmp_path / "student", marker)
-    teacher = baited_copy(world["source"], tmp_path / "teacher", marker)
+    student = plant_bait(Path(shutil.copytree(world["converted"], tmp_path / "student")), marker)
+    teacher = plant_bait(Path(shutil.copytree(world["source"], tmp_path / "teacher")), marker)
     trained = run_in_process(["finetune", student, tmp_path / "out", "--teacher", teacher, "--max-steps", "2",
                               "--warmup-steps", "0", "--teacher-samples", "4", "--sample-batch-size", "4", "--seq-len", "16",
                               "--micro-batch-size", "2", "--num-threads", "1"])

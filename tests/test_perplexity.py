@@ -13,6 +13,7 @@ import torch
 from tiny_models import tiny_mla_config, tiny_model
 
 from mla_convert.convert import ConvertOptions, convert
+from mla_convert.data.textdata import tokenize_with_offsets
 from mla_convert.errors import MLAConvertError
 from mla_convert.eval.perplexity import (
     PerplexityResult,
@@ -22,7 +23,6 @@ from mla_convert.eval.perplexity import (
     plan_windows,
     run_eval,
 )
-from mla_convert.eval.textdata import tokenize_with_offsets
 from mla_convert.options import CalibrationOptions
 
 

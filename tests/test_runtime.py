@@ -635,7 +635,7 @@ def test_pages_needed_counts_each_sequence_separately():
 def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token(top_p):
     """The nucleus test ran in float32, where such a top_p is 0: no token was kept and torch.multinomial raised
     (generate --top-p 1e-46, convert --calib-top-p 1e-300 after calibration sampling had started)."""
-    from mla_convert.eval.sampling import top_p_sample
+    from mla_convert.data.sampling import top_p_sample
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))  # (batch, vocab)
     chosen = top_p_sample(logits, 1.0, top_p, torch.Generator().manual_seed(1))
@@ -646,8 +646,8 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_top_token(top_p):
 def test_logits_that_are_not_finite_are_a_named_error_not_a_multinomial_traceback(poison):
     """NaN / +Inf logits (a model whose activations overflow) reached torch.multinomial, whose RuntimeError named no
     model; a row where every token is -Inf too.  -Inf on some tokens (masked ones) stays a valid distribution."""
+    from mla_convert.data.sampling import top_p_sample
     from mla_convert.errors import NonFiniteError
-    from mla_convert.eval.sampling import top_p_sample
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))  # (batch, vocab)
     masked = logits.clone()

@@ -21,6 +21,7 @@ from test_shapes_inspect import SMOLLM2, STORIES260K, run_cli
 from tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_model
 
 from mla_convert import options as option_module
+from mla_convert.commands.inspect import target_rows
 from mla_convert.console import print_engines
 from mla_convert.convert import convert
 from mla_convert.convert import serving as S
@@ -29,7 +30,6 @@ from mla_convert.convert.engines import engine_compatibility, engine_runs
 from mla_convert.errors import MLAConvertError, PreflightError
 from mla_convert.hub.card import build_model_card, validate_card
 from mla_convert.source.config import SourceConfig
-from mla_convert.source.inspect import target_rows
 from mla_convert.source.shapes import MLAShape, pick_target_shape, shape_choice_note, target_shapes
 
 # A Llama-3-8B-like GQA config (32 query / 8 kv heads of 128): caches 2048 values per token and layer.
@@ -695,10 +695,10 @@ def test_serving_targets_refuse_a_source_whose_rope_their_engines_compute_wrongl
         assert len(lines) == len(names) and all("measured 2026-12-03" in line for line in lines), lines
         assert not (tmp_path / target).exists()
     # inspect says so: its table of targets, and --estimate refuses what convert refuses
+    from mla_convert.commands.inspect import estimate_source_problems, target_rows
     from mla_convert.convert.engines import rope_problems
     from mla_convert.options import ConvertOptions
     from mla_convert.source.config import SourceConfig
-    from mla_convert.source.inspect import estimate_source_problems, target_rows
 
     config = SourceConfig.from_folder(source)
     rows = {name: shapes for name, shapes, _ in target_rows(config)}

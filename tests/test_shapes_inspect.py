@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
+from mla_convert.commands.inspect import inspect_shapes
 from mla_convert.errors import InvalidShapeError, MLAConvertError, PreflightError
 from mla_convert.source.config import SourceConfig
-from mla_convert.source.inspect import inspect_shapes
 from mla_convert.source.shapes import (
     CacheCost,
     MLAShape,
@@ -358,7 +358,7 @@ def test_inspect_says_when_the_mla_cache_is_larger(smollm2_config_folder):
 
 def test_the_transformers_target_row_spans_the_ratios_of_the_shapes_it_allows():
     """It said "1x to 10.7x" for an MQA model whose full-rank shape (allowed) caches more than the source: 0.67x."""
-    from mla_convert.source.inspect import target_rows
+    from mla_convert.commands.inspect import target_rows
 
     mqa = SourceConfig.from_dict({**SMOLLM2, "num_key_value_heads": 1})
     [(_, shapes, ratios)] = [row for row in target_rows(mqa) if row[0] == "transformers"]

@@ -12,7 +12,8 @@ import torch
 from transformers import LlamaConfig
 
 from mla_convert.errors import CheckpointError, PreflightError
-from mla_convert.source.config import SourceConfig, read_config_json
+from mla_convert.io.config_file import read_config_json
+from mla_convert.source.config import SourceConfig
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9,

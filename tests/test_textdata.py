@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 
-from mla_convert.errors import MLAConvertError
-from mla_convert.eval.textdata import (
+from mla_convert.data.textdata import (
     load_text,
     pack_windows,
     parse_dataset_spec,
@@ -21,6 +20,7 @@ from mla_convert.eval.textdata import (
     tokenize_with_offsets,
     tokenizer_adds_bos,
 )
+from mla_convert.errors import MLAConvertError
 
 
 def write_jsonl(path, rows, column="text"):
@@ -170,7 +170,7 @@ def test_a_column_that_is_not_text_is_an_error(tmp_path):
 def test_unknown_dataset_offline_is_one_clear_line():
     """Run in a subprocess with the hub switched off, as on an offline machine (no retries, fast)."""
     code = (
-        "from mla_convert.eval.textdata import load_text\n"
+        "from mla_convert.data.textdata import load_text\n"
         "from mla_convert.errors import MLAConvertError\n"
         "try:\n    load_text('no-such-dataset-for-mla-convert:cfg:test')\n"
         "except MLAConvertError as e:\n    print('ERROR:' + str(e))\n"
@@ -193,7 +193,7 @@ def test_a_local_dataset_folder_that_cannot_be_loaded_says_why(tmp_path):
     write_jsonl(folder / "train.jsonl", ["a train row"])
     code = (
         "import sys\n"
-        "from mla_convert.eval.textdata import load_text\n"
+        "from mla_convert.data.textdata import load_text\n"
         "from mla_convert.errors import MLAConvertError\n"
         "try:\n    load_text(sys.argv[1] + '::validation')\n"
         "except MLAConvertError as e:\n    print('ERROR:' + str(e))\n"
@@ -210,7 +210,7 @@ def test_a_hub_that_cannot_be_reached_is_one_line_without_retries(tmp_path):
     """Without network, huggingface_hub retried five times (about 25 s, a dozen 'Retrying in 8s' lines) before the
     error; a connection probe now switches the read to the cache at once."""
     code = (
-        "from mla_convert.eval.textdata import load_text\n"
+        "from mla_convert.data.textdata import load_text\n"
         "from mla_convert.io.resolve import resolve_model_path\n"
         "from mla_convert.errors import MLAConvertError\n"
         "for read in (lambda: load_text('mla-convert-test/no-such-dataset:cfg:test'), "

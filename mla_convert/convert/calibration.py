@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..data.sampling import NUCLEUS_CANDIDATES, top_p_sample
 from ..errors import MLAConvertError, NonFiniteError, OutputWriteError
-from ..eval.sampling import NUCLEUS_CANDIDATES, top_p_sample
 from ..io.writer import STATS_SCRATCH_PREFIX, ScratchFolder, write_failure_errno
 from ..options import CalibrationOptions
 from ..source.model import (
@@ -58,7 +58,7 @@ def calibration_ids(
 
 def text_windows(folder: Path, options: CalibrationOptions) -> torch.Tensor:
     """Evenly spaced windows of a tokenised text (only as much text as the windows need is tokenised)."""
-    from ..eval.textdata import load_text
+    from ..data.textdata import load_text
     from ..io.hf_loading import load_tokenizer
 
     needed = options.num_samples * options.seq_len

@@ -28,12 +28,13 @@ import torch
 
 from ..devices import resident_weight_budget
 from ..errors import CheckpointError, ConversionError, MLAConvertError, PreflightError
+from ..io.config_file import read_config_json
 from ..io.paths import absolute_path
 from ..io.reader import CheckpointReader, unneeded_pickle_note
 from ..io.resolve import resolve_model_path, revision_problems
 from ..io.writer import CheckpointWriter, clean_stale_scratch_folders
 from ..options import CalibrationOptions, ConvertOptions, argument_problems, optional_argument, path_argument
-from ..source.config import SourceConfig, read_config_json
+from ..source.config import SourceConfig
 from ..source.folds import source_folds
 from ..source.model import StreamedRows, StreamedSourceModel
 from ..source.shapes import MLAShape

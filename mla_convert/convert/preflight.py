@@ -254,7 +254,7 @@ def tokenizer_code_problems(folder: Path) -> list[str]:
 
 def local_text_problems(spec: str, text_column: str) -> list[str]:
     """Read the start of a local calibration file or folder (a dataset spec is checked when it is loaded)."""
-    from ..eval.textdata import load_text, looks_like_path
+    from ..data.textdata import load_text, looks_like_path
 
     path = Path(str(spec)).expanduser()
     if not (path.exists() or (":" not in str(spec) and looks_like_path(str(spec)))):

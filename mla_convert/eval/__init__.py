@@ -1,1 +1,1 @@
-"""Evaluation: perplexity, text data, the transformers KV cache as measured, sweeps and their plots."""
+"""Evaluation: perplexity, the transformers KV cache as measured, sweeps and their plots."""

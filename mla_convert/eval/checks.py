@@ -209,7 +209,7 @@ def text_option_problems(data: str | os.PathLike | None, text_column: str = "tex
     if not os.fspath(data).strip():
         return problems + [f"{flag}: must not be empty (a text file, a folder or a datasets spec)"]
     path = Path(os.fspath(data)).expanduser()
-    from .textdata import looks_like_path
+    from ..data.textdata import looks_like_path
 
     if not path.exists() and ":" not in os.fspath(data) and looks_like_path(os.fspath(data)):
         # (read at load time, after every other check: a typo came one run after the other problems)

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..data.textdata import TokenizedText, load_text, tokenize_with_offsets
 from ..errors import MLAConvertError
 from ..io.paths import absolute_path
 from ..io.reader import unneeded_pickle_note
-from .textdata import TokenizedText, load_text, tokenize_with_offsets
 
 if TYPE_CHECKING:
     from .checks import EvalPlan

@@ -42,6 +42,7 @@ from ..convert.decisions import METHOD_ALIASES, METHOD_NAMES, ForwardingProgress
 from ..convert.pipeline import Converter
 from ..convert.preflight import estimated_statistics_bytes
 from ..convert.target import TARGETS, target_of
+from ..data.textdata import TokenizedText, load_text, looks_like_path, tokenize_with_offsets
 from ..devices import device_problems, resolve_device
 from ..errors import MLAConvertError, PreflightError
 from ..io.paths import absolute_path, portable_path, real_path
@@ -52,7 +53,6 @@ from ..source.shapes import pick_target_shape
 from ..units import dtype_bytes, human_bytes, parse_dtype
 from .checks import DEFAULT_CONTEXT, dtype_problems, text_option_problems
 from .perplexity import PerplexityResult, evaluate_perplexity, load_model_for_eval, load_tokenizer_for_eval, plan_windows
-from .textdata import TokenizedText, load_text, looks_like_path, tokenize_with_offsets
 
 DEFAULT_METHODS = ("activation-aware", "svd")
 SOURCE = "source"

@@ -47,7 +47,7 @@ def tokenize_long_text(tokenizer, text: str, chunk_chars: int = CHUNK_CHARS, bat
     piece, without character offsets, so memory stays at one batch of pieces: merges never span a
     newline in practice, and training windows do not need the exactness evaluation does.
     """
-    from ..eval.textdata import tokenize_text, tokenizer_adds_bos
+    from ..data.textdata import tokenize_text, tokenizer_adds_bos
 
     if len(text) <= chunk_chars:
         return tokenize_text(tokenizer, text)
@@ -64,7 +64,7 @@ def tokenize_long_text(tokenizer, text: str, chunk_chars: int = CHUNK_CHARS, bat
 def text_windows(tokenizer, spec: str, seq_len: int, text_column: str = "text", split: str | None = None,
                  max_chars: int | None = None) -> torch.Tensor:
     """Non-overlapping `seq_len` windows of a tokenised text: (num_windows, seq_len) int64."""
-    from ..eval.textdata import load_text, pack_windows
+    from ..data.textdata import load_text, pack_windows
 
     text = load_text(spec, text_column=text_column, split=split, max_chars=max_chars)
     ids = tokenize_long_text(tokenizer, text)  # (num_tokens,)
@@ -79,7 +79,7 @@ def text_fingerprint(spec: str | None) -> str | None:
     None for no text or a datasets spec.  Why: a checkpoint records the text by its path, and a text edited in place
     keeps its path, so a resume trained on other text than the run it claimed to continue.  The whole file counts,
     also past max_chars (an edit there is refused too: simpler than hashing what a reader kept)."""
-    from ..eval.textdata import folder_text_files
+    from ..data.textdata import folder_text_files
 
     if spec is None or not Path(spec).expanduser().exists():
         return None

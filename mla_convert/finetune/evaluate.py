@@ -28,7 +28,7 @@ class EvalWindows:
     def from_text(cls, tokenizer, spec: str, context: int, max_windows: int, text_column: str = "text",
                   label: str | None = None) -> EvalWindows:
         """`label`: how the description names the text (default: `spec` as given, machine paths shortened)."""
-        from ..eval.textdata import load_text, tokenize_text
+        from ..data.textdata import load_text, tokenize_text
 
         ids = tokenize_text(tokenizer, load_text(spec, text_column=text_column))
         windows = plan_windows(int(ids.numel()), context, context, max_windows)

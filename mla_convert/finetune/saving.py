@@ -60,7 +60,8 @@ def fp16_save_note(save_dtype: str, converted: Path) -> str | None:
     if save_dtype != "auto":
         return None
     from ..errors import MLAConvertError
-    from ..source.config import ExportConfig, read_config_json
+    from ..io.config_file import read_config_json
+    from ..source.config import ExportConfig
 
     try:
         stored = ExportConfig.from_dict(read_config_json(converted)).torch_dtype

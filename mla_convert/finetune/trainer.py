@@ -30,8 +30,8 @@ import torch
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from ..convert.report import hub_dataset, source_label
+from ..data.sampling import NUCLEUS_CANDIDATES, sample_from_model
 from ..errors import MLAConvertError
-from ..eval.sampling import NUCLEUS_CANDIDATES, sample_from_model
 from ..io.paths import absolute_path, command_line, model_folder_problems, real_path, within
 from ..io.signals import signals_deferred
 from ..io.writer import prepare_output_path
@@ -448,7 +448,7 @@ class Finetuner:
             raise FinetuneConfigError(f"{', '.join(too_long)}: longer than the model's max_position_embeddings ({positions})")
         # the texts, read as the run will read them (the first 64K characters), before any model loads or the teacher
         # samples: a missing file or a wrong column used to surface after both loads and minutes of sampling
-        from ..eval.textdata import load_text
+        from ..data.textdata import load_text
 
         if config.data:
             load_text(config.data, text_column=config.text_column, split=config.split,

@@ -36,8 +36,9 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..convert.report import REPORT_FILE
 from ..convert.target import DEEPSEEK_KV_LORA_RANK, DEEPSEEK_ROPE_DIM, LATENT_NORM_EPS
 from ..errors import MLAConvertError
+from ..io.config_file import read_config_json
 from ..io.paths import read_model_text
-from ..source.config import ExportConfig, read_config_json
+from ..source.config import ExportConfig
 from ..units import DTYPE_NAMES, dtype_bytes, human_bytes
 
 CARD_FILE = "README.md"

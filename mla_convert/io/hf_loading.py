@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, MLAConvertError
+from .config_file import read_config_json
 
 
 class ModelLoadError(MLAConvertError):
@@ -80,7 +81,6 @@ def config_json_problem(folder: str | os.PathLike) -> str | None:
     object in it, or its `model_type` (None: it has one).  Asked once transformers has refused the folder: its own
     message for all three ("Unrecognized model in X. Should have a `model_type` key in its config.json") names none of
     our flags or files, and says model_type for a folder that has no config.json at all."""
-    from ..source.config import read_config_json
 
     try:
         raw = read_config_json(folder)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..data.sampling import greedy_tokens, top_p_sample
 from ..errors import NonFiniteError
-from ..eval.sampling import greedy_tokens, top_p_sample
 from .errors import GenerationSettingsError
 from .generation_settings import GenerationSettings
 from .model import AbsorbedMLAModel

@@ -14,18 +14,16 @@ here too); the standardized parameters are then checked against what DeepseekV3 
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, MLAConvertError, PreflightError
-from ..io.paths import NotARegularFile, open_regular_file
+from ..errors import MLAConvertError, PreflightError
+from ..io.config_file import read_config_json
 from .architectures import ArchitectureSpec, architecture_for_config, supported_family_names
 
 REQUIRED_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -312,32 +310,6 @@ def _parse_export(raw: Mapping[str, Any]) -> tuple[ExportConfig | None, list[str
 
 
 # --------------------------------------------------------------------------- reading
-def read_config_json(folder: str | os.PathLike) -> dict:
-    """The parsed `config.json` of a model folder, with a clear error when absent, unreadable or broken."""
-    path = Path(folder) / "config.json"
-    try:
-        with open_regular_file(path) as handle:  # bounded read: a huge or endless "config" is not a config
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-    except NotARegularFile as error:
-        raise CheckpointError(str(error)) from None
-    except IsADirectoryError as error:
-        raise CheckpointError(f"{path}: not a regular file") from error
-    except FileNotFoundError as error:
-        raise CheckpointError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from error
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot read ({error.strerror or error})") from error
-    if len(data) > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; not a model config")
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return config
-
-
-MAX_CONFIG_BYTES = 16 * 2**20
 
 
 # --------------------------------------------------------------------------- strict parse

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from ..errors import PreflightError
+from ..source.config import ExportConfig, SourceAttentionShape, SourceConfig, sliding_phrase
+from ..source.folds import family_notes
+from ..source.shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 from ..units import human_bytes
-from .config import ExportConfig, SourceAttentionShape, SourceConfig, sliding_phrase
-from .folds import family_notes
-from .shapes import CacheCost, MLAShape, cache_costs, pick_target_shape, ratio_of, shape_problems, target_shapes
 
 
 @dataclass(frozen=True)
@@ -315,8 +315,8 @@ def inspect_export(model: str | os.PathLike, dtype: torch.dtype | None = None, c
     from ..convert.report import REPORT_FILE
     from ..convert.target import TARGETS
     from ..eval.checks import positive_problems
+    from ..io.config_file import read_config_json
     from ..io.resolve import resolve_config_path
-    from .config import read_config_json
 
     problems = positive_problems({"context": context, "batch": batch})
     if problems:
@@ -391,7 +391,7 @@ def estimate_source_problems(source: SourceConfig, options, kv_lora_rank: int | 
         target_rope_problems,
     )
     from ..errors import MLAConvertError, PreflightError
-    from .shapes import shape_problems
+    from ..source.shapes import shape_problems
 
     problems = calibration_length_problems(source, options.calibration) + target_rope_problems(source, options.target)
     if options.calibration.data is not None and local_folder is not None:
