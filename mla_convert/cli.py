@@ -402,8 +402,8 @@ def release_console_buffer(console: Console) -> None:
     """Undo what an interrupt can leave inside rich: every print enters the console's buffer (`with console:`),
     and a signal handled right after `Console.__enter__` opened it, before the with-block began, leaves it open -
     the console then holds every later line until an exit that never comes.  Close any such buffer (which writes
-    what it held).  A clean-clone CI run lost "interrupted (SIGTERM)" this way (2026-12-04).  Relies on rich's
-    private buffer counter; a rich without it is left alone."""
+    what it held; otherwise the "interrupted (SIGTERM)" line can be lost).  Relies on rich's private buffer counter;
+    a rich without it is left alone."""
     while getattr(console, "_buffer_index", 0) > 0:
         console._exit_buffer()
 

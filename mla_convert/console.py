@@ -68,7 +68,7 @@ class RichProgress(Progress):
 
     def finish(self, outcome: str = "done") -> None:
         """Close the running phase; `outcome` is what the log says of it: "interrupted" or "failed" for a phase that
-        was cut off (it used to read "done:" after a Ctrl-C)."""
+        was cut off (never "done:" after a Ctrl-C)."""
         self._close(outcome)
 
 

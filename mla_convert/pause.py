@@ -4,9 +4,8 @@
 gets there, write its process id to the file `MLA_CONVERT_PAUSE_FILE` names and wait there for a signal, as long as
 `PAUSE_SECONDS` at most.  A SIGINT/SIGTERM/SIGHUP then interrupts it inside that phase, exactly as a user's would.
 
-Why: the interruption tests used to watch the output folder from outside and sleep between polls; on a loaded
-machine a short phase could start and end between two polls (the tests were flaky under load).  A command that
-waits where asked is hit there every time.  With the variable unset (every real run) nothing here runs.
+Why: watched from outside (the output folder polled, sleeps between polls), a short phase can start and end between
+two polls on a loaded machine.  A command that waits where asked is hit there every time.  With the variable unset (every real run) nothing here runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Serving-target transforms of one converted layer (`--target vllm / llama.cpp / all`, issue 13).
+"""Serving-target transforms of one converted layer (`--target vllm / llama.cpp / all`).
 
 The default export (`--target transformers`) keeps DeepSeek's latent RMSNorm linear by storing the latent
 at a tiny scale (weights ~1e-7, see target.py): exact in transformers, but f16 flushes those weights to

@@ -167,10 +167,8 @@ def positive_problems(values: dict[str, float | None], minimum: dict[str, int] |
 
 def results_file_problems(json_path: str | os.PathLike | None, data: str | os.PathLike | None,
                           facts: list[ModelFacts]) -> list[str]:
-    """`--json` may replace an earlier result, never an input: the text, a model's file, or any other file.
-
-    It used to overwrite whatever it named, the evaluation text and a model's config.json included.
-    """
+    """`--json` may replace an earlier result, never an input: the text, a model's file (config.json included), or
+    any other file."""
     from ..io.paths import absolute_path, real_path
 
     if json_path is None or not os.fspath(json_path).strip():  # empty: refused by output_file_problems

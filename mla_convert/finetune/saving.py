@@ -142,7 +142,7 @@ def updated_report(report: dict, finetuning: dict, dtype: torch.dtype, converted
                 cache[key] = cache[key] * new // old
         cache["dtype"] = dtype_name
     # fine-tuning a fine-tuned folder: its round is kept (without the curves, which its own folder plots), so the
-    # card can still say that an earlier round trained every parameter (a second round used to replace the first)
+    # card can still say that an earlier round trained every parameter (a second round does not replace the first)
     rounds = [entry for entry in (out.get("finetuning_earlier") or []) if isinstance(entry, dict)]
     if isinstance(out.get("finetuning"), dict):
         rounds.append({key: value for key, value in out["finetuning"].items() if key not in ROUND_PLOT_KEYS})

@@ -447,7 +447,7 @@ class Finetuner:
         if too_long:  # positions the model never trained on; sampling that much teacher text also takes hours
             raise FinetuneConfigError(f"{', '.join(too_long)}: longer than the model's max_position_embeddings ({positions})")
         # the texts, read as the run will read them (the first 64K characters), before any model loads or the teacher
-        # samples: a missing file or a wrong column used to surface after both loads and minutes of sampling
+        # samples: a missing file or a wrong column is named before both loads and minutes of sampling
         from ..data.textdata import load_text
 
         if config.data:

@@ -10,10 +10,8 @@ with no copy at all; any other gathers only its own pages.
 
 The loop pays a dozen torch calls per sequence and layer, the reference a dozen per layer, so with many short
 sequences the reference's batched products win: below LOOP_FROM_VALUES cached values per sequence on average
-(length x (R + D)) this path hands the call to the reference (`uses_loop`).  Measured through the runtime on SmolLM2
-2x (192 values per token; fp32, one thread; `scripts/bench_cpu_decode_paths.py`, BENCHMARKS.md "CPU decode",
-2026-12-05): loop / reference 0.93 at batch 16 x 128-token prompts, 1.01 at 8 x 256, 1.06 at 8 x 512, 1.34 at
-16 x 1024, 1.21 at 4 x 2048, 1.22 at 1 x 4096, the same tokens in every case.
+(length x (R + D)) this path hands the call to the reference (`uses_loop`); the threshold comes from the loop /
+reference timings in BENCHMARKS.md, "CPU decode" (`scripts/bench_cpu_decode_paths.py`).
 
 The contract is the reference's and the kernel's (`check_decode_inputs`): slots past a sequence's length and
 page-table entries past its last page are never read, a length of 0 gives out = 0 and lse = -inf.  It is not for

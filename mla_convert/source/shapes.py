@@ -81,8 +81,8 @@ def rope_share(budget: int, head_dim: int) -> float:
 
 
 def check_compression(compression: float) -> None:
-    """A ratio of at least 1 and finite, worded as `convert`'s option check words it (NaN and inf used to read
-    "must be at least 1" and "leaves 0 cached values" in `inspect`)."""
+    """A ratio of at least 1 and finite, worded as `convert`'s option check words it (NaN and inf are named as such,
+    not as "must be at least 1" or "leaves 0 cached values")."""
     if not math.isfinite(compression):
         raise InvalidShapeError(f"--compression {compression}: must be a finite number")
     if not compression >= 1:
