@@ -428,28 +428,6 @@ def test_text_and_window_problems_come_before_any_model_loads(tiny_pair, tmp_pat
         run_eval(converted, blank, baseline=source, context_length=32, progress=False)
 
 
-def test_eval_perplexity_script_refuses_options_that_cannot_act(tiny_pair, tmp_path, capsys, monkeypatch):
-    """`--threads -1` was a torch traceback, `--split` on a text file was ignored and `--max-chars 0` was refused
-    only after the model had loaded."""
-    import importlib.util
-    from pathlib import Path
-
-    import mla_convert.eval.perplexity as perplexity
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "eval_perplexity.py"
-    spec = importlib.util.spec_from_file_location("eval_perplexity", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    _, converted, text = tiny_pair
-    with pytest.raises(SystemExit) as stopped:
-        module.main([str(converted), "--data", str(text), "--threads", "-1"])
-    assert stopped.value.code == 2 and "--threads -1: must be at least 1" in capsys.readouterr().err
-    monkeypatch.setattr(perplexity, "load_model_for_eval", lambda *a, **k: pytest.fail("a model loaded first"))
-    assert module.main([str(converted), "--data", str(text), "--split", "test", "--max-chars", "0"]) == 2
-    error = capsys.readouterr().err
-    assert "--split test: acts only with a datasets spec" in error and "--max-chars 0: must be at least 1" in error
-
-
 def test_eval_runs_its_preflight_once_and_loads_each_tokenizer_once(tiny_pair, monkeypatch):
     """`eval` ran the pre-flight twice (the command's, then `run_eval`'s: two hub lookups per model id) and loaded the
     tokenizers three times (once in each pre-flight, again to score)."""

@@ -359,7 +359,7 @@ def format_markdown_table(results: Mapping[str, PerplexityResult] | Comparison, 
 
 
 # --------------------------------------------------------------------------------------------------
-# The `eval` entry point (shared by `mla-convert eval` and scripts/eval_perplexity.py)
+# The `eval` entry point (`mla-convert eval` and the Python API)
 # --------------------------------------------------------------------------------------------------
 
 
