@@ -3,8 +3,9 @@
 Why not a memory map (what `safetensors.safe_open` reads through): a shard that shrinks while it is mapped turns
 the next touch of a vanished page into SIGBUS, which kills the process with no Python traceback and no message (a
 download tool resuming over the file, a sync client, a second export written into the source folder).  A
-positioned read of a shortened file returns fewer bytes, which is an error that can name the file.  `get_tensor`
-copies the mapped bytes into a new tensor anyway, so reading them with `pread` costs no extra copy.
+positioned read of a shortened file returns fewer bytes, which is an error that can name the file.  The price: each
+tensor is a copy in the process's own memory where the map handed out views of the page cache (the streaming copy's
+peak in BENCHMARKS, "Streaming checkpoint IO", is measured with this reader).
 
 A shard is also pinned to the state (size, modification time, inode) it had when this run first read its header:
 every read compares the open file with that state afterwards, and a later open compares the path with it.  A file
